@@ -1,0 +1,1 @@
+"""sparse_mla: DeepSeek sparse-MLA attention ops (see README.md)."""

@@ -1,0 +1,9 @@
+"""Cache-insert op family (SPEC §2, §3): quantize + RoPE + insert, gather + dequantize."""
+from sparse_mla.ops.cache_insert.ops import (  # noqa: F401
+    fused_qnorm_rope_insert_plain,
+    fused_qnorm_rope_insert_v4,
+    gather_dequant,
+    qnorm_rope_kv_insert_v4,
+    quantize_insert_v32,
+    quantize_insert_v4,
+)

@@ -1,0 +1,321 @@
+"""The cache-insert ops (SPEC §2, §3) as ``sparse_mla::`` custom ops.
+
+Each op: validate (raises before anything is written) → dispatch (triton or reference; no
+vendor kernel exists for cache writes) → implementation. The fake implementations validate
+shapes too, so torch.compile traces fail with the same messages.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from sparse_mla.ops.cache_insert import reference, triton_kernels
+from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
+
+FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+NO_VENDOR = no_vendor("no vendor package ships a kernel for this cache write")
+MAX_HEADS = 128
+
+
+def _dispatcher(name, ref_fn, triton_fn, *tensor_args):
+    d = Dispatcher(name)
+    d.register("vendor", None, NO_VENDOR)
+    d.register("triton", triton_fn, lambda *a, **k: triton_check(*[a[i] for i in tensor_args]))
+    d.register("reference", ref_fn)
+    return d
+
+
+def _check_slots(slot_mapping, n_tokens, capacity, *others):
+    checks.expect_dtype("slot_mapping", slot_mapping, checks.INDEX_DTYPES)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > n_tokens:
+        raise ValueError(f"slot_mapping must be 1-D with at most {n_tokens} entries (one per "
+                         f"token), got shape {list(slot_mapping.shape)}")
+    checks.expect_last_dim_contiguous("slot_mapping", slot_mapping)
+    if checks.value_checks_enabled(slot_mapping, *others):
+        checks.expect_slots_in_range("slot_mapping", slot_mapping, capacity)
+
+
+def _check_rows(name, t, n, width):
+    checks.expect_dtype(name, t, FLOAT_IN)
+    checks.expect_shape(name, t, (n, width))
+    checks.expect_last_dim_contiguous(name, t)
+
+
+def _check_rope_inputs(q, kv, positions, cos_sin_cache):
+    checks.expect_dtype("q", q, FLOAT_IN)
+    if q.dim() != 3 or q.shape[2] != formats.HEAD_DIM:
+        raise ValueError(f"q must have shape [num_tokens, num_heads, 512], got {list(q.shape)}")
+    n, h = q.shape[0], q.shape[1]
+    if not 1 <= h <= MAX_HEADS:
+        raise ValueError(f"q has {h} heads; expected 1..{MAX_HEADS}")
+    checks.expect_last_dim_contiguous("q", q)
+    _check_rows("kv", kv, n, formats.HEAD_DIM)
+    checks.expect_dtype("positions", positions, checks.INDEX_DTYPES)
+    checks.expect_shape("positions", positions, (n,))
+    checks.expect_dtype("cos_sin_cache", cos_sin_cache, torch.float32)
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != formats.ROPE_DIM:
+        raise ValueError(f"cos_sin_cache must have shape [max_position, 64] (cos[0:32] || "
+                         f"sin[0:32]), got {list(cos_sin_cache.shape)}")
+    if cos_sin_cache.shape[0] == 0:
+        raise ValueError("cos_sin_cache has no rows")
+    checks.expect_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
+    if checks.value_checks_enabled(positions, q):
+        if positions.numel() and (int(positions.min()) < 0
+                                  or int(positions.max()) >= cos_sin_cache.shape[0]):
+            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}) "
+                             f"(rows of cos_sin_cache), got [{int(positions.min())}, "
+                             f"{int(positions.max())}]")
+    return n, h
+
+
+def _check_q_out(q_out, n, h, dtype):
+    checks.expect_dtype("q_out", q_out, dtype)
+    if q_out.dim() != 3 or q_out.shape[0] != n or q_out.shape[2] != formats.HEAD_DIM \
+            or not h <= q_out.shape[1] <= MAX_HEADS:
+        raise ValueError(f"q_out must have shape [{n}, H_padded, 512] with {h} <= H_padded <= "
+                         f"{MAX_HEADS}, got {list(q_out.shape)}")
+    checks.expect_last_dim_contiguous("q_out", q_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize + insert into a V4 584 B cache (SPEC §2.2, §3.4)
+
+_V4_INSERT = _dispatcher("quantize_insert_v4", reference.quantize_insert_v4,
+                         triton_kernels.quantize_insert_v4, 0, 1, 2)
+
+
+def _validate_v4_insert(k, k_cache, slot_mapping, block_size):
+    bs = checks.paged_cache_block_size("k_cache", k_cache, formats.V4, block_size)
+    n = k.shape[0] if k.dim() == 2 else -1
+    _check_rows("k", k, n, formats.HEAD_DIM)
+    _check_slots(slot_mapping, n, k_cache.shape[0] * bs, k)
+    checks.expect_same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
+    return bs
+
+
+@torch.library.custom_op("sparse_mla::quantize_insert_v4", mutates_args=("k_cache",))
+def quantize_insert_v4(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
+                       block_size: Optional[int] = None, impl: str = "auto") -> None:
+    """Quantize rows ``k`` [N, 512] into a V4 584 B paged cache at ``slot_mapping`` (−1 skips).
+
+    ``k_cache``: uint8 ``[num_blocks, bytes]`` (pass ``block_size``), ``[num_blocks, bs, 584]``
+    or ``[num_blocks, bs, 1, 584]``; blocks addressed through ``stride(0)``.
+    """
+    bs = _validate_v4_insert(k, k_cache, slot_mapping, block_size)
+    _V4_INSERT(k, k_cache, slot_mapping, bs, impl=impl)
+
+
+@quantize_insert_v4.register_fake
+def _(k, k_cache, slot_mapping, block_size=None, impl="auto"):
+    _validate_v4_insert(k, k_cache, slot_mapping, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# V3.2 656 B insert (SPEC §2.1)
+
+_V32_INSERT = _dispatcher("quantize_insert_v32", reference.quantize_insert_v32,
+                          triton_kernels.quantize_insert_v32, 0, 1, 2, 3)
+
+
+def _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
+    if scale_format not in ("fp32", "pow2"):
+        raise ValueError(f"scale_format must be 'fp32' (vLLM) or 'pow2' (FlashMLA tests), "
+                         f"got {scale_format!r}")
+    bs = checks.paged_cache_block_size("kv_cache", kv_cache, formats.V32, block_size)
+    n = kv_c.shape[0] if kv_c.dim() == 2 else -1
+    _check_rows("kv_c", kv_c, n, 512)
+    _check_rows("k_pe", k_pe, n, 64)
+    _check_slots(slot_mapping, n, kv_cache.shape[0] * bs, kv_c)
+    checks.expect_same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    return bs
+
+
+@torch.library.custom_op("sparse_mla::quantize_insert_v32", mutates_args=("kv_cache",))
+def quantize_insert_v32(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                        block_size: Optional[int] = None, scale_format: str = "fp32",
+                        impl: str = "auto") -> None:
+    """Write V3.2 ``fp8_ds_mla`` records (512 e4m3 + 4 fp32 scales + 64 bf16 RoPE, 656 B)."""
+    bs = _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format)
+    _V32_INSERT(kv_c, k_pe, kv_cache, slot_mapping, bs, scale_format, impl=impl)
+
+
+@quantize_insert_v32.register_fake
+def _(kv_c, k_pe, kv_cache, slot_mapping, block_size=None, scale_format="fp32", impl="auto"):
+    _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused q-norm + RoPE + kv insert into the V4 SWA cache (SPEC §3.1)
+
+_FUSED_V4 = _dispatcher("fused_qnorm_rope_insert_v4", reference.fused_insert_v4,
+                        triton_kernels.fused_insert_v4, 0, 1, 2, 3, 4, 5, 6)
+
+
+def _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                       block_size):
+    n, h = _check_rope_inputs(q, kv, positions, cos_sin_cache)
+    _check_q_out(q_out, n, h, torch.bfloat16)
+    bs = checks.paged_cache_block_size("k_cache", k_cache, formats.V4, block_size)
+    _check_slots(slot_mapping, n, k_cache.shape[0] * bs, q)
+    checks.expect_same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos_sin_cache=cos_sin_cache, q_out=q_out)
+    return bs
+
+
+@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_v4",
+                         mutates_args=("k_cache", "q_out"))
+def fused_qnorm_rope_insert_v4(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
+                               positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
+                               eps: float = 1e-6, block_size: Optional[int] = None,
+                               apply_q_norm: bool = True, impl: str = "auto") -> None:
+    bs = _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                            block_size)
+    _FUSED_V4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps, bs,
+              apply_q_norm, impl=impl)
+
+
+@fused_qnorm_rope_insert_v4.register_fake
+def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps=1e-6, block_size=None,
+      apply_q_norm=True, impl="auto"):
+    _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                       block_size)
+
+
+def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, *,
+                            q_head_padded=None, eps=1e-6, block_size=None, apply_q_norm=True,
+                            out=None, impl="auto"):
+    """vLLM's ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``: returns q_out
+    ``[N, q_head_padded, 512]`` bf16 (pad heads zero); kv is RoPE'd, quantized and inserted.
+
+    Pass ``out`` (a persistent buffer) to avoid the allocation, e.g. under CUDA graphs.
+    """
+    if out is None:
+        hp = q.shape[1] if q_head_padded is None else q_head_padded
+        out = torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
+                          device=q.device)
+    elif q_head_padded is not None and out.shape[1] != q_head_padded:
+        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    fused_qnorm_rope_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, out,
+                               eps, block_size, apply_q_norm, impl)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (SPEC §3.2)
+
+_FUSED_PLAIN = _dispatcher("fused_qnorm_rope_insert_plain", reference.fused_insert_plain,
+                           triton_kernels.fused_insert_plain, 0, 1, 2, 3, 4, 5, 6)
+
+
+def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                          kv_scale, q_scale_inv):
+    n, h = _check_rope_inputs(q, kv, positions, cos_sin_cache)
+    checks.expect_dtype("k_cache", k_cache, (torch.bfloat16, torch.float8_e4m3fn))
+    if k_cache.dim() != 3 or k_cache.shape[2] != formats.HEAD_DIM:
+        raise ValueError(f"k_cache must have shape [num_blocks, block_size, 512], "
+                         f"got {list(k_cache.shape)}")
+    checks.expect_last_dim_contiguous("k_cache", k_cache)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _check_q_out(q_out, n, h, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    if q_out.shape[1] != h:
+        raise ValueError(f"q_out must have exactly {h} heads for a plain cache (the TRTLLM "
+                         f"glue pads heads itself), got {q_out.shape[1]}")
+    for name, t in (("kv_scale", kv_scale), ("q_scale_inv", q_scale_inv)):
+        if fp8:
+            if t is None:
+                raise ValueError(f"{name} is required for a float8_e4m3fn cache")
+            checks.expect_dtype(name, t, torch.float32)
+            if t.numel() != 1:
+                raise ValueError(f"{name} must hold one scalar, got shape {list(t.shape)}")
+        elif t is not None:
+            raise ValueError(f"{name} applies only to a float8_e4m3fn cache")
+    _check_slots(slot_mapping, n, k_cache.shape[0] * k_cache.shape[1], q)
+    checks.expect_same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos_sin_cache=cos_sin_cache, q_out=q_out,
+                              kv_scale=kv_scale, q_scale_inv=q_scale_inv)
+
+
+@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
+                         mutates_args=("k_cache", "q_out"))
+def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
+                                  positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
+                                  kv_scale: Optional[Tensor] = None,
+                                  q_scale_inv: Optional[Tensor] = None, eps: float = 1e-6,
+                                  apply_q_norm: bool = True, impl: str = "auto") -> None:
+    """SPEC §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an fp8 cache);
+    kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
+    _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                          kv_scale, q_scale_inv)
+    _FUSED_PLAIN(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale,
+                 q_scale_inv, eps, apply_q_norm, impl=impl)
+
+
+@fused_qnorm_rope_insert_plain.register_fake
+def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale=None,
+      q_scale_inv=None, eps=1e-6, apply_q_norm=True, impl="auto"):
+    _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                          kv_scale, q_scale_inv)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather + dequantize a request range into a bf16 workspace (SPEC §3.4)
+
+_GATHER = _dispatcher("gather_dequant", reference.gather_dequant, triton_kernels.gather_dequant,
+                      0, 1, 2, 4)
+
+
+def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
+                     cache_format):
+    fmt = formats.get_format(cache_format)
+    if not isinstance(fmt, formats.PagedFormat):
+        raise ValueError(f"cache_format must be a quantized paged format ('v4' or 'v32'), "
+                         f"got {cache_format!r}")
+    bs = checks.paged_cache_block_size("k_cache", k_cache, fmt, block_size)
+    checks.expect_dtype("out", out, torch.bfloat16)
+    if out.dim() != 3 or out.shape[2] != fmt.out_dim:
+        raise ValueError(f"out must have shape [num_reqs, max_tokens, {fmt.out_dim}] for "
+                         f"format {fmt.name}, got {list(out.shape)}")
+    checks.expect_last_dim_contiguous("out", out)
+    r = out.shape[0]
+    checks.expect_dtype("seq_lens", seq_lens, checks.INDEX_DTYPES)
+    checks.expect_shape("seq_lens", seq_lens, (r,))
+    if gather_lens is not None:
+        checks.expect_dtype("gather_lens", gather_lens, checks.INDEX_DTYPES)
+        checks.expect_shape("gather_lens", gather_lens, (r,))
+    checks.expect_dtype("block_table", block_table, checks.INDEX_DTYPES)
+    checks.expect_shape("block_table", block_table, (r, None))
+    checks.expect_last_dim_contiguous("block_table", block_table)
+    checks.expect_int("offset", offset, 0)
+    checks.expect_same_device(out=out, k_cache=k_cache, seq_lens=seq_lens,
+                              gather_lens=gather_lens, block_table=block_table)
+    if checks.value_checks_enabled(seq_lens, out):
+        if r and int(seq_lens.min()) < 0:
+            raise ValueError("seq_lens must be >= 0")
+        if gather_lens is not None and r and (
+                int(gather_lens.min()) < 0 or bool((gather_lens > seq_lens).any())):
+            raise ValueError("gather_lens must be in [0, seq_lens]")
+    return bs
+
+
+@torch.library.custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
+def gather_dequant(out: Tensor, k_cache: Tensor, seq_lens: Tensor, gather_lens: Optional[Tensor],
+                   block_table: Tensor, block_size: Optional[int] = None, offset: int = 0,
+                   cache_format: str = "v4", impl: str = "auto") -> None:
+    """For request r, dequantize positions ``[seq_len - gather_len, seq_len)`` (all ``seq_len``
+    when ``gather_lens`` is None) into ``out[r, offset + i]``. Entries whose block id is
+    negative / beyond the cache or whose destination row is >= ``out.shape[1]`` are skipped
+    (left as they were)."""
+    bs = _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
+                          cache_format)
+    _GATHER(out, k_cache, seq_lens, gather_lens, block_table, bs, offset, cache_format,
+            impl=impl)
+
+
+@gather_dequant.register_fake
+def _(out, k_cache, seq_lens, gather_lens, block_table, block_size=None, offset=0,
+      cache_format="v4", impl="auto"):
+    _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
+                     cache_format)

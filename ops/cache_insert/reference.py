@@ -1,0 +1,115 @@
+"""PyTorch reference for the cache-insert family (SPEC §2, §3): the oracle and the CPU kernel.
+
+Arguments arrive validated (see ops.py). Writes go through byte views built from each cache's
+``stride(0)``, so padded pages are addressed exactly as the kernels address them.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_mla.ops.common import checks, formats, quant
+
+
+def _valid_slots(slot_mapping: torch.Tensor, n: int):
+    """(token ids, slots) of the first ``n`` tokens whose slot is >= 0."""
+    slots = slot_mapping[:n].long()
+    keep = (slots >= 0).nonzero().flatten()
+    return keep, slots[keep]
+
+
+def _write_rows(cache, fmt, block_size, slots, parts):
+    """Write per-token byte ``parts`` [(byte offset fn, rows [n, w] uint8), ...] to ``slots``."""
+    blocks = checks.block_bytes_view(cache, fmt, block_size)
+    b, o = slots // block_size, slots % block_size
+    for addr_fn, rows in parts:
+        cols = addr_fn(block_size, o).unsqueeze(1) + torch.arange(
+            rows.shape[1], device=rows.device)
+        blocks[b.unsqueeze(1), cols] = rows
+
+
+def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
+    fmt = formats.V4
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    data, scales = quant.quantize_v4(k[tok])
+    _write_rows(k_cache, fmt, block_size, slots,
+                [(fmt.token_data_addr, data), (fmt.token_scale_addr, scales)])
+
+
+def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
+    fmt = formats.V32
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    rec = quant.quantize_v32(kv_c[tok], k_pe[tok], scale_format)
+    _write_rows(kv_cache, fmt, block_size, slots, [(fmt.token_data_addr, rec)])
+
+
+def rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm):
+    """SPEC §3.1 q path: optional weightless RMSNorm, forward GPT-J RoPE; fp32 [N, H, 512]."""
+    qf = quant.rms_norm_no_weight(q, eps) if apply_q_norm else q.float()
+    return quant.rope_gptj(qf, cos_sin_cache[positions.long()].unsqueeze(1))
+
+
+def write_q_out(q_out, q_rot):
+    """Heads beyond q's are the zero padding FlashMLA's 64/128-head kernels want."""
+    h = q_rot.shape[1]
+    q_out[:, :h] = q_rot.to(q_out.dtype)
+    q_out[:, h:] = 0
+
+
+def fused_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps,
+                    block_size, apply_q_norm):
+    write_q_out(q_out, rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm))
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    kv_rot = quant.rope_gptj(kv[tok].float(), cos_sin_cache[positions[tok].long()])
+    data, scales = quant.quantize_v4(kv_rot)
+    _write_rows(k_cache, formats.V4, block_size, slots,
+                [(formats.V4.token_data_addr, data), (formats.V4.token_scale_addr, scales)])
+
+
+def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                       kv_scale, q_scale_inv, eps, apply_q_norm):
+    q_rot = rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm)
+    if q_out.dtype == torch.bfloat16:
+        q_out.copy_(q_rot.to(torch.bfloat16))
+    else:
+        q_out.copy_(quant.e4m3(q_rot * q_scale_inv.float().reshape(())).view(q_out.dtype))
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    kv_rot = quant.rope_gptj(kv[tok].float(), cos_sin_cache[positions[tok].long()])
+    if k_cache.dtype == torch.bfloat16:
+        rows = kv_rot.to(torch.bfloat16)
+    else:
+        # vLLM's kernel multiplies by the fp32 reciprocal (not x / scale) and skips the bf16
+        # round trip here; with non-power-of-two scales the two differ in the last bit.
+        inv = 1.0 / kv_scale.float().reshape(())
+        rows = quant.e4m3(kv_rot * inv).view(k_cache.dtype)
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = rows
+
+
+def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
+                   fmt_name):
+    """SPEC §3.4: request r's positions [seq_len - gather_len, seq_len) → out[r, offset + i]."""
+    fmt = formats.get_format(fmt_name)
+    blocks = checks.block_bytes_view(k_cache, fmt, block_size)
+    max_tokens = out.shape[1]
+    nb = k_cache.shape[0]
+    for r in range(seq_lens.shape[0]):
+        seq_len = int(seq_lens[r])
+        glen = seq_len if gather_lens is None else int(gather_lens[r])
+        i = torch.arange(glen, device=out.device)
+        pos = seq_len - glen + i
+        dst = offset + i
+        blk_col = pos // block_size
+        in_table = (blk_col < block_table.shape[1]) & (pos >= 0)
+        blk = torch.full_like(pos, -1)
+        blk[in_table] = block_table[r, blk_col[in_table]].long()
+        keep = (blk >= 0) & (blk < nb) & (dst >= 0) & (dst < max_tokens)
+        blk, o, dst = blk[keep], (pos % block_size)[keep], dst[keep]
+        if fmt is formats.V4:
+            data_cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(576, device=o.device)
+            scale_cols = fmt.token_scale_addr(block_size, o).unsqueeze(1) + torch.arange(8, device=o.device)
+            rows = quant.dequantize_v4(blocks[blk.unsqueeze(1), data_cols],
+                                       blocks[blk.unsqueeze(1), scale_cols])
+        else:
+            cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(656, device=o.device)
+            rows = quant.dequantize_v32(blocks[blk.unsqueeze(1), cols])
+        out[r, dst] = rows

@@ -1,0 +1,310 @@
+"""Triton kernels for the cache-insert family; bit-exact with reference.py.
+
+Exactness rules every kernel here follows (they are why the tests can compare bytes):
+* no fused multiply-add: launches pass ``enable_fp_fusion=False`` so ``e*c - o*s`` rounds like
+  PyTorch's separate multiplies and subtract;
+* power-of-two exponents come from fp32 bits (``ceil_log2``/``exp2_int``), never ``log2``;
+* the q RMS mean is accumulated in fp64 (see quant.rms_norm_no_weight);
+* out-of-range slots / block ids are skipped, never written: a kernel cannot raise, but it must
+  never touch memory outside the slots it was asked to write.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_bits, exp2_int, soft_fp8,
+                                                to_bf16)
+
+MODE_V4 = 0          # 584 B paged cache (SPEC §2.2)
+MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (SPEC §2.3)
+MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (SPEC §2.3)
+
+_LAUNCH = dict(enable_fp_fusion=False)
+
+
+@triton.jit
+def _rope_pairs(row_ptr, pos, cs_ptr, cs_stride, mul):
+    """Load the 32 RoPE pairs of a row (times ``mul``) and rotate them by ``pos`` (GPT-J)."""
+    j = tl.arange(0, 32)
+    ev = tl.load(row_ptr + 448 + 2 * j).to(tl.float32) * mul
+    od = tl.load(row_ptr + 449 + 2 * j).to(tl.float32) * mul
+    c = tl.load(cs_ptr + pos * cs_stride + j)
+    s = tl.load(cs_ptr + pos * cs_stride + 32 + j)
+    return ev * c - od * s, ev * s + od * c
+
+
+@triton.jit
+def _store_v4_token(cache_ptr, slot, stride0, BS, x, rope_ev, rope_od, SOFT: tl.constexpr):
+    """Quantize one token (NoPE tiles ``x`` [8, 64] fp32, tile 7 ignored; RoPE pairs already
+    rotated) and write its data record and scale bytes (SPEC §2.2)."""
+    t = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    nope = t < 7
+    x = to_bf16(x, SOFT).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(x), 0.0), axis=1), 1e-4)
+    # ceil(log2(amax / 448)) exactly: amax = m * 2^E, 448 = 1.75 * 2^8.
+    abits = amax.to(tl.int32, bitcast=True)
+    e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    q = tl.clamp(x * exp2_int(-e)[:, None], -448.0, 448.0)
+    blk = (slot // BS).to(tl.int64)
+    off = slot % BS
+    base = cache_ptr + blk * stride0
+    data = base + off * 576
+    tl.store(data + t * 64 + c, e4m3_bits(q, SOFT), mask=nope)
+    j = tl.arange(0, 32)
+    rope = (data + 448).to(tl.pointer_type(tl.bfloat16))
+    tl.store(rope + 2 * j, to_bf16(rope_ev, SOFT))
+    tl.store(rope + 2 * j + 1, to_bf16(rope_od, SOFT))
+    k = tl.arange(0, 8)
+    sbytes = tl.where(k < 7, tl.minimum(tl.maximum(e + 127, 0), 255), 0).to(tl.uint8)
+    tl.store(base + BS * 576 + off * 8 + k, sbytes)
+
+
+@triton.jit
+def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, capacity, BS,
+                      SOFT: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if (slot >= 0) & (slot < capacity):
+        t = tl.arange(0, 8)[:, None]
+        c = tl.arange(0, 64)[None, :]
+        row = k_ptr + tok.to(tl.int64) * k_stride
+        x = tl.load(row + t * 64 + c, mask=t < 7, other=0.0).to(tl.float32)
+        j = tl.arange(0, 32)
+        ev = tl.load(row + 448 + 2 * j).to(tl.float32)
+        od = tl.load(row + 449 + 2 * j).to(tl.float32)
+        _store_v4_token(cache_ptr, slot, stride0, BS, x, ev, od, SOFT)
+
+
+@triton.jit
+def _fused_insert_kernel(
+        q_ptr, q_s0, q_s1, kv_ptr, kv_s0, cache_ptr, c_s0, c_s1, slot_ptr, n_insert, capacity,
+        pos_ptr, cs_ptr, cs_stride, max_pos, qo_ptr, qo_s0, qo_s1, kv_scale_ptr, q_scale_inv_ptr,
+        eps, H, HP, BS,
+        HB: tl.constexpr, MODE: tl.constexpr, APPLY_NORM: tl.constexpr, SOFT: tl.constexpr):
+    """Grid (tokens, head blocks + 1): programs with pid(1) < #head blocks write q_out heads
+    [pid*HB, pid*HB + HB); the last program of each token inserts its kv row."""
+    tok = tl.program_id(0)
+    hb = tl.program_id(1)
+    n_hb = tl.num_programs(1) - 1
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    # Out-of-table positions cannot raise here: clamp the lookup so no read leaves the table.
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    d = tl.arange(0, 512)[None, :]
+    j = tl.arange(0, 32)[None, :]
+    if hb < n_hb:
+        h = hb * HB + tl.arange(0, HB)[:, None]
+        live = h < H
+        q_row = q_ptr + tok.to(tl.int64) * q_s0 + h * q_s1
+        x = tl.load(q_row + d, mask=live, other=0.0).to(tl.float32)
+        if APPLY_NORM:
+            xd = x.to(tl.float64)
+            ms = tl.sum(xd * xd, axis=1) / 512.0 + eps
+            r = (1.0 / tl.sqrt(ms)).to(tl.float32)[:, None]
+        else:
+            r = tl.full((HB, 1), 1.0, tl.float32)
+        x = x * r
+        ev = tl.load(q_row + 448 + 2 * j, mask=live, other=0.0).to(tl.float32) * r
+        od = tl.load(q_row + 449 + 2 * j, mask=live, other=0.0).to(tl.float32) * r
+        c = tl.load(cs_ptr + pos * cs_stride + j)
+        s = tl.load(cs_ptr + pos * cs_stride + 32 + j)
+        rev = ev * c - od * s
+        rod = ev * s + od * c
+        out_row = qo_ptr + tok.to(tl.int64) * qo_s0 + h * qo_s1
+        write = h < HP
+        if MODE == 2:
+            qs = tl.load(q_scale_inv_ptr)
+            tl.store(out_row + d, e4m3_bits(tl.clamp(x * qs, -448.0, 448.0), SOFT),
+                     mask=write & (d < 448))
+            tl.store(out_row + 448 + 2 * j, e4m3_bits(tl.clamp(rev * qs, -448.0, 448.0), SOFT),
+                     mask=write)
+            tl.store(out_row + 449 + 2 * j, e4m3_bits(tl.clamp(rod * qs, -448.0, 448.0), SOFT),
+                     mask=write)
+        else:
+            tl.store(out_row + d, to_bf16(x, SOFT), mask=write & (d < 448))
+            tl.store(out_row + 448 + 2 * j, to_bf16(rev, SOFT), mask=write)
+            tl.store(out_row + 449 + 2 * j, to_bf16(rod, SOFT), mask=write)
+    else:
+        slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < capacity):
+            kv_row = kv_ptr + tok.to(tl.int64) * kv_s0
+            rev, rod = _rope_pairs(kv_row, pos, cs_ptr, cs_stride, 1.0)
+            if MODE == 0:
+                t = tl.arange(0, 8)[:, None]
+                cc = tl.arange(0, 64)[None, :]
+                x = tl.load(kv_row + t * 64 + cc, mask=t < 7, other=0.0).to(tl.float32)
+                _store_v4_token(cache_ptr, slot, c_s0, BS, x, rev, rod, SOFT)
+            else:
+                x = tl.load(kv_row + d).to(tl.float32)
+                dst = cache_ptr + (slot // BS) * c_s0 + (slot % BS) * c_s1
+                jj = tl.arange(0, 32)
+                if MODE == 1:
+                    tl.store(dst + d, to_bf16(x, SOFT), mask=d < 448)
+                    tl.store(dst + 448 + 2 * jj, to_bf16(rev, SOFT))
+                    tl.store(dst + 449 + 2 * jj, to_bf16(rod, SOFT))
+                else:
+                    inv = 1.0 / tl.load(kv_scale_ptr)
+                    tl.store(dst + d, e4m3_bits(tl.clamp(x * inv, -448.0, 448.0), SOFT),
+                             mask=d < 448)
+                    tl.store(dst + 448 + 2 * jj,
+                             e4m3_bits(tl.clamp(rev * inv, -448.0, 448.0), SOFT))
+                    tl.store(dst + 449 + 2 * jj,
+                             e4m3_bits(tl.clamp(rod * inv, -448.0, 448.0), SOFT))
+
+
+@triton.jit
+def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, capacity,
+                       BS, POW2: tl.constexpr, SOFT: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if (slot >= 0) & (slot < capacity):
+        t = tl.arange(0, 4)[:, None]
+        c = tl.arange(0, 128)[None, :]
+        x = tl.load(kvc_ptr + tok.to(tl.int64) * kvc_s0 + t * 128 + c)
+        x = to_bf16(x.to(tl.float32), SOFT).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        ratio = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        if POW2:
+            e = ceil_log2(tl.maximum(ratio, 1e-4))
+            scale = exp2_int(e)
+            q = x * exp2_int(-e)[:, None]
+        else:
+            scale = tl.maximum(ratio, 1.1754943508222875e-38)   # FLT_MIN
+            q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * 656
+        tl.store(rec + t * 128 + c, e4m3_bits(tl.clamp(q, -448.0, 448.0), SOFT))
+        tl.store((rec + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
+        r = tl.arange(0, 64)
+        pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
+        tl.store((rec + 528).to(tl.pointer_type(tl.bfloat16)) + r, pe)
+
+
+@triton.jit
+def _gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_blocks, seq_ptr,
+                           glen_ptr, bt_ptr, bt_s0, max_blocks, BS, offset, max_tokens,
+                           V4: tl.constexpr, HAS_GLEN: tl.constexpr, TB: tl.constexpr,
+                           SOFT: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.program_id(1) * TB + tl.arange(0, TB)
+    seq_len = tl.load(seq_ptr + r).to(tl.int64)
+    glen = tl.load(glen_ptr + r).to(tl.int64) if HAS_GLEN else seq_len
+    pos = seq_len - glen + i
+    dst = offset + i
+    ok = (i < glen) & (pos >= 0) & (dst < max_tokens)
+    col = pos // BS
+    ok &= col < max_blocks
+    blk = tl.load(bt_ptr + r * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
+    ok &= (blk >= 0) & (blk < num_blocks)
+    base = cache_ptr + blk * stride0
+    o = pos % BS
+    d = tl.arange(0, 512)[None, :]
+    p = tl.arange(0, 64)[None, :]
+    okd = ok[:, None]
+    out_row = out_ptr + r * out_s0 + dst[:, None] * out_s1
+    if V4:
+        data = base[:, None] + (o * 576)[:, None]
+        m = okd & (d < 448)
+        q = tl.load(data + d, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sb = tl.load(base[:, None] + BS * 576 + (o * 8)[:, None] + d // 64, mask=m,
+                     other=127).to(tl.int32)
+        # 2^(byte-127) exactly, including the subnormal 2^-127 of byte 0.
+        scale = tl.where(sb == 0, exp2_int(sb - 126) * 0.5, exp2_int(sb - 127))
+        tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=m)
+        rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
+        tl.store(out_row + 448 + p, rope, mask=okd)
+    else:
+        rec = base[:, None] + (o * 656)[:, None]
+        q = tl.load(rec + d, mask=okd, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + d // 128, mask=okd,
+                        other=1.0)
+        tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=okd)
+        rope = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
+        tl.store(out_row + 512 + p, rope, mask=okd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: arguments are validated by ops.py before these run.
+
+def _bytes(cache):
+    return cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+
+
+def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    stride0 = checks.block_stride(k_cache, formats.V4, block_size)
+    _v4_insert_kernel[(n,)](k, k.stride(0), _bytes(k_cache), stride0, slot_mapping,
+                            k_cache.shape[0] * block_size, block_size, SOFT=soft_fp8(),
+                            num_warps=4, **_LAUNCH)
+
+
+def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    stride0 = checks.block_stride(kv_cache, formats.V32, block_size)
+    _v32_insert_kernel[(n,)](kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), _bytes(kv_cache),
+                             stride0, slot_mapping, kv_cache.shape[0] * block_size, block_size,
+                             POW2=scale_format == "pow2", SOFT=soft_fp8(), num_warps=4,
+                             **_LAUNCH)
+
+
+def _head_block(hp):
+    return min(triton.next_power_of_2(max(hp, 1)), 4)
+
+
+def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, positions, cos_sin_cache,
+                  q_out, kv_scale, q_scale_inv, eps, apply_q_norm, mode):
+    n = q.shape[0]
+    if n == 0:
+        return
+    hp = q_out.shape[1]
+    hb = _head_block(hp)
+    dummy = cos_sin_cache
+    _fused_insert_kernel[(n, triton.cdiv(hp, hb) + 1)](
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), cache, c_s0, c_s1, slot_mapping,
+        slot_mapping.shape[0], capacity, positions, cos_sin_cache, cos_sin_cache.stride(0),
+        cos_sin_cache.shape[0], q_out.view(torch.uint8) if mode == MODE_PLAIN_FP8 else q_out,
+        q_out.stride(0), q_out.stride(1),
+        dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
+        float(eps), q.shape[1], hp, bs,
+        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(), num_warps=4,
+        **_LAUNCH)
+
+
+def fused_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps,
+                    block_size, apply_q_norm):
+    stride0 = checks.block_stride(k_cache, formats.V4, block_size)
+    _launch_fused(q, kv, _bytes(k_cache), stride0, 0, block_size,
+                  k_cache.shape[0] * block_size, slot_mapping, positions, cos_sin_cache, q_out,
+                  None, None, eps, apply_q_norm, MODE_V4)
+
+
+def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                       kv_scale, q_scale_inv, eps, apply_q_norm):
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    cache = k_cache.view(torch.uint8) if fp8 else k_cache
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    _launch_fused(q, kv, cache, k_cache.stride(0), k_cache.stride(1), bs, nb * bs,
+                  slot_mapping, positions, cos_sin_cache, q_out, kv_scale, q_scale_inv, eps,
+                  apply_q_norm, MODE_PLAIN_FP8 if fp8 else MODE_PLAIN_BF16)
+
+
+def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
+                   fmt_name):
+    fmt = formats.get_format(fmt_name)
+    r, max_tokens = out.shape[0], out.shape[1]
+    span = max_tokens - offset
+    if r == 0 or span <= 0:
+        return
+    tb = 8
+    _gather_dequant_kernel[(r, triton.cdiv(span, tb))](
+        out, out.stride(0), out.stride(1), _bytes(k_cache),
+        checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,
+        seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
+        block_table.shape[1], block_size, offset, max_tokens,
+        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(), num_warps=4, **_LAUNCH)

@@ -1,0 +1,143 @@
+"""Input validation shared by all ops.
+
+Every op validates shapes, dtypes and layouts before it writes anything, raising TypeError
+(wrong dtype) or ValueError (wrong shape, layout or value) with the argument's name and what
+was expected. Value checks (e.g. a slot beyond the cache) need the data on the host: they always
+run for CPU tensors; for CUDA tensors they would synchronize the hot path, so they run only when
+``SPARSE_MLA_CHECK_VALUES=1`` (kernels still never touch memory outside the cache: they skip
+such entries). They never run on fake tensors (torch.compile tracing) or during graph capture.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sparse_mla.ops.common import formats
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+BYTE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+
+
+def expect_dtype(name: str, t: torch.Tensor, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = tuple(dtypes) if isinstance(dtypes, (tuple, list)) else (dtypes,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {str(t.dtype).removeprefix('torch.')}")
+
+
+def expect_shape(name: str, t: torch.Tensor, shape) -> None:
+    """``shape`` entries are ints or None (any size)."""
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+
+
+def expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride(-1) == 1), "
+                         f"got strides {t.stride()}")
+
+
+def expect_same_device(**tensors) -> None:
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devs}")
+
+
+def expect_int(name: str, v, lo=None, hi=None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def value_checks_enabled(*tensors) -> bool:
+    if any(is_fake(t) for t in tensors if t is not None):
+        return False
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices <= {"cpu"}:
+        return True
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return os.environ.get("SPARSE_MLA_CHECK_VALUES", "") not in ("", "0")
+
+
+def expect_slots_in_range(name: str, slots: torch.Tensor, capacity: int) -> None:
+    """Negative slots mean "skip"; any other slot must address a row of the cache."""
+    if slots.numel() == 0:
+        return
+    hi = int(slots.max())
+    if hi >= capacity:
+        raise ValueError(f"{name} holds slot {hi}, but the cache has only {capacity} slots "
+                         f"(num_blocks * block_size)")
+
+
+def paged_cache_block_size(name: str, cache: torch.Tensor, fmt: formats.PagedFormat,
+                           block_size: int | None) -> int:
+    """Validate a paged cache view and return its block size.
+
+    Accepted views: ``[num_blocks, bytes]`` (block size from ``block_size``),
+    ``[num_blocks, block_size, B]`` or FlashMLA's ``[num_blocks, block_size, 1, B]`` with
+    ``B = fmt.bytes_per_token``. Each block's first ``block_size * B`` bytes must be contiguous;
+    blocks are ``stride(0)`` bytes apart (>= block_size * B).
+    """
+    expect_dtype(name, cache, BYTE_DTYPES)
+    B = fmt.bytes_per_token
+    if cache.dim() == 2:
+        if block_size is None:
+            raise ValueError(f"{name} is a 2-D [num_blocks, bytes] view: pass block_size")
+        bs = block_size
+        if cache.stride(1) != 1:
+            raise ValueError(f"{name} must have stride(1) == 1, got {cache.stride()}")
+        if cache.shape[1] < bs * B:
+            raise ValueError(f"{name} has {cache.shape[1]} bytes per block, fewer than "
+                             f"block_size * {B} = {bs * B} for format {fmt.name}")
+    elif cache.dim() in (3, 4):
+        if cache.shape[-1] != B:
+            raise ValueError(f"{name} last dimension must be {B} bytes per token for format "
+                             f"{fmt.name}, got {cache.shape[-1]}")
+        if cache.dim() == 4 and cache.shape[2] != 1:
+            raise ValueError(f"{name} 4-D view must be [num_blocks, block_size, 1, {B}], "
+                             f"got {list(cache.shape)}")
+        bs = cache.shape[1]
+        if block_size is not None and block_size != bs:
+            raise ValueError(f"block_size={block_size} does not match {name}.shape[1]={bs}")
+        if cache.stride(-1) != 1 or (bs > 1 and cache.stride(1) != B):
+            raise ValueError(f"{name} tokens must be packed {B} bytes apart inside a block "
+                             f"(stride(1) == {B}, stride(-1) == 1), got strides {cache.stride()}")
+    else:
+        raise ValueError(f"{name} must be 2-D [num_blocks, bytes], 3-D [num_blocks, block_size, "
+                         f"{B}] or 4-D [num_blocks, block_size, 1, {B}], got {list(cache.shape)}")
+    expect_int("block_size", bs, 1)
+    if cache.shape[0] > 1 and cache.stride(0) < bs * B:
+        raise ValueError(f"{name}.stride(0) = {cache.stride(0)} bytes is smaller than a block "
+                         f"(block_size * {B} = {bs * B})")
+    if cache.shape[0] > 1 and cache.stride(0) % 4:
+        raise ValueError(f"{name}.stride(0) must be a multiple of 4 bytes (bf16 / fp32 fields), "
+                         f"got {cache.stride(0)}")
+    if not is_fake(cache) and cache.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address")
+    return bs
+
+
+def block_stride(cache: torch.Tensor, fmt: formats.PagedFormat, block_size: int) -> int:
+    """Bytes between block bases (irrelevant, and then reported as minimal, for one block)."""
+    return cache.stride(0) if cache.shape[0] > 1 else block_size * fmt.bytes_per_token
+
+
+def block_bytes_view(cache: torch.Tensor, fmt: formats.PagedFormat, block_size: int):
+    """``[num_blocks, block_size * B]`` uint8 view of the addressable bytes of each block."""
+    raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    nb = cache.shape[0]
+    stride0 = block_stride(cache, fmt, block_size)
+    return raw.as_strided((nb, block_size * fmt.bytes_per_token), (stride0, 1),
+                          raw.storage_offset())

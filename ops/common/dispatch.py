@@ -1,0 +1,163 @@
+"""Choosing an implementation for one op call: vendor, then Triton, then the reference.
+
+Every op family registers its implementations on a :class:`Dispatcher`. Each implementation
+comes with a ``check`` that returns ``None`` when it can run on the given arguments or a short
+reason when it cannot. The choice can be forced per call (``impl=``) or for the whole process
+with the environment variable ``SPARSE_MLA_IMPL``:
+
+* ``SPARSE_MLA_IMPL=triton`` forces Triton for every op;
+* ``SPARSE_MLA_IMPL=quantize_insert_v4=reference,gather_dequant=triton`` forces per op
+  (op names without the ``sparse_mla::`` prefix); other ops stay automatic.
+
+A forced implementation that cannot run raises :class:`ImplementationUnavailable` naming what
+is missing; there is no silent fallback. ``last_choice(op)`` / ``explain(op, ...)`` report which
+implementation ran (or would run) and why the others were rejected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Callable, Optional
+
+from sparse_mla.ops.common.errors import ImplementationUnavailable
+
+IMPLS = ("vendor", "triton", "reference")
+ENV_VAR = "SPARSE_MLA_IMPL"
+
+Check = Callable[..., Optional[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    op: str
+    impl: str
+    forced_by: Optional[str]            # "impl=" | ENV_VAR | None (automatic)
+    rejected: dict                      # impl name -> reason it was not used
+
+    def __str__(self):
+        why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())
+        how = f"forced by {self.forced_by}" if self.forced_by else "automatic"
+        return f"{self.op}: ran {self.impl} ({how})" + (f"; rejected {why}" if why else "")
+
+
+_REGISTRY: dict = {}
+_LAST = threading.local()
+
+
+def _env_request(op: str) -> Optional[str]:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return None
+    if "=" not in raw:
+        return raw
+    for item in raw.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() == op:
+            return value.strip()
+    return None
+
+
+def _validate_request(op: str, requested: str, source: str) -> None:
+    if requested not in IMPLS + ("auto",):
+        raise ValueError(f"{op}: {source} asks for implementation {requested!r}; "
+                         f"expected one of {('auto',) + IMPLS}")
+
+
+class Dispatcher:
+    """The implementations of one op, in preference order vendor → triton → reference."""
+
+    def __init__(self, op: str):
+        if op in _REGISTRY:
+            raise ValueError(f"dispatcher for {op!r} already exists")
+        self.op = op
+        self._impls: dict = {}
+        _REGISTRY[op] = self
+
+    def register(self, name: str, fn: Callable, check: Optional[Check] = None) -> None:
+        if name not in IMPLS:
+            raise ValueError(f"unknown implementation kind {name!r}")
+        self._impls[name] = (fn, check)
+
+    def _reason(self, name: str, args, kwargs) -> Optional[str]:
+        if name not in self._impls:
+            return f"{self.op} has no {name} implementation"
+        _, check = self._impls[name]
+        return None if check is None else check(*args, **kwargs)
+
+    def choose(self, impl: Optional[str], *args, **kwargs) -> Choice:
+        forced_by = None
+        requested = impl if impl not in (None, "", "auto") else None
+        if requested is not None:
+            forced_by = "impl="
+            _validate_request(self.op, requested, "impl=")
+        else:
+            env = _env_request(self.op)
+            if env not in (None, "", "auto"):
+                _validate_request(self.op, env, ENV_VAR)
+                requested, forced_by = env, ENV_VAR
+        if requested is not None:
+            reason = self._reason(requested, args, kwargs)
+            if reason is not None:
+                raise ImplementationUnavailable(
+                    f"{self.op}: implementation {requested!r} was forced by {forced_by} "
+                    f"but cannot run: {reason}")
+            return Choice(self.op, requested, forced_by, {})
+        rejected = {}
+        for name in IMPLS:
+            reason = self._reason(name, args, kwargs)
+            if reason is None:
+                return Choice(self.op, name, None, rejected)
+            rejected[name] = reason
+        raise ImplementationUnavailable(f"{self.op}: no implementation can run: {rejected}")
+
+    def __call__(self, *args, impl: Optional[str] = None, **kwargs):
+        choice = self.choose(impl, *args, **kwargs)
+        if not hasattr(_LAST, "choices"):
+            _LAST.choices = {}
+        _LAST.choices[self.op] = choice
+        fn, _ = self._impls[choice.impl]
+        return fn(*args, **kwargs)
+
+
+def last_choice(op: str) -> Optional[Choice]:
+    """What the most recent call of ``op`` on this thread ran, and why the others were not."""
+    return getattr(_LAST, "choices", {}).get(op.removeprefix("sparse_mla::"))
+
+
+def explain(op: str, *args, impl: Optional[str] = None, **kwargs) -> Choice:
+    """Which implementation a call with these arguments would run, without running it."""
+    return _REGISTRY[op.removeprefix("sparse_mla::")].choose(impl, *args, **kwargs)
+
+
+def dispatcher(op: str) -> Dispatcher:
+    return _REGISTRY[op.removeprefix("sparse_mla::")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by every op family.
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def triton_check(*tensors) -> Optional[str]:
+    """Triton runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton is a hard dependency on Linux
+        return f"triton is not importable ({exc})"
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices == {"cuda"}:
+        return None
+    if devices == {"cpu"} and triton_interpreting():
+        return None
+    if devices == {"cpu"}:
+        return "tensors are on CPU (Triton needs CUDA, or TRITON_INTERPRET=1 for its interpreter)"
+    return f"tensors are on {sorted(devices)}; Triton needs them all on one CUDA device"
+
+
+def no_vendor(reason: str) -> Check:
+    def check(*args, **kwargs):
+        return reason
+    return check

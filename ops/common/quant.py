@@ -1,0 +1,113 @@
+"""Reference quantizers and dequantizers for the paged formats (SPEC §2), as plain PyTorch.
+
+These are the oracle every Triton kernel is compared with byte for byte; they are written to
+read like SPEC, one step a line.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_mla.ops.common import formats
+
+FP8 = torch.float8_e4m3fn
+
+
+def ceil_log2(t: torch.Tensor) -> torch.Tensor:
+    """Exact ``ceil(log2(t))`` for positive finite fp32 ``t`` (int32), via frexp, not log2."""
+    mantissa, exponent = torch.frexp(t)          # t = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even e4m3fn bytes of fp32 ``x``."""
+    return x.clamp(-formats.E4M3_MAX, formats.E4M3_MAX).to(FP8).view(torch.uint8)
+
+
+def quantize_v4(x: torch.Tensor):
+    """SPEC §2.2 writer for rows ``x`` [N, 512] (any float dtype; already RoPE'd).
+
+    Returns ``(data [N, 576] uint8, scales [N, 8] uint8)``: data = 448 e4m3 NoPE bytes then the
+    64 RoPE dims as little-endian bf16; scales = 7 UE8M0 bytes then a zero pad byte.
+    """
+    n = x.shape[0]
+    x = x.to(torch.bfloat16).float()                      # every vLLM writer rounds to bf16 first
+    nope = x[:, :formats.NOPE_DIM].reshape(n, 7, 64)
+    amax = nope.abs().amax(dim=-1).clamp_min(1e-4)
+    e = ceil_log2(amax / formats.E4M3_MAX)                # power-of-two scale, rounded up
+    q = e4m3(nope * torch.exp2(-e.float()).unsqueeze(-1)).reshape(n, formats.NOPE_DIM)
+    rope = x[:, formats.NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    scales = torch.zeros(n, 8, dtype=torch.uint8, device=x.device)
+    scales[:, :7] = (e + 127).clamp(0, 255).to(torch.uint8)
+    return torch.cat([q, rope], dim=1), scales
+
+
+def quantize_v32(kv_c: torch.Tensor, k_pe: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """SPEC §2.1 writer: ``kv_c`` [N, 512], ``k_pe`` [N, 64] → records [N, 656] uint8.
+
+    ``scale_format="fp32"``: vLLM's raw ``max(amax/448, FLT_MIN)`` scale, ``q = x / scale``.
+    ``scale_format="pow2"``: FlashMLA's test quantizer, ``2**ceil(log2(max(amax/448, 1e-4)))``.
+    """
+    n = kv_c.shape[0]
+    x = kv_c.to(torch.bfloat16).float().reshape(n, 4, 128)
+    amax = x.abs().amax(dim=-1)
+    if scale_format == "fp32":
+        scale = (amax / formats.E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    elif scale_format == "pow2":
+        scale = torch.exp2(ceil_log2((amax / formats.E4M3_MAX).clamp_min(1e-4)).float())
+    else:
+        raise ValueError(f"scale_format must be 'fp32' or 'pow2', got {scale_format!r}")
+    q = e4m3(x / scale.unsqueeze(-1)).reshape(n, 512)
+    scale_bytes = scale.contiguous().view(torch.uint8).reshape(n, 16)
+    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 128)
+    return torch.cat([q, scale_bytes, rope], dim=1)
+
+
+def dequantize_v4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``data`` [N, 576], ``scales`` [N, 8] uint8 → bf16 rows [N, 512]."""
+    n = data.shape[0]
+    q = data[:, :formats.NOPE_DIM].contiguous().view(FP8).float().reshape(n, 7, 64)
+    scale = torch.exp2(scales[:, :7].float() - 127.0).unsqueeze(-1)
+    nope = (q * scale).reshape(n, formats.NOPE_DIM).to(torch.bfloat16)
+    rope = data[:, formats.NOPE_DIM:].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], dim=1)
+
+
+def dequantize_v32(rec: torch.Tensor) -> torch.Tensor:
+    """Records [N, 656] uint8 → bf16 rows [N, 576] (512 dequantized latent + 64 RoPE)."""
+    n = rec.shape[0]
+    q = rec[:, :512].contiguous().view(FP8).float().reshape(n, 4, 128)
+    scale = rec[:, 512:528].contiguous().view(torch.float32).reshape(n, 4, 1)
+    nope = (q * scale).reshape(n, 512).to(torch.bfloat16)
+    rope = rec[:, 528:656].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], dim=1)
+
+
+def rms_norm_no_weight(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """``q * rsqrt(mean(q²) + eps)`` over the last dim, fp32 result.
+
+    The mean is accumulated in fp64 so that it does not depend on summation order: the Triton
+    kernel then matches this bit for bit (an fp32 sum would differ in the last bit between
+    reduction trees and flip bf16 roundings).
+    """
+    qf = q.float()
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))   # kernels take eps as fp32, as vLLM's
+    ms = qf.double().square().mean(dim=-1, keepdim=True) + eps32
+    return qf * torch.rsqrt(ms).float()
+
+
+def rope_gptj(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE on the last 64 dims of fp32 ``x`` [..., 512].
+
+    ``cos_sin`` [..., 64] fp32 = cos[0:32] || sin[0:32], broadcast against x's leading dims.
+    """
+    x = x.clone()
+    ev = x[..., formats.NOPE_DIM::2]
+    od = x[..., formats.NOPE_DIM + 1::2]
+    c, s = cos_sin[..., :32], cos_sin[..., 32:]
+    if inverse:
+        s = -s
+    new_ev = ev * c - od * s
+    new_od = ev * s + od * c
+    x[..., formats.NOPE_DIM::2] = new_ev
+    x[..., formats.NOPE_DIM + 1::2] = new_od
+    return x

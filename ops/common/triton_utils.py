@@ -1,0 +1,81 @@
+"""Triton helpers shared by the op families: exact power-of-two scale math, e4m3 and bf16 rounding.
+
+Everything here is bit-exact against the PyTorch reference. Two traps are handled on purpose:
+* ``log2``/``exp2`` are approximate on GPUs, so power-of-two exponents come from the fp32 bits;
+* Triton's CPU interpreter (TRITON_INTERPRET=1) rounds fp32→e4m3 wrongly when the mantissa
+  carries into the exponent (125.6 → 64 instead of 128), so interpreted kernels encode e4m3
+  with integer arithmetic (``SOFT``); compiled kernels use the hardware conversion. The
+  interpreter also truncates fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
+"""
+import triton
+import triton.language as tl
+
+from sparse_mla.ops.common.dispatch import triton_interpreting
+
+
+def soft_fp8() -> bool:
+    """Whether kernels launched now must encode e4m3 in software (the interpreter)."""
+    return triton_interpreting()
+
+
+@triton.jit
+def ceil_log2(t):
+    """Exact ``ceil(log2(t))`` (int32) for positive normal fp32 ``t``."""
+    bits = t.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    return exp + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def exp2_int(e):
+    """Exact fp32 ``2**e`` for int32 ``e`` in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits_soft(x):
+    """Round-to-nearest-even fp32 → e4m3fn byte for |x| <= 448 (callers clamp); NaN → 0x7F."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80)
+    a = tl.abs(x)
+    # Subnormals (|x| < 2^-6) are multiples of 2^-9: round a * 2^9 to an integer, ties to even,
+    # with the 2^23 trick (exact for 0 <= y < 2^23). Mantissa 8 encodes the smallest normal.
+    y = a * 512.0
+    sub = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+    abits = a.to(tl.int32, bitcast=True)
+    exp = ((abits >> 23) & 0xFF) - 127 + 7
+    man = abits & 0x7FFFFF
+    keep = man >> 20
+    rest = man & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((keep & 1) == 1))
+    normal = ((exp << 3) | keep) + up.to(tl.int32)
+    mag = tl.where(a < 0.015625, sub, normal)
+    mag = tl.where(x != x, 0x7F, mag)
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_bits(x, SOFT: tl.constexpr):
+    """fp32 (already clamped to ±448) → e4m3fn byte, round to nearest even."""
+    if SOFT:
+        return e4m3_bits_soft(x)
+    else:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def bf16_soft(x):
+    """Round-to-nearest-even fp32 → bf16 with integer arithmetic (NaN stays NaN)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    hi = tl.where(x != x, 0x7FC0, (rounded >> 16) & 0xFFFF)
+    return hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def to_bf16(x, SOFT: tl.constexpr):
+    """fp32 → bf16, round to nearest even (the interpreter's own cast truncates)."""
+    if SOFT:
+        return bf16_soft(x)
+    else:
+        return x.to(tl.bfloat16)
