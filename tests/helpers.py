@@ -1,0 +1,44 @@
+"""Shared test utilities: devices to test on, poisoned caches, byte-level comparisons."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device)")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def triton_devices():
+    """Devices on which the Triton implementation is exercised in this process: CUDA when
+    present, and CPU when the Triton interpreter is on (a dedicated Bazel target)."""
+    devs = []
+    if CUDA:
+        devs.append("cuda")
+    if INTERPRETING:
+        devs.append("cpu")
+    return devs
+
+
+def triton_params():
+    devs = triton_devices()
+    if devs:
+        return devs
+    return [pytest.param("cuda", marks=pytest.mark.skip(
+        reason="Triton needs CUDA here, or TRITON_INTERPRET=1 (the *_interpret_test targets)"))]
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of ``t``'s whole allocation (padding between blocks included), so a
+    test can prove an op wrote nothing outside the bytes it was asked to write."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(t.untyped_storage())
+    return flat.clone()
+
+
+def seeded(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
