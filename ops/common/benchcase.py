@@ -1,0 +1,26 @@
+"""How an op family describes itself to the CLI and the benchmarks (tools/).
+
+Each family's ``bench.py`` exposes ``cases(device: str, small: bool) -> list[BenchCase]``.
+The harness makes fresh inputs, runs every implementation that can run, times it, compares it
+with the reference output and prints one table row per (case, implementation).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+
+@dataclasses.dataclass
+class BenchCase:
+    op: str                                   # op name without the namespace
+    shape: str                                # human-readable size, e.g. "N=4096 H=128"
+    make: Callable[[], dict]                  # fresh inputs on the target device
+    run: Callable[[dict, str], Any]           # (inputs, impl) -> output to compare; may mutate
+    bytes: int                                # bytes a perfect kernel must read + write
+    flops: int = 0                            # useful floating-point operations, 0 if n/a
+    # (reference output, other output) -> max error; exact ops report mismatching elements
+    compare: Callable[[Any, Any], float] = None
+    error_unit: str = "max abs err"
+    # Implementations the reference may be too slow for at this size: then the harness
+    # compares against the reference run on a copy of the inputs only if reference=True.
+    reference: bool = True
