@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_bits, exp2_int, soft_fp8,
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, soft_fp8,
                                                 to_bf16)
 
 MODE_V4 = 0          # 584 B paged cache (SPEC §2.2)
@@ -48,12 +48,12 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, x, rope_ev, rope_od, SOFT: tl.
     # ceil(log2(amax / 448)) exactly: amax = m * 2^E, 448 = 1.75 * 2^8.
     abits = amax.to(tl.int32, bitcast=True)
     e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    q = tl.clamp(x * exp2_int(-e)[:, None], -448.0, 448.0)
+    q = x * exp2_int(-e)[:, None]
     blk = (slot // BS).to(tl.int64)
     off = slot % BS
     base = cache_ptr + blk * stride0
     data = base + off * 576
-    tl.store(data + t * 64 + c, e4m3_bits(q, SOFT), mask=nope)
+    tl.store(data + t * 64 + c, e4m3_sat(q, SOFT), mask=nope)
     j = tl.arange(0, 32)
     rope = (data + 448).to(tl.pointer_type(tl.bfloat16))
     tl.store(rope + 2 * j, to_bf16(rope_ev, SOFT))
@@ -111,17 +111,19 @@ def _fused_insert_kernel(
         od = tl.load(q_row + 449 + 2 * j, mask=live, other=0.0).to(tl.float32) * r
         c = tl.load(cs_ptr + pos * cs_stride + j)
         s = tl.load(cs_ptr + pos * cs_stride + 32 + j)
-        rev = ev * c - od * s
-        rod = ev * s + od * c
+        # pad heads must be +0.0 exactly (0*c - 0*s is -0.0 where c < 0)
+        x = tl.where(live, x, 0.0)
+        rev = tl.where(live, ev * c - od * s, 0.0)
+        rod = tl.where(live, ev * s + od * c, 0.0)
         out_row = qo_ptr + tok.to(tl.int64) * qo_s0 + h * qo_s1
         write = h < HP
         if MODE == 2:
             qs = tl.load(q_scale_inv_ptr)
-            tl.store(out_row + d, e4m3_bits(tl.clamp(x * qs, -448.0, 448.0), SOFT),
+            tl.store(out_row + d, e4m3_sat(x * qs, SOFT),
                      mask=write & (d < 448))
-            tl.store(out_row + 448 + 2 * j, e4m3_bits(tl.clamp(rev * qs, -448.0, 448.0), SOFT),
+            tl.store(out_row + 448 + 2 * j, e4m3_sat(rev * qs, SOFT),
                      mask=write)
-            tl.store(out_row + 449 + 2 * j, e4m3_bits(tl.clamp(rod * qs, -448.0, 448.0), SOFT),
+            tl.store(out_row + 449 + 2 * j, e4m3_sat(rod * qs, SOFT),
                      mask=write)
         else:
             tl.store(out_row + d, to_bf16(x, SOFT), mask=write & (d < 448))
@@ -147,12 +149,12 @@ def _fused_insert_kernel(
                     tl.store(dst + 449 + 2 * jj, to_bf16(rod, SOFT))
                 else:
                     inv = 1.0 / tl.load(kv_scale_ptr)
-                    tl.store(dst + d, e4m3_bits(tl.clamp(x * inv, -448.0, 448.0), SOFT),
+                    tl.store(dst + d, e4m3_sat(x * inv, SOFT),
                              mask=d < 448)
                     tl.store(dst + 448 + 2 * jj,
-                             e4m3_bits(tl.clamp(rev * inv, -448.0, 448.0), SOFT))
+                             e4m3_sat(rev * inv, SOFT))
                     tl.store(dst + 449 + 2 * jj,
-                             e4m3_bits(tl.clamp(rod * inv, -448.0, 448.0), SOFT))
+                             e4m3_sat(rod * inv, SOFT))
 
 
 @triton.jit
@@ -175,7 +177,7 @@ def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_
             scale = tl.maximum(ratio, 1.1754943508222875e-38)   # FLT_MIN
             q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
         rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * 656
-        tl.store(rec + t * 128 + c, e4m3_bits(tl.clamp(q, -448.0, 448.0), SOFT))
+        tl.store(rec + t * 128 + c, e4m3_sat(q, SOFT))
         tl.store((rec + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
         r = tl.arange(0, 64)
         pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
@@ -307,4 +309,5 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,
         seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
         block_table.shape[1], block_size, offset, max_tokens,
-        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(), num_warps=4, **_LAUNCH)
+        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(),
+        num_warps=4, **_LAUNCH)

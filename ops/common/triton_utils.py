@@ -79,3 +79,9 @@ def to_bf16(x, SOFT: tl.constexpr):
         return bf16_soft(x)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def e4m3_sat(x, SOFT: tl.constexpr):
+    """Saturating fp32 → e4m3fn byte (clamp to ±448, NaN stays NaN), like torch's reference."""
+    return e4m3_bits(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), SOFT)

@@ -1,0 +1,71 @@
+"""The dispatcher: automatic choice, per-call and environment overrides, honest refusals."""
+import pytest
+import torch
+
+from sparse_mla.ops.cache_insert import quantize_insert_v4
+from sparse_mla.ops.common import formats
+from sparse_mla.ops.common.dispatch import Dispatcher, explain, last_choice
+from sparse_mla.ops.common.errors import ImplementationUnavailable
+from sparse_mla.tests.helpers import INTERPRETING
+
+
+def _toy(name):
+    d = Dispatcher(name)
+    d.register("vendor", lambda x: "vendor", lambda x: None if x > 10 else "x too small")
+    d.register("triton", lambda x: "triton", lambda x: None if x > 5 else "x too small for triton")
+    d.register("reference", lambda x: "reference")
+    return d
+
+
+def test_automatic_order_and_reasons(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    d = _toy("toy_auto")
+    assert d(20) == "vendor"
+    assert d(7) == "triton"
+    assert last_choice("toy_auto").impl == "triton"
+    assert last_choice("toy_auto").rejected == {"vendor": "x too small"}
+    assert d(1) == "reference"
+    choice = explain("toy_auto", 1)
+    assert choice.impl == "reference" and set(choice.rejected) == {"vendor", "triton"}
+    assert "rejected vendor: x too small" in str(choice)
+
+
+def test_forced_per_call_and_by_env(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    d = _toy("toy_forced")
+    assert d(20, impl="reference") == "reference"
+    with pytest.raises(ImplementationUnavailable, match="'vendor' was forced by impl= but cannot "
+                                                        "run: x too small"):
+        d(3, impl="vendor")
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "triton")
+    assert d(20) == "triton"
+    with pytest.raises(ImplementationUnavailable, match="forced by SPARSE_MLA_IMPL"):
+        d(1)
+    assert d(1, impl="reference") == "reference"            # per call beats the environment
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "other_op=reference,toy_forced=reference")
+    assert d(20) == "reference"
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "other_op=reference")
+    assert d(20) == "vendor"
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "fastest")
+    with pytest.raises(ValueError, match="SPARSE_MLA_IMPL asks for implementation 'fastest'"):
+        d(20)
+    with pytest.raises(ValueError, match="impl= asks for implementation 'cuda'"):
+        d(20, impl="cuda")
+
+
+def test_cache_insert_reports_what_ran(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    cache = formats.alloc_paged_cache("v4", 1, 4)
+    k = torch.randn(1, 512, dtype=torch.bfloat16)
+    quantize_insert_v4(k, cache, torch.tensor([0]))
+    choice = last_choice("sparse_mla::quantize_insert_v4")
+    assert choice.rejected["vendor"].startswith("no vendor package")
+    if INTERPRETING:
+        assert choice.impl == "triton"
+    else:
+        assert choice.impl == "reference"
+        assert "TRITON_INTERPRET=1" in choice.rejected["triton"]
+        with pytest.raises(ImplementationUnavailable, match="tensors are on CPU"):
+            quantize_insert_v4(k, cache, torch.tensor([0]), impl="triton")
+    with pytest.raises(ImplementationUnavailable, match="no vendor package ships a kernel"):
+        quantize_insert_v4(k, cache, torch.tensor([0]), impl="vendor")

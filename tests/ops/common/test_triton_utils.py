@@ -1,0 +1,51 @@
+"""Exact Triton helpers (software e4m3/bf16 rounding, power-of-two math) against torch."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla.ops.common import quant
+from sparse_mla.ops.common.triton_utils import bf16_soft, ceil_log2, e4m3_bits, e4m3_bits_soft
+from sparse_mla.tests.helpers import triton_params
+
+
+@triton.jit
+def _convert(x_ptr, e4_ptr, e4_hw_ptr, bf_ptr, lg_ptr, N: tl.constexpr, HW: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(x_ptr + o)
+    tl.store(e4_ptr + o, e4m3_bits_soft(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)))
+    if HW:
+        tl.store(e4_hw_ptr + o, e4m3_bits(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), False))
+    tl.store(bf_ptr + o, bf16_soft(x))
+    tl.store(lg_ptr + o, ceil_log2(tl.abs(x) + 1e-30))
+
+
+def _inputs(n):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)].sort().values
+    mids = (codes[1:] + codes[:-1]) / 2                  # ties: round half to even
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 1e-30, float("nan"), 2.0 ** -9, 2.0 ** -10])
+    x = torch.cat([codes, mids, special, rand])
+    size = triton.next_power_of_2(x.numel())
+    return torch.cat([x, torch.zeros(size - x.numel())])
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_soft_conversions_match_torch_bit_for_bit(device):
+    x = _inputs(60000)
+    n = x.numel()
+    e4 = torch.empty(n, dtype=torch.uint8, device=device)
+    e4_hw = torch.empty(n, dtype=torch.uint8, device=device)
+    bf = torch.empty(n, dtype=torch.bfloat16, device=device)
+    lg = torch.empty(n, dtype=torch.int32, device=device)
+    _convert[(1,)](x.to(device), e4, e4_hw, bf, lg, n, HW=device == "cuda")
+    fin = ~x.isnan()
+    assert torch.equal(e4.cpu()[fin], quant.e4m3(x)[fin])
+    assert (e4.cpu()[~fin] & 0x7F).eq(0x7F).all()
+    if device == "cuda":                                  # the hardware path agrees as well
+        assert torch.equal(e4_hw.cpu()[fin], e4.cpu()[fin])
+    assert torch.equal(bf.cpu()[fin].view(torch.int16), x[fin].to(torch.bfloat16).view(torch.int16))
+    assert bf.cpu()[~fin].isnan().all()
+    assert torch.equal(lg.cpu()[fin], quant.ceil_log2(x.abs() + 1e-30)[fin])
