@@ -16,7 +16,7 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
 
 FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-NO_VENDOR = no_vendor("no vendor package ships a kernel for this cache write")
+NO_VENDOR = no_vendor("no vendor wheel ships this op (vLLM's are in its own _C)")
 MAX_HEADS = 128
 
 

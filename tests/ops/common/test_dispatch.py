@@ -59,7 +59,7 @@ def test_cache_insert_reports_what_ran(monkeypatch):
     k = torch.randn(1, 512, dtype=torch.bfloat16)
     quantize_insert_v4(k, cache, torch.tensor([0]))
     choice = last_choice("sparse_mla::quantize_insert_v4")
-    assert choice.rejected["vendor"].startswith("no vendor package")
+    assert choice.rejected["vendor"].startswith("no vendor wheel ships this op")
     if INTERPRETING:
         assert choice.impl == "triton"
     else:
@@ -67,5 +67,5 @@ def test_cache_insert_reports_what_ran(monkeypatch):
         assert "TRITON_INTERPRET=1" in choice.rejected["triton"]
         with pytest.raises(ImplementationUnavailable, match="tensors are on CPU"):
             quantize_insert_v4(k, cache, torch.tensor([0]), impl="triton")
-    with pytest.raises(ImplementationUnavailable, match="no vendor package ships a kernel"):
+    with pytest.raises(ImplementationUnavailable, match="no vendor wheel ships this op"):
         quantize_insert_v4(k, cache, torch.tensor([0]), impl="vendor")

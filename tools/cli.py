@@ -1,0 +1,112 @@
+"""sparse_mla — run every op's implementations on DeepSeek-V4-shaped inputs and print a table.
+
+For each op that exists, each implementation that can run on this machine (vendor, triton,
+reference) runs on random inputs sized to the device (small on CPU, production sizes on a GPU),
+is compared with the reference, and is timed. Bandwidth and FLOP rates are shown next to the
+card's own copy bandwidth and matmul rate, measured in the same run.
+
+  bazel run //tools:sparse_mla                    # all ops, auto device
+  bazel run //tools:sparse_mla -- --ops cache_insert --impls triton
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.cli   # without Bazel
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+from sparse_mla.ops.common.dispatch import IMPLS
+from sparse_mla.tools import harness
+
+FAMILIES = ("cache_insert", "index_combine", "flashmla_decode", "trtllm_decode")
+
+
+def _load_families(names):
+    mods = []
+    for name in names:
+        try:
+            mods.append((name, importlib.import_module(f"sparse_mla.ops.{name}.bench")))
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith(f"sparse_mla.ops.{name}"):
+                continue                        # this op family does not exist yet
+            raise
+    return mods
+
+
+def _fresh(case):
+    """The same inputs every time: each implementation sees exactly the reference's data."""
+    torch.manual_seed(20261122)
+    return case.make()
+
+
+def run(args) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    small = args.small if args.small is not None else device == "cpu"
+    print(f"device: {harness.device_name(device)}   torch {torch.__version__}", flush=True)
+    copy_bw = harness.copy_bandwidth(device)
+    mm = harness.matmul_rate(device)
+    print(f"roofline (measured now): copy {copy_bw / 1e9:,.0f} GB/s (read+write), "
+          f"matmul {mm / 1e12:,.1f} TFLOP/s", flush=True)
+    rows = []
+    failures = 0
+    for fam, mod in _load_families(args.ops or FAMILIES):
+        for case in mod.cases(device, small):
+            ref_out = None
+            if case.reference:
+                inputs = _fresh(case)
+                ref_out = [t.clone() for t in case.run(inputs, "reference")]
+            for impl in args.impls:
+                inputs = _fresh(case)
+                try:
+                    out = case.run(inputs, impl)
+                except Exception as exc:        # noqa: BLE001 - reported in the table
+                    msg = str(exc)
+                    if "cannot run" in msg or "has no" in msg:
+                        rows.append((case.op, impl, case.shape, "-", "-", "-",
+                                     "n/a: " + msg.split("cannot run: ")[-1][:60]))
+                        continue
+                    raise
+                err = "-" if ref_out is None else case.compare(ref_out, out)
+                if ref_out is not None and err:
+                    failures += 1
+                t = harness.time_fn(lambda: case.run(inputs, impl), device)
+                gbs = case.bytes / t
+                rate = f"{gbs / 1e9:,.1f} GB/s"
+                pct = f"{100 * gbs / copy_bw:.0f}% copy"
+                if case.flops:
+                    rate += f", {case.flops / t / 1e12:.1f} TFLOP/s"
+                    pct += f", {100 * case.flops / t / mm:.0f}% mm"
+                rows.append((case.op, impl, case.shape, f"{t * 1e6:,.1f}", rate, pct,
+                             "not checked" if ref_out is None else f"{err} {case.error_unit}"))
+            print(f"  done {case.op} {case.shape}", file=sys.stderr, flush=True)
+    head = ("op", "impl", "shape", "time µs", "throughput", "% roofline", "vs reference")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
+    print(line(head))
+    print(line(["-" * w for w in widths]))
+    for r in rows:
+        print(line(r))
+    if failures:
+        print(f"{failures} result(s) differ from the reference", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="sparse_mla", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    p.add_argument("--ops", nargs="+", choices=FAMILIES, help="op families (default: all)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                   help="implementations to run (default: all that can run)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--small", dest="small", action="store_true", default=None,
+                      help="tiny shapes (default on CPU)")
+    size.add_argument("--full", dest="small", action="store_false",
+                      help="production shapes (default on a GPU)")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

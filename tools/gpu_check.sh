@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU check for machines without Bazel (e.g. the lent H100/H200): runs the test files with
+# pytest (CUDA parametrizations included) and the main job, logs under ${OUT:-/tmp/gpu_check}.
+#   bash tools/gpu_check.sh [pytest paths...]      (default: tests/)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$out/gpu.txt"
+python3 -m pytest -q -rs -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$out/pytest.log" | tail -25
+rc_tests=${PIPESTATUS[0]}
+python3 -m sparse_mla.tools.cli ${CLI_ARGS:-} 2>"$out/cli.err" | tee "$out/cli.txt"
+rc_cli=${PIPESTATUS[0]}
+echo "pytest rc=$rc_tests cli rc=$rc_cli"
+[ "$rc_tests" = 0 ] && [ "$rc_cli" = 0 ]
