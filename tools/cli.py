@@ -2,7 +2,9 @@
 
 For each op that exists, each implementation that can run on this machine (vendor, triton,
 reference) runs on random inputs sized to the device (small on CPU, production sizes on a GPU),
-is compared with the reference, and is timed. Bandwidth and FLOP rates are shown next to the
+is compared with the reference, and is timed: "graph µs" replays the op captured in a CUDA
+graph (its GPU time in a captured decode step; throughput and % roofline use it when present),
+"eager µs" includes Python, validation and launch overhead. Bandwidth and FLOP rates are shown next to the
 card's own copy bandwidth and matmul rate, measured in the same run.
 
   bazel run //tools:sparse_mla                    # all ops, auto device
@@ -64,24 +66,30 @@ def run(args) -> int:
                 except Exception as exc:        # noqa: BLE001 - reported in the table
                     msg = str(exc)
                     if "cannot run" in msg or "has no" in msg:
-                        rows.append((case.op, impl, case.shape, "-", "-", "-",
+                        rows.append((case.op, impl, case.shape, "-", "-", "-", "-",
                                      "n/a: " + msg.split("cannot run: ")[-1][:60]))
                         continue
                     raise
                 err = "-" if ref_out is None else case.compare(ref_out, out)
                 if ref_out is not None and err:
                     failures += 1
-                t = harness.time_fn(lambda: case.run(inputs, impl), device)
+                eager = harness.time_fn(lambda: case.run(inputs, impl), device)
+                graph = harness.time_graph(lambda: case.run(inputs, impl)) \
+                    if device == "cuda" and impl != "reference" else None
+                t = graph or eager
                 gbs = case.bytes / t
                 rate = f"{gbs / 1e9:,.1f} GB/s"
                 pct = f"{100 * gbs / copy_bw:.0f}% copy"
                 if case.flops:
                     rate += f", {case.flops / t / 1e12:.1f} TFLOP/s"
                     pct += f", {100 * case.flops / t / mm:.0f}% mm"
-                rows.append((case.op, impl, case.shape, f"{t * 1e6:,.1f}", rate, pct,
+                rows.append((case.op, impl, case.shape,
+                             "-" if graph is None else f"{graph * 1e6:,.1f}",
+                             f"{eager * 1e6:,.1f}", rate, pct,
                              "not checked" if ref_out is None else f"{err} {case.error_unit}"))
             print(f"  done {case.op} {case.shape}", file=sys.stderr, flush=True)
-    head = ("op", "impl", "shape", "time µs", "throughput", "% roofline", "vs reference")
+    head = ("op", "impl", "shape", "graph µs", "eager µs", "throughput", "% roofline",
+            "vs reference")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
     print(line(head))

@@ -30,6 +30,27 @@ def time_fn(fn, device, *, iters=None) -> float:
     return statistics.median(times)
 
 
+def time_graph(fn, reps=10):
+    """Median seconds per call with ``reps`` calls captured in one CUDA graph: the GPU time of
+    a step run under graphs (no Python or launch overhead). None if ``fn`` cannot be captured
+    (e.g. it synchronizes with the host)."""
+    import triton.testing
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except RuntimeError:
+        return None
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
+    return ms * 1e-3 / reps
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy, bytes read + written per second."""
     n = (1 << 30) if device == "cuda" else (64 << 20)

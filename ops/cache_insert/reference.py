@@ -79,7 +79,7 @@ def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
     else:
         # vLLM's kernel multiplies by the fp32 reciprocal (not x / scale) and skips the bf16
         # round trip here; with non-power-of-two scales the two differ in the last bit.
-        inv = 1.0 / kv_scale.float().reshape(())
+        inv = torch.reciprocal(kv_scale.float().reshape(()))
         rows = quant.e4m3(kv_rot * inv).view(k_cache.dtype)
     bs = k_cache.shape[1]
     k_cache[slots // bs, slots % bs] = rows

@@ -26,38 +26,42 @@ _LAUNCH = dict(enable_fp_fusion=False)
 
 
 @triton.jit
-def _rope_pairs(row_ptr, pos, cs_ptr, cs_stride, mul):
-    """Load the 32 RoPE pairs of a row (times ``mul``) and rotate them by ``pos`` (GPT-J)."""
-    j = tl.arange(0, 32)
-    ev = tl.load(row_ptr + 448 + 2 * j).to(tl.float32) * mul
-    od = tl.load(row_ptr + 449 + 2 * j).to(tl.float32) * mul
-    c = tl.load(cs_ptr + pos * cs_stride + j)
-    s = tl.load(cs_ptr + pos * cs_stride + 32 + j)
-    return ev * c - od * s, ev * s + od * c
+def _rotate(row_ptr, x, d, live, pos, cs_ptr, cs_stride, mul):
+    """GPT-J RoPE on dims 448..511 of ``x`` (= row * mul, any shape whose dim index is ``d``).
+
+    The pair partner of dim d is dim d ^ 1, read with a second (cache-hitting) load so rows
+    stay contiguous. Rounding equals the reference's ``e*c - o*s`` / ``e*s + o*c``: the
+    products round separately (no FMA) and ``a + (-b)`` is ``a - b`` exactly.
+    """
+    is_rope = d >= 448
+    p = tl.load(row_ptr + (d ^ 1), mask=live & is_rope, other=0.0).to(tl.float32) * mul
+    k = tl.maximum(d - 448, 0) // 2
+    c = tl.load(cs_ptr + pos * cs_stride + k, mask=is_rope, other=1.0)
+    s = tl.load(cs_ptr + pos * cs_stride + 32 + k, mask=is_rope, other=0.0)
+    s = tl.where((d & 1) == 0, -s, s)
+    return tl.where(is_rope, x * c + p * s, x)
 
 
 @triton.jit
-def _store_v4_token(cache_ptr, slot, stride0, BS, x, rope_ev, rope_od, SOFT: tl.constexpr):
-    """Quantize one token (NoPE tiles ``x`` [8, 64] fp32, tile 7 ignored; RoPE pairs already
-    rotated) and write its data record and scale bytes (SPEC §2.2)."""
+def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
+    """Quantize one token ``y`` [8, 64] fp32 (tiles 0..6 NoPE, tile 7 the rotated RoPE dims)
+    and write its data record and scale bytes (SPEC §2.2)."""
     t = tl.arange(0, 8)[:, None]
     c = tl.arange(0, 64)[None, :]
     nope = t < 7
-    x = to_bf16(x, SOFT).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(x), 0.0), axis=1), 1e-4)
+    y = to_bf16(y, SOFT).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(y), 0.0), axis=1), 1e-4)
     # ceil(log2(amax / 448)) exactly: amax = m * 2^E, 448 = 1.75 * 2^8.
     abits = amax.to(tl.int32, bitcast=True)
     e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    q = x * exp2_int(-e)[:, None]
+    q = y * exp2_int(-e)[:, None]
     blk = (slot // BS).to(tl.int64)
     off = slot % BS
     base = cache_ptr + blk * stride0
     data = base + off * 576
     tl.store(data + t * 64 + c, e4m3_sat(q, SOFT), mask=nope)
-    j = tl.arange(0, 32)
     rope = (data + 448).to(tl.pointer_type(tl.bfloat16))
-    tl.store(rope + 2 * j, to_bf16(rope_ev, SOFT))
-    tl.store(rope + 2 * j + 1, to_bf16(rope_od, SOFT))
+    tl.store(rope + (t - 7) * 64 + c, to_bf16(y, SOFT), mask=t == 7)
     k = tl.arange(0, 8)
     sbytes = tl.where(k < 7, tl.minimum(tl.maximum(e + 127, 0), 255), 0).to(tl.uint8)
     tl.store(base + BS * 576 + off * 8 + k, sbytes)
@@ -71,12 +75,8 @@ def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, capacity, B
     if (slot >= 0) & (slot < capacity):
         t = tl.arange(0, 8)[:, None]
         c = tl.arange(0, 64)[None, :]
-        row = k_ptr + tok.to(tl.int64) * k_stride
-        x = tl.load(row + t * 64 + c, mask=t < 7, other=0.0).to(tl.float32)
-        j = tl.arange(0, 32)
-        ev = tl.load(row + 448 + 2 * j).to(tl.float32)
-        od = tl.load(row + 449 + 2 * j).to(tl.float32)
-        _store_v4_token(cache_ptr, slot, stride0, BS, x, ev, od, SOFT)
+        x = tl.load(k_ptr + tok.to(tl.int64) * k_stride + t * 64 + c).to(tl.float32)
+        _store_v4_token(cache_ptr, slot, stride0, BS, x, SOFT)
 
 
 @triton.jit
@@ -93,9 +93,8 @@ def _fused_insert_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     # Out-of-table positions cannot raise here: clamp the lookup so no read leaves the table.
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-    d = tl.arange(0, 512)[None, :]
-    j = tl.arange(0, 32)[None, :]
     if hb < n_hb:
+        d = tl.arange(0, 512)[None, :]
         h = hb * HB + tl.arange(0, HB)[:, None]
         live = h < H
         q_row = q_ptr + tok.to(tl.int64) * q_s0 + h * q_s1
@@ -106,55 +105,32 @@ def _fused_insert_kernel(
             r = (1.0 / tl.sqrt(ms)).to(tl.float32)[:, None]
         else:
             r = tl.full((HB, 1), 1.0, tl.float32)
-        x = x * r
-        ev = tl.load(q_row + 448 + 2 * j, mask=live, other=0.0).to(tl.float32) * r
-        od = tl.load(q_row + 449 + 2 * j, mask=live, other=0.0).to(tl.float32) * r
-        c = tl.load(cs_ptr + pos * cs_stride + j)
-        s = tl.load(cs_ptr + pos * cs_stride + 32 + j)
-        # pad heads must be +0.0 exactly (0*c - 0*s is -0.0 where c < 0)
-        x = tl.where(live, x, 0.0)
-        rev = tl.where(live, ev * c - od * s, 0.0)
-        rod = tl.where(live, ev * s + od * c, 0.0)
-        out_row = qo_ptr + tok.to(tl.int64) * qo_s0 + h * qo_s1
-        write = h < HP
+        y = _rotate(q_row, x * r, d, live, pos, cs_ptr, cs_stride, r)
+        y = tl.where(live, y, 0.0)          # pad heads are +0.0 exactly
+        out = qo_ptr + tok.to(tl.int64) * qo_s0 + h * qo_s1 + d
         if MODE == 2:
-            qs = tl.load(q_scale_inv_ptr)
-            tl.store(out_row + d, e4m3_sat(x * qs, SOFT),
-                     mask=write & (d < 448))
-            tl.store(out_row + 448 + 2 * j, e4m3_sat(rev * qs, SOFT),
-                     mask=write)
-            tl.store(out_row + 449 + 2 * j, e4m3_sat(rod * qs, SOFT),
-                     mask=write)
+            tl.store(out, e4m3_sat(y * tl.load(q_scale_inv_ptr), SOFT), mask=h < HP)
         else:
-            tl.store(out_row + d, to_bf16(x, SOFT), mask=write & (d < 448))
-            tl.store(out_row + 448 + 2 * j, to_bf16(rev, SOFT), mask=write)
-            tl.store(out_row + 449 + 2 * j, to_bf16(rod, SOFT), mask=write)
+            tl.store(out, to_bf16(y, SOFT), mask=h < HP)
     else:
         slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1).to(tl.int64)
         if (slot >= 0) & (slot < capacity):
             kv_row = kv_ptr + tok.to(tl.int64) * kv_s0
-            rev, rod = _rope_pairs(kv_row, pos, cs_ptr, cs_stride, 1.0)
             if MODE == 0:
                 t = tl.arange(0, 8)[:, None]
-                cc = tl.arange(0, 64)[None, :]
-                x = tl.load(kv_row + t * 64 + cc, mask=t < 7, other=0.0).to(tl.float32)
-                _store_v4_token(cache_ptr, slot, c_s0, BS, x, rev, rod, SOFT)
-            else:
+                d = t * 64 + tl.arange(0, 64)[None, :]
                 x = tl.load(kv_row + d).to(tl.float32)
-                dst = cache_ptr + (slot // BS) * c_s0 + (slot % BS) * c_s1
-                jj = tl.arange(0, 32)
+                y = _rotate(kv_row, x, d, t >= 0, pos, cs_ptr, cs_stride, 1.0)
+                _store_v4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+            else:
+                d = tl.arange(0, 512)
+                x = tl.load(kv_row + d).to(tl.float32)
+                y = _rotate(kv_row, x, d, d >= 0, pos, cs_ptr, cs_stride, 1.0)
+                dst = cache_ptr + (slot // BS) * c_s0 + (slot % BS) * c_s1 + d
                 if MODE == 1:
-                    tl.store(dst + d, to_bf16(x, SOFT), mask=d < 448)
-                    tl.store(dst + 448 + 2 * jj, to_bf16(rev, SOFT))
-                    tl.store(dst + 449 + 2 * jj, to_bf16(rod, SOFT))
+                    tl.store(dst, to_bf16(y, SOFT))
                 else:
-                    inv = 1.0 / tl.load(kv_scale_ptr)
-                    tl.store(dst + d, e4m3_sat(x * inv, SOFT),
-                             mask=d < 448)
-                    tl.store(dst + 448 + 2 * jj,
-                             e4m3_sat(rev * inv, SOFT))
-                    tl.store(dst + 449 + 2 * jj,
-                             e4m3_sat(rod * inv, SOFT))
+                    tl.store(dst, e4m3_sat(y * (1.0 / tl.load(kv_scale_ptr)), SOFT))
 
 
 @triton.jit
@@ -255,8 +231,12 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
                              **_LAUNCH)
 
 
+# Heads per program and warps for the fused q path (tools/tune_insert.py sweeps these).
+FUSED_CONFIG = {"heads_per_program": 4, "num_warps": 4}
+
+
 def _head_block(hp):
-    return min(triton.next_power_of_2(max(hp, 1)), 4)
+    return min(triton.next_power_of_2(max(hp, 1)), FUSED_CONFIG["heads_per_program"])
 
 
 def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, positions, cos_sin_cache,
@@ -274,7 +254,8 @@ def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, position
         q_out.stride(0), q_out.stride(1),
         dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
         float(eps), q.shape[1], hp, bs,
-        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(), num_warps=4,
+        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(),
+        num_warps=FUSED_CONFIG["num_warps"],
         **_LAUNCH)
 
 

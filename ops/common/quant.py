@@ -18,6 +18,20 @@ def ceil_log2(t: torch.Tensor) -> torch.Tensor:
     return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
 
 
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2**e`` for integer ``e`` in [-127, 128] built from the float's bits
+    (``exp2`` is not exact on every device); -127 gives the subnormal, 128 gives inf."""
+    e = e.to(torch.int32)
+    bits = ((e + 127).clamp(0, 255) << 23).view(torch.float32)
+    return torch.where(e == -127, torch.full_like(bits, 2.0 ** -127), bits)
+
+
+def div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """Correctly rounded ``a / b``. PyTorch's CUDA kernel turns division by a Python scalar
+    into multiplication by its reciprocal (one rounding more); a tensor divisor does not."""
+    return a / torch.full_like(a, b)
+
+
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """Saturating round-to-nearest-even e4m3fn bytes of fp32 ``x``."""
     return x.clamp(-formats.E4M3_MAX, formats.E4M3_MAX).to(FP8).view(torch.uint8)
@@ -33,8 +47,8 @@ def quantize_v4(x: torch.Tensor):
     x = x.to(torch.bfloat16).float()                      # every vLLM writer rounds to bf16 first
     nope = x[:, :formats.NOPE_DIM].reshape(n, 7, 64)
     amax = nope.abs().amax(dim=-1).clamp_min(1e-4)
-    e = ceil_log2(amax / formats.E4M3_MAX)                # power-of-two scale, rounded up
-    q = e4m3(nope * torch.exp2(-e.float()).unsqueeze(-1)).reshape(n, formats.NOPE_DIM)
+    e = ceil_log2(div(amax, formats.E4M3_MAX))            # power-of-two scale, rounded up
+    q = e4m3(nope * pow2(-e).unsqueeze(-1)).reshape(n, formats.NOPE_DIM)
     rope = x[:, formats.NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
     scales = torch.zeros(n, 8, dtype=torch.uint8, device=x.device)
     scales[:, :7] = (e + 127).clamp(0, 255).to(torch.uint8)
@@ -51,9 +65,9 @@ def quantize_v32(kv_c: torch.Tensor, k_pe: torch.Tensor, scale_format: str) -> t
     x = kv_c.to(torch.bfloat16).float().reshape(n, 4, 128)
     amax = x.abs().amax(dim=-1)
     if scale_format == "fp32":
-        scale = (amax / formats.E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = div(amax, formats.E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     elif scale_format == "pow2":
-        scale = torch.exp2(ceil_log2((amax / formats.E4M3_MAX).clamp_min(1e-4)).float())
+        scale = pow2(ceil_log2(div(amax, formats.E4M3_MAX).clamp_min(1e-4)))
     else:
         raise ValueError(f"scale_format must be 'fp32' or 'pow2', got {scale_format!r}")
     q = e4m3(x / scale.unsqueeze(-1)).reshape(n, 512)
@@ -66,7 +80,7 @@ def dequantize_v4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``data`` [N, 576], ``scales`` [N, 8] uint8 → bf16 rows [N, 512]."""
     n = data.shape[0]
     q = data[:, :formats.NOPE_DIM].contiguous().view(FP8).float().reshape(n, 7, 64)
-    scale = torch.exp2(scales[:, :7].float() - 127.0).unsqueeze(-1)
+    scale = pow2(scales[:, :7].to(torch.int32) - 127).unsqueeze(-1)
     nope = (q * scale).reshape(n, formats.NOPE_DIM).to(torch.bfloat16)
     rope = data[:, formats.NOPE_DIM:].contiguous().view(torch.bfloat16)
     return torch.cat([nope, rope], dim=1)
@@ -92,7 +106,8 @@ def rms_norm_no_weight(q: torch.Tensor, eps: float) -> torch.Tensor:
     qf = q.float()
     eps32 = float(torch.tensor(eps, dtype=torch.float32))   # kernels take eps as fp32, as vLLM's
     ms = qf.double().square().mean(dim=-1, keepdim=True) + eps32
-    return qf * torch.rsqrt(ms).float()
+    # 1/sqrt with IEEE sqrt and division on every device (CUDA's double rsqrt is 1-ulp)
+    return qf * torch.reciprocal(torch.sqrt(ms)).float()
 
 
 def rope_gptj(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

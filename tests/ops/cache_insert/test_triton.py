@@ -89,13 +89,14 @@ def test_fused_v4_non_contiguous_q_and_flashmla_4d_cache(device):
     kv = _rand((n, 512), g)
     pos = torch.randint(0, 64, (n,), generator=g)
     cs = _cos_sin(64, g)
-    slots = _slots(n, 4 * 61, g) if n <= 4 * 61 else torch.arange(n) % (4 * 61)
+    nb = n // 61 + 2
+    slots = _slots(n, nb * 61, g)                       # distinct: duplicate slots would race
     res = []
     for impl in ("reference", "triton"):
-        cache = formats.alloc_paged_cache("v4", 4, 61, fill=POISON, device=device)
+        cache = formats.alloc_paged_cache("v4", nb, 61, fill=POISON, device=device)
         q_out = torch.full((n, 64, 512), 7.0, dtype=torch.bfloat16, device=device)
         qnorm_rope_kv_insert_v4(q.to(device), kv.to(device), cache.unsqueeze(-2),
-                                slots.to(device)[:n], pos.to(device), cs.to(device), out=q_out,
+                                slots.to(device), pos.to(device), cs.to(device), out=q_out,
                                 impl=impl)
         res.append((q_out.cpu(), storage_bytes(cache).cpu()))
     assert torch.equal(res[0][0].view(torch.int16), res[1][0].view(torch.int16))
