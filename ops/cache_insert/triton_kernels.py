@@ -68,15 +68,16 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, capacity, BS,
-                      SOFT: tl.constexpr):
-    tok = tl.program_id(0)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if (slot >= 0) & (slot < capacity):
-        t = tl.arange(0, 8)[:, None]
-        c = tl.arange(0, 64)[None, :]
-        x = tl.load(k_ptr + tok.to(tl.int64) * k_stride + t * 64 + c).to(tl.float32)
-        _store_v4_token(cache_ptr, slot, stride0, BS, x, SOFT)
+def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, n_tokens, capacity, BS,
+                      TPP: tl.constexpr, SOFT: tl.constexpr):
+    t = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    for i in tl.static_range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < capacity):
+            x = tl.load(k_ptr + tok.to(tl.int64) * k_stride + t * 64 + c).to(tl.float32)
+            _store_v4_token(cache_ptr, slot, stride0, BS, x, SOFT)
 
 
 @triton.jit
@@ -215,9 +216,11 @@ def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
     if n == 0:
         return
     stride0 = checks.block_stride(k_cache, formats.V4, block_size)
-    _v4_insert_kernel[(n,)](k, k.stride(0), _bytes(k_cache), stride0, slot_mapping,
-                            k_cache.shape[0] * block_size, block_size, SOFT=soft_fp8(),
-                            num_warps=4, **_LAUNCH)
+    tpp = CONFIG["tokens_per_program"]
+    _v4_insert_kernel[(triton.cdiv(n, tpp),)](k, k.stride(0), _bytes(k_cache), stride0,
+                            slot_mapping, n, k_cache.shape[0] * block_size, block_size, TPP=tpp,
+                            SOFT=soft_fp8(),
+                            num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
@@ -231,12 +234,15 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
                              **_LAUNCH)
 
 
-# Heads per program and warps for the fused q path (tools/tune_insert.py sweeps these).
-FUSED_CONFIG = {"heads_per_program": 4, "num_warps": 4}
+# Launch shapes, swept on an H200 with tools/tune_insert.py (docs/PERF.md): the fused q path
+# is fastest with 4 heads and 1 warp per program (84-86 % of copy bandwidth; 2+ warps lose
+# 15 points to the fp64 norm), the row inserts with 1 warp, the gather with 4 tokens.
+CONFIG = {"heads_per_program": 4, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 1,
+          "gather_tokens": 4}
 
 
 def _head_block(hp):
-    return min(triton.next_power_of_2(max(hp, 1)), FUSED_CONFIG["heads_per_program"])
+    return min(triton.next_power_of_2(max(hp, 1)), CONFIG["heads_per_program"])
 
 
 def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, positions, cos_sin_cache,
@@ -255,7 +261,7 @@ def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, position
         dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
         float(eps), q.shape[1], hp, bs,
         HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(),
-        num_warps=FUSED_CONFIG["num_warps"],
+        num_warps=CONFIG["num_warps"],
         **_LAUNCH)
 
 
@@ -284,7 +290,7 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
     span = max_tokens - offset
     if r == 0 or span <= 0:
         return
-    tb = 8
+    tb = CONFIG["gather_tokens"]
     _gather_dequant_kernel[(r, triton.cdiv(span, tb))](
         out, out.stride(0), out.stride(1), _bytes(k_cache),
         checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,

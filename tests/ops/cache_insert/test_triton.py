@@ -198,3 +198,22 @@ def test_cuda_out_of_range_slots_are_skipped_not_written(device, monkeypatch):
     monkeypatch.setenv("SPARSE_MLA_CHECK_VALUES", "1")
     with pytest.raises(ValueError, match="slot_mapping holds slot 1000"):
         quantize_insert_v4(k, cache, slots, impl="triton")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens_per_program", [3, 8])
+def test_v4_insert_multi_token_programs(device, tokens_per_program, monkeypatch):
+    """The launch shape is tunable: any tokens-per-program (not dividing N) gives the same
+    bytes, including the ragged last program."""
+    from sparse_mla.ops.cache_insert import triton_kernels
+    monkeypatch.setitem(triton_kernels.CONFIG, "tokens_per_program", tokens_per_program)
+    g = seeded(tokens_per_program)
+    n, bs = 10, 64
+    k = _rand((n, 512), g)
+    slots = _slots(n, 2 * bs, g)
+    res = []
+    for impl in ("reference", "triton"):
+        cache = formats.alloc_paged_cache("v4", 2, bs, fill=POISON, device=device)
+        quantize_insert_v4(k.to(device), cache, slots.to(device), impl=impl)
+        res.append(storage_bytes(cache).cpu())
+    assert torch.equal(res[0], res[1])
