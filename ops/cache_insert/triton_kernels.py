@@ -135,30 +135,31 @@ def _fused_insert_kernel(
 
 
 @triton.jit
-def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, capacity,
-                       BS, POW2: tl.constexpr, SOFT: tl.constexpr):
-    tok = tl.program_id(0)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if (slot >= 0) & (slot < capacity):
-        t = tl.arange(0, 4)[:, None]
-        c = tl.arange(0, 128)[None, :]
-        x = tl.load(kvc_ptr + tok.to(tl.int64) * kvc_s0 + t * 128 + c)
-        x = to_bf16(x.to(tl.float32), SOFT).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        ratio = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        if POW2:
-            e = ceil_log2(tl.maximum(ratio, 1e-4))
-            scale = exp2_int(e)
-            q = x * exp2_int(-e)[:, None]
-        else:
-            scale = tl.maximum(ratio, 1.1754943508222875e-38)   # FLT_MIN
-            q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * 656
-        tl.store(rec + t * 128 + c, e4m3_sat(q, SOFT))
-        tl.store((rec + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
-        r = tl.arange(0, 64)
-        pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
-        tl.store((rec + 528).to(tl.pointer_type(tl.bfloat16)) + r, pe)
+def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, n_tokens,
+                       capacity, BS, TPP: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
+    for i in tl.static_range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < capacity):
+            t = tl.arange(0, 4)[:, None]
+            c = tl.arange(0, 128)[None, :]
+            x = tl.load(kvc_ptr + tok.to(tl.int64) * kvc_s0 + t * 128 + c)
+            x = to_bf16(x.to(tl.float32), SOFT).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=1)
+            ratio = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            if POW2:
+                e = ceil_log2(tl.maximum(ratio, 1e-4))
+                scale = exp2_int(e)
+                q = x * exp2_int(-e)[:, None]
+            else:
+                scale = tl.maximum(ratio, 1.1754943508222875e-38)   # FLT_MIN
+                q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+            rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * 656
+            tl.store(rec + t * 128 + c, e4m3_sat(q, SOFT))
+            tl.store((rec + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
+            r = tl.arange(0, 64)
+            pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
+            tl.store((rec + 528).to(tl.pointer_type(tl.bfloat16)) + r, pe)
 
 
 @triton.jit
@@ -228,16 +229,17 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
     if n == 0:
         return
     stride0 = checks.block_stride(kv_cache, formats.V32, block_size)
-    _v32_insert_kernel[(n,)](kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), _bytes(kv_cache),
-                             stride0, slot_mapping, kv_cache.shape[0] * block_size, block_size,
-                             POW2=scale_format == "pow2", SOFT=soft_fp8(), num_warps=4,
-                             **_LAUNCH)
+    tpp = CONFIG["tokens_per_program"]
+    _v32_insert_kernel[(triton.cdiv(n, tpp),)](
+        kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), _bytes(kv_cache), stride0, slot_mapping, n,
+        kv_cache.shape[0] * block_size, block_size, TPP=tpp, POW2=scale_format == "pow2",
+        SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 # Launch shapes, swept on an H200 with tools/tune_insert.py (docs/PERF.md): the fused q path
-# is fastest with 4 heads and 1 warp per program (84-86 % of copy bandwidth; 2+ warps lose
-# 15 points to the fp64 norm), the row inserts with 1 warp, the gather with 4 tokens.
-CONFIG = {"heads_per_program": 4, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 1,
+# is fastest with 2 heads and 1 warp per program (87-91 % of copy bandwidth; 2+ warps lose
+# ~15 points to the fp64 norm), the row inserts with 4 tokens on 1 warp, the gather with 4.
+CONFIG = {"heads_per_program": 2, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 4,
           "gather_tokens": 4}
 
 
