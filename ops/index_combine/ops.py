@@ -101,16 +101,21 @@ def _check_requests(query_start_loc, seq_lens, rebase):
                          f"seq_len {int(sl[r])}")
 
 
+def _check_request_ids(name, tokens, req, R):
+    """Values: ``req[i]`` (the request of token ``tokens[i]``) is a block-table row id."""
+    bad = ((req < 0) | (req >= R)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"{name}[{int(tokens[i])}] = {int(req[i])} is not a request id in "
+                         f"[0, {R}) (block_table rows)")
+
+
 def _check_tokens_in_requests(name, tokens, req, query_start_loc, R):
     """Values: every token ``tokens[i]`` belongs to request ``req[i]`` (0 <= req < R and
     query_start_loc[req] <= token < query_start_loc[req + 1])."""
     if tokens.numel() == 0:
         return
-    bad = ((req < 0) | (req >= R)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"{name}[{int(tokens[i])}] = {int(req[i])} is not a request id in "
-                         f"[0, {R})")
+    _check_request_ids(name, tokens, req, R)
     qsl = query_start_loc.long()
     bad = ((tokens < qsl[req]) | (tokens >= qsl[req + 1])).nonzero()
     if bad.numel():
@@ -166,11 +171,7 @@ def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_va
         valid = is_valid_token[:T].nonzero().flatten()
         req = token_to_req_indices[:T].long()[valid]
         R = block_table.shape[0]
-        bad = ((req < 0) | (req >= R)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"token_to_req_indices[{int(valid[i])}] = {int(req[i])} is not a "
-                             f"request id in [0, {R}) (block_table rows)")
+        _check_request_ids("token_to_req_indices", valid, req, R)
         if K and valid.numel():
             last = topk_indices[valid].long().max(1).values
             _check_table_covers("block_table", block_table, req, last, block_size,
@@ -462,11 +463,7 @@ def _validate_c128a(positions, slot_mapping, token_to_req_indices, block_table, 
         valid = (slot_mapping[:Td] >= 0).nonzero().flatten()
         req = token_to_req_indices[:Td].long()[valid]
         R = block_table.shape[0]
-        bad = ((req < 0) | (req >= R)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"token_to_req_indices[{int(valid[i])}] = {int(req[i])} is not a "
-                             f"request id in [0, {R}) (block_table rows)")
+        _check_request_ids("token_to_req_indices", valid, req, R)
         n = torch.clamp((pos[valid] + 1) // compress_ratio, max=width)
         _check_table_covers("block_table", block_table, req, n - 1, block_size,
                             "compressed entry")
@@ -684,11 +681,7 @@ def _validate_mixed(decode_swa_indices, decode_compressed_indices, decode_compre
         if Kd and decode_compressed_indices_are_local:
             valid = decode_is_valid_token[:Td].nonzero().flatten()
             req = token_to_req_indices[:Td].long()[valid]
-            bad = ((req < 0) | (req >= R)).nonzero()
-            if bad.numel():
-                i = int(bad[0])
-                raise ValueError(f"token_to_req_indices[{int(valid[i])}] = {int(req[i])} is not "
-                                 f"a request id in [0, {R})")
+            _check_request_ids("token_to_req_indices", valid, req, R)
             if valid.numel():
                 last = decode_compressed_indices[valid].long().max(1).values
                 _check_table_covers("compressed_block_table", cbt, req, last,
