@@ -1,0 +1,110 @@
+"""Sparse MLA attention over explicitly listed keys: the math every decode op shares.
+
+A query token attends to the union of up to two key lists ("sources"), each naming rows of one
+KV cache by slot id. K = V: the same row is used for q·k (all ``D_qk`` dims) and for the output
+(its first 512 dims). With an attention sink the output is scaled by ``sigmoid(lse - sink)``
+(SPEC §5.1, §6): sink = -inf changes nothing, +inf zeroes the output; no valid key gives output
+0 and lse = +inf whatever the sink.
+
+Key validity in a source: column ``j < lengths[t]`` (all columns when ``lengths`` is None) and
+``0 <= indices[t, j] < num_blocks * block_size``. (FlashMLA treats only -1 as invalid; other
+negative or too-large ids are undefined there and are simply skipped here.)
+
+Both op families (ops/flashmla_decode, ops/trtllm_decode) translate their own arguments into
+``KeySource`` lists and call ``sparse_attention_reference`` / ``sparse_attention_triton``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from sparse_mla.ops.common import checks, formats, quant
+
+FORMATS = ("v4", "v32", "plain_bf16", "plain_fp8")
+
+
+@dataclasses.dataclass
+class KeySource:
+    """One key list over one cache.
+
+    cache: paged byte view for "v4"/"v32" (any view accepted by
+        ``checks.paged_cache_block_size``), or ``[num_blocks, block_size, D]`` bf16 /
+        float8_e4m3fn for "plain_bf16"/"plain_fp8" (D = 512; strides of dims 0, 1 free,
+        last dim contiguous).
+    indices: ``[T, K]`` int32 slot ids (``block * block_size + offset``), any strides.
+    lengths: ``[T]`` int32 number of leading columns that may be used, or None.
+    kv_scale: plain fp8 only: the per-tensor dequantization scale folded into the caller's
+        scales (the kernel reads e4m3 values as they are), so it is not stored here.
+    """
+
+    cache: torch.Tensor
+    fmt: str
+    block_size: int
+    indices: torch.Tensor
+    lengths: Optional[torch.Tensor] = None
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.shape[0] * self.block_size
+
+
+def head_dims(sources: Sequence[KeySource]) -> int:
+    """D_qk: 576 for V3.2 (512 latent + 64 RoPE), else 512."""
+    return 576 if sources and sources[0].fmt == "v32" else 512
+
+
+def gather_rows(src: KeySource, slots: torch.Tensor) -> torch.Tensor:
+    """Dequantized fp32 rows ``[n, D_qk]`` of ``slots`` (all valid) of one source."""
+    if src.fmt in ("plain_bf16", "plain_fp8"):
+        return src.cache[slots // src.block_size, slots % src.block_size].float()
+    fmt = formats.get_format(src.fmt)
+    blocks = checks.block_bytes_view(src.cache, fmt, src.block_size)
+    b, o = slots // src.block_size, slots % src.block_size
+    if src.fmt == "v4":
+        data = blocks[b.unsqueeze(1), (o * 576).unsqueeze(1) + torch.arange(576, device=b.device)]
+        sc = blocks[b.unsqueeze(1), (src.block_size * 576 + o * 8).unsqueeze(1)
+                    + torch.arange(8, device=b.device)]
+        return quant.dequantize_v4(data, sc).float()
+    rec = blocks[b.unsqueeze(1), (o * 656).unsqueeze(1) + torch.arange(656, device=b.device)]
+    return quant.dequantize_v32(rec).float()
+
+
+def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
+                               sink: Optional[torch.Tensor], scale: float,
+                               out_scale: float = 1.0):
+    """Readable oracle. ``q`` [T, H, D_qk] (bf16 or e4m3, used as its exact values).
+    Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((T, H), float("inf"), dtype=torch.float32, device=q.device)
+    for t in range(T):
+        keys = []
+        for src in sources:
+            idx = src.indices[t].long()
+            cols = torch.arange(idx.shape[0], device=idx.device)
+            n = idx.shape[0] if src.lengths is None else int(src.lengths[t])
+            ok = (cols < n) & (idx >= 0) & (idx < src.capacity)
+            if ok.any():
+                keys.append(gather_rows(src, idx[ok]))
+        if not keys:
+            continue
+        k = torch.cat(keys)                                   # [n, D_qk]
+        s = scale * (q[t].float() @ k.T)                      # [H, n]
+        lse_t = torch.logsumexp(s, dim=-1)
+        o = torch.softmax(s, dim=-1) @ k[:, :512]
+        if sink is not None:
+            o = o * torch.sigmoid(lse_t - sink.float()).unsqueeze(-1)
+        out[t] = (o * out_scale).to(torch.bfloat16)
+        lse[t] = lse_t
+    return out, lse
+
+
+def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
+                            sink: Optional[torch.Tensor], scale: float, out: torch.Tensor,
+                            lse: Optional[torch.Tensor] = None, out_scale: float = 1.0) -> None:
+    """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
+    and, if given, ``lse`` [T, H] fp32 (any strides, last dim of ``out`` contiguous)."""
+    from sparse_mla.ops.common import sparse_attention_triton as kernels
+    kernels.run(q, sources, sink, scale, out, lse, out_scale)
