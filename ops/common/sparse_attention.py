@@ -73,12 +73,14 @@ def gather_rows(src: KeySource, slots: torch.Tensor) -> torch.Tensor:
 
 def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
                                sink: Optional[torch.Tensor], scale: float,
-                               out_scale: float = 1.0):
+                               out_scale: float = 1.0, return_max_logits: bool = False):
     """Readable oracle. ``q`` [T, H, D_qk] (bf16 or e4m3, used as its exact values).
-    Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``."""
+    Returns ``(out [T, H, 512] bf16, lse [T, H] fp32)``, plus ``max_logits`` [T, H] (max of
+    scale·q·k, -inf without keys) when ``return_max_logits``."""
     T, H, _ = q.shape
     out = torch.zeros(T, H, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.full((T, H), float("inf"), dtype=torch.float32, device=q.device)
+    mx = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for t in range(T):
         keys = []
         for src in sources:
@@ -98,13 +100,16 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
             o = o * torch.sigmoid(lse_t - sink.float()).unsqueeze(-1)
         out[t] = (o * out_scale).to(torch.bfloat16)
         lse[t] = lse_t
-    return out, lse
+        mx[t] = s.amax(dim=-1)
+    return (out, lse, mx) if return_max_logits else (out, lse)
 
 
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
                             sink: Optional[torch.Tensor], scale: float, out: torch.Tensor,
-                            lse: Optional[torch.Tensor] = None, out_scale: float = 1.0) -> None:
+                            lse: Optional[torch.Tensor] = None, out_scale: float = 1.0,
+                            max_logits: Optional[torch.Tensor] = None) -> None:
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
-    and, if given, ``lse`` [T, H] fp32 (any strides, last dim of ``out`` contiguous)."""
+    and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
+    contiguous)."""
     from sparse_mla.ops.common import sparse_attention_triton as kernels
-    kernels.run(q, sources, sink, scale, out, lse, out_scale)
+    kernels.run(q, sources, sink, scale, out, lse, out_scale, max_logits)
