@@ -21,6 +21,7 @@ class BenchCase:
     # (reference output, other output) -> max error; exact ops report mismatching elements
     compare: Callable[[Any, Any], float] = None
     error_unit: str = "max abs err"
+    tolerance: float = 0.0                    # largest error that still counts as agreeing
     # Implementations the reference may be too slow for at this size: then the harness
     # compares against the reference run on a copy of the inputs only if reference=True.
     reference: bool = True

@@ -1,0 +1,125 @@
+"""Benchmark / CLI cases for FlashMLA-semantics decode and prefill (FlashMLA's own shapes).
+
+Decode: every token attends a 128-token window (SWA cache, page 256) plus top-k compressed
+entries (compressed cache, page 64): h 64 with 512, h 128 with 1024; s_q 1 and 2. V3.2: h 128,
+s_q 2, top-k 2048 of a 656 B cache. Prefill: 4096 queries, h 128, top-k 2048 of 32768 keys.
+FLOPs = 2·h·(D_qk + 512) per (token, key); bytes = key rows + q + out.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_mla.ops.common import formats
+from sparse_mla.ops.common.benchcase import BenchCase
+from sparse_mla.ops.flashmla_decode import ops
+
+WINDOW = 128
+# outputs are O(1) bf16 (ulp 2^-8 near 1): SPEC §9's abs 1e-3 + rel 2/128 bound, as one number
+TOLERANCE = 1e-3 + 2 / 128 * 4
+
+
+def _max_err(ref, out):
+    return max(float((a.float() - b.float()).abs().nan_to_num(0.0, 0.0, 0.0).max())
+               for a, b in zip(ref, out))
+
+
+def _random_cache(fmt, n_blocks, bs, device):
+    cache = formats.alloc_paged_cache(fmt, n_blocks, bs, device=device, fill=0)
+    raw = torch.empty(0, dtype=torch.uint8, device=device).set_(cache.untyped_storage())
+    # random e4m3 bytes below 0x70 (no NaN) and scale bytes near 2^-7 keep values finite
+    raw.copy_(torch.randint(0, 0x70, raw.shape, dtype=torch.uint8, device=device))
+    if fmt == "v4":
+        tail = raw.view(n_blocks, -1)[:, bs * 576: bs * 584].view(n_blocks, bs, 8)
+        tail[..., :7] = 120
+    else:
+        recs = raw.view(n_blocks, -1)[:, :bs * 656].view(n_blocks, bs, 656)
+        recs[..., 512:528] = torch.tensor([0.01], device=device).view(torch.uint8).repeat(4)
+        recs[..., 528:] = torch.randn(n_blocks, bs, 64, device=device).to(
+            torch.bfloat16).view(torch.uint8)
+    return cache
+
+
+def _rows(b, s_q, width, per_row, device, g_seed):
+    """Distinct ids per token from its request's own region of ``per_row`` slots."""
+    g = torch.Generator(device=device).manual_seed(g_seed)
+    base = (torch.arange(b, device=device) * per_row).view(b, 1, 1)
+    pick = torch.rand(b, s_q, per_row, device=device, generator=g).argsort(-1)[..., :width]
+    return (base + pick).to(torch.int32)
+
+
+def decode_inputs(b, s_q, h, topk, device, fmt="v4"):
+    d = 512 if fmt == "v4" else 576
+    q = torch.randn(b, s_q, h, d, device=device).to(torch.bfloat16)
+    sink = torch.randn(h, device=device)
+    if fmt == "v32":
+        cache = _random_cache("v32", b * 4096 // 64, 64, device)
+        return dict(q=q, k_cache=cache, indices=_rows(b, s_q, topk, 4096, device, 1),
+                    kv_format="v32")
+    swa = _random_cache("v4", b, 256, device)
+    per_req = 4 * topk
+    cmp_ = _random_cache("v4", b * per_req // 64, 64, device)
+    full = lambda w: torch.full((b,), w, dtype=torch.int32, device=device)  # noqa: E731
+    return dict(q=q, k_cache=swa, indices=_rows(b, s_q, WINDOW, 256, device, 1),
+                topk_length=full(WINDOW), extra_k_cache=cmp_,
+                extra_indices_in_kvcache=_rows(b, s_q, topk, per_req, device, 2),
+                extra_topk_length=full(topk), attn_sink=sink)
+
+
+def decode_cost(b, s_q, h, n_keys, fmt="v4"):
+    d = 512 if fmt == "v4" else 576
+    row = 584 if fmt == "v4" else 656
+    tokens = b * s_q
+    flops = 2 * h * (d + 512) * n_keys * tokens
+    nbytes = tokens * (n_keys * row + h * d * 2 + h * 512 * 2)
+    return flops, nbytes
+
+
+def prefill_inputs(s_q, h, s_kv, topk, device):
+    g = torch.Generator(device=device).manual_seed(3)
+    idx = torch.rand(s_q, 1, s_kv, device=device, generator=g).argsort(-1)[..., :topk]
+    return dict(q=torch.randn(s_q, h, 512, device=device).to(torch.bfloat16),
+                kv=torch.randn(s_kv, 1, 512, device=device).to(torch.bfloat16),
+                indices=idx.to(torch.int32), sm_scale=512 ** -0.5,
+                attn_sink=torch.randn(h, device=device))
+
+
+def _decode_case(b, s_q, h, topk, device, fmt="v4", check=True):
+    n_keys = topk if fmt == "v32" else WINDOW + topk
+    flops, nbytes = decode_cost(b, s_q, h, n_keys, fmt)
+
+    def run(a, impl):
+        a = dict(a)
+        q, c, i = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+        return ops.flash_mla_with_kvcache(q, c, i, impl=impl, **a)
+
+    name = f"{fmt} b={b} s_q={s_q} h={h} " + (f"topk={topk}" if fmt == "v32" else
+                                               f"win={WINDOW}+{topk}")
+    return BenchCase("flashmla_sparse_decode", name,
+                     lambda: decode_inputs(b, s_q, h, topk, device, fmt), run, bytes=nbytes,
+                     flops=flops, compare=_max_err, reference=check, tolerance=TOLERANCE)
+
+
+def _prefill_case(s_q, h, s_kv, topk, device, check):
+    flops = 2 * h * 1024 * topk * s_q
+    nbytes = s_q * (topk * 1024 + h * 512 * 4)
+
+    def run(a, impl):
+        return ops.flash_mla_sparse_fwd(impl=impl, **a)
+
+    return BenchCase("flashmla_sparse_prefill", f"s_q={s_q} h={h} topk={topk}/{s_kv}",
+                     lambda: prefill_inputs(s_q, h, s_kv, topk, device), run, bytes=nbytes,
+                     flops=flops, compare=_max_err, reference=check, tolerance=TOLERANCE)
+
+
+DECODE_SHAPES = [(h, topk, s_q, b) for h, topk in ((64, 512), (128, 1024)) for s_q in (1, 2)
+                 for b in (2, 64, 74, 128, 148, 256)]
+
+
+def cases(device: str, small: bool):
+    if small:
+        return [_decode_case(2, 1, 8, 64, device), _prefill_case(8, 4, 64, 64, device, True)]
+    out = [_decode_case(b, s_q, h, topk, device, check=b * s_q <= 64)
+           for h, topk, s_q, b in DECODE_SHAPES]
+    out.append(_decode_case(64, 2, 128, 2048, device, fmt="v32", check=False))
+    out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False))
+    return out

@@ -1,0 +1,269 @@
+"""FlashMLA-semantics sparse decode and prefill (SPEC §5) as ``sparse_mla::`` custom ops.
+
+Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
+list, an optional extra (compressed) key list and an attention sink. Prefill:
+``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/common/sparse_attention.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
+                                                    sparse_attention_triton)
+from sparse_mla.ops.flashmla_decode import vendor
+
+MAX_HEADS = 128
+HEAD_DIM = {"v4": 512, "v32": 576}
+
+
+def _token_lengths(lengths, s_q):
+    """FlashMLA's lengths are per batch row [b]; every s_q token of the row shares them."""
+    return None if lengths is None else lengths.repeat_interleave(s_q)
+
+
+def _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
+                    extra_topk_length, kv_format, bs, extra_bs):
+    b, s_q = indices.shape[0], indices.shape[1]
+    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, -1),
+                      _token_lengths(topk_length, s_q))]
+    if extra_k_cache is not None:
+        srcs.append(KeySource(extra_k_cache, kv_format, extra_bs,
+                              extra_indices.reshape(b * s_q, -1),
+                              _token_lengths(extra_topk_length, s_q)))
+    return srcs
+
+
+def _flat(t: Tensor, shape, name):
+    """A view of ``t`` with ``shape`` that writes through (no copy), or a clear error."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        raise ValueError(f"{name} must be viewable as {list(shape)} without a copy "
+                         f"(got strides {t.stride()})") from None
+
+
+def _decode_reference(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                      extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+    b, s_q, h, d = q.shape
+    srcs = _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
+                           extra_topk_length, kv_format, bs, extra_bs)
+    o, l = sparse_attention_reference(q.reshape(b * s_q, h, d), srcs, attn_sink, scale)
+    out.copy_(o.view(b, s_q, h, 512))
+    lse.copy_(l.view(b, s_q, h).transpose(1, 2))
+
+
+def _decode_triton(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                   extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+    b, s_q, h, d = q.shape
+    srcs = _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
+                           extra_topk_length, kv_format, bs, extra_bs)
+    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale,
+                            _flat(out, (b * s_q, h, 512), "out"),
+                            _flat(lse.transpose(1, 2), (b * s_q, h), "lse.transpose(1, 2)"))
+
+
+_DECODE = Dispatcher("flashmla_sparse_decode")
+_DECODE.register("vendor", vendor.decode, vendor.decode_check)
+_DECODE.register("triton", _decode_triton, lambda q, k_cache, indices, out, *a, **k:
+                 triton_check(q, k_cache, indices, out))
+_DECODE.register("reference", _decode_reference)
+
+
+def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size):
+    if kv_format not in HEAD_DIM:
+        raise ValueError(f"kv_format must be 'v4' (584 B) or 'v32' (656 B), got {kv_format!r}")
+    fmt = formats.get_format(kv_format)
+    d = HEAD_DIM[kv_format]
+    checks.expect_dtype("q", q, torch.bfloat16)
+    if q.dim() != 4 or q.shape[3] != d:
+        raise ValueError(f"q must have shape [batch, s_q, heads, {d}] for kv_format "
+                         f"{kv_format!r}, got {list(q.shape)}")
+    b, s_q, h = q.shape[:3]
+    if not 1 <= h <= MAX_HEADS:
+        raise ValueError(f"q has {h} heads; expected 1..{MAX_HEADS}")
+    checks.expect_last_dim_contiguous("q", q)
+    bs = checks.paged_cache_block_size("k_cache", k_cache, fmt, block_size)
+    checks.expect_dtype("indices", indices, torch.int32)
+    checks.expect_shape("indices", indices, (b, s_q, None))
+    topk = indices.shape[2]
+    if topk_length is not None:
+        checks.expect_dtype("topk_length", topk_length, torch.int32)
+        checks.expect_shape("topk_length", topk_length, (b,))
+    extra_bs = None
+    if extra_k_cache is None:
+        if extra_indices is not None or extra_topk_length is not None:
+            raise ValueError("extra_indices_in_kvcache / extra_topk_length need extra_k_cache")
+    else:
+        if extra_indices is None:
+            raise ValueError("extra_k_cache needs extra_indices_in_kvcache")
+        try:
+            extra_bs = checks.paged_cache_block_size("extra_k_cache", extra_k_cache, fmt,
+                                                     extra_block_size)
+        except ValueError as exc:
+            raise ValueError(f"extra_k_cache must use the same format as k_cache "
+                             f"({kv_format}): {exc}") from None
+        checks.expect_dtype("extra_indices_in_kvcache", extra_indices, torch.int32)
+        checks.expect_shape("extra_indices_in_kvcache", extra_indices, (b, s_q, None))
+        if extra_topk_length is not None:
+            checks.expect_dtype("extra_topk_length", extra_topk_length, torch.int32)
+            checks.expect_shape("extra_topk_length", extra_topk_length, (b,))
+    if attn_sink is not None:
+        checks.expect_dtype("attn_sink", attn_sink, torch.float32)
+        checks.expect_shape("attn_sink", attn_sink, (h,))
+    checks.expect_dtype("out", out, torch.bfloat16)
+    checks.expect_shape("out", out, (b, s_q, h, 512))
+    checks.expect_last_dim_contiguous("out", out)
+    checks.expect_dtype("lse", lse, torch.float32)
+    checks.expect_shape("lse", lse, (b, h, s_q))
+    checks.expect_same_device(q=q, k_cache=k_cache, indices=indices, out=out, lse=lse,
+                              topk_length=topk_length, extra_k_cache=extra_k_cache,
+                              extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+                              attn_sink=attn_sink)
+    if checks.value_checks_enabled(indices, q):
+        for name, lens, width in (("topk_length", topk_length, topk),
+                                  ("extra_topk_length", extra_topk_length,
+                                   None if extra_indices is None else extra_indices.shape[2])):
+            if lens is not None and lens.numel() and (int(lens.min()) < 0
+                                                      or int(lens.max()) > width):
+                raise ValueError(f"{name} must be in [0, {width}] (its indices' last dim), "
+                                 f"got [{int(lens.min())}, {int(lens.max())}]")
+    return bs, extra_bs
+
+
+@torch.library.custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"))
+def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+                           topk_length: Optional[Tensor] = None,
+                           extra_k_cache: Optional[Tensor] = None,
+                           extra_indices: Optional[Tensor] = None,
+                           extra_topk_length: Optional[Tensor] = None,
+                           attn_sink: Optional[Tensor] = None,
+                           softmax_scale: Optional[float] = None, kv_format: str = "v4",
+                           block_size: Optional[int] = None,
+                           extra_block_size: Optional[int] = None, impl: str = "auto") -> None:
+    """SPEC §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
+    bs, extra_bs = _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
+                                    extra_indices, extra_topk_length, attn_sink, kv_format,
+                                    block_size, extra_block_size)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    _DECODE(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, impl=impl)
+
+
+@flashmla_sparse_decode.register_fake
+def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
+      extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
+      block_size=None, extra_block_size=None, impl="auto"):
+    _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size)
+
+
+def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=None,
+                           extra_k_cache=None, extra_indices_in_kvcache=None,
+                           extra_topk_length=None, softmax_scale=None, kv_format="v4",
+                           block_size=None, extra_block_size=None, out=None, lse=None,
+                           impl="auto"):
+    """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
+    Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs)."""
+    b, s_q, h = q.shape[:3]
+    if out is None:
+        out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
+    flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
+                           extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
+                           kv_format, block_size, extra_block_size, impl)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill: flash_mla_sparse_fwd on a dense bf16 kv (SPEC §5.2)
+
+def _prefill_source(kv, indices, topk_length):
+    # dense kv [s_kv, 1, 512] is a "plain" cache of s_kv blocks of one row each
+    return [KeySource(kv, "plain_bf16", 1, indices[:, 0, :], topk_length)]
+
+
+def _prefill_reference(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    o, l, m = sparse_attention_reference(q, _prefill_source(kv, indices, topk_length),
+                                         attn_sink, scale, return_max_logits=True)
+    out.copy_(o)
+    lse.copy_(l)
+    max_logits.copy_(m)
+
+
+def _prefill_triton(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    sparse_attention_triton(q, _prefill_source(kv, indices, topk_length), attn_sink, scale, out,
+                            lse, max_logits=max_logits)
+
+
+_PREFILL = Dispatcher("flashmla_sparse_prefill")
+_PREFILL.register("vendor", vendor.prefill, vendor.prefill_check)
+_PREFILL.register("triton", _prefill_triton, lambda q, kv, indices, out, *a, **k:
+                  triton_check(q, kv, indices, out))
+_PREFILL.register("reference", _prefill_reference)
+
+
+def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink):
+    checks.expect_dtype("q", q, torch.bfloat16)
+    if q.dim() != 3 or q.shape[2] != 512:
+        raise ValueError(f"q must have shape [s_q, heads, 512], got {list(q.shape)}")
+    s_q, h = q.shape[:2]
+    if not 1 <= h <= MAX_HEADS:
+        raise ValueError(f"q has {h} heads; expected 1..{MAX_HEADS}")
+    checks.expect_last_dim_contiguous("q", q)
+    checks.expect_dtype("kv", kv, torch.bfloat16)
+    checks.expect_shape("kv", kv, (None, 1, 512))
+    checks.expect_last_dim_contiguous("kv", kv)
+    checks.expect_dtype("indices", indices, torch.int32)
+    checks.expect_shape("indices", indices, (s_q, 1, None))
+    if topk_length is not None:
+        checks.expect_dtype("topk_length", topk_length, torch.int32)
+        checks.expect_shape("topk_length", topk_length, (s_q,))
+    if attn_sink is not None:
+        checks.expect_dtype("attn_sink", attn_sink, torch.float32)
+        checks.expect_shape("attn_sink", attn_sink, (h,))
+    checks.expect_dtype("out", out, torch.bfloat16)
+    checks.expect_shape("out", out, (s_q, h, 512))
+    checks.expect_last_dim_contiguous("out", out)
+    for name, t in (("max_logits", max_logits), ("lse", lse)):
+        checks.expect_dtype(name, t, torch.float32)
+        checks.expect_shape(name, t, (s_q, h))
+    checks.expect_same_device(q=q, kv=kv, indices=indices, out=out, max_logits=max_logits,
+                              lse=lse, topk_length=topk_length, attn_sink=attn_sink)
+
+
+@torch.library.custom_op("sparse_mla::flashmla_sparse_prefill",
+                         mutates_args=("out", "max_logits", "lse"))
+def flashmla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, out: Tensor,
+                            max_logits: Tensor, lse: Tensor, sm_scale: float,
+                            topk_length: Optional[Tensor] = None,
+                            attn_sink: Optional[Tensor] = None, impl: str = "auto") -> None:
+    """SPEC §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
+    j < topk_length[i]. lse / max_logits exclude the sink (+inf / -inf without keys)."""
+    _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink)
+    _PREFILL(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, sm_scale, impl=impl)
+
+
+@flashmla_sparse_prefill.register_fake
+def _(q, kv, indices, out, max_logits, lse, sm_scale, topk_length=None, attn_sink=None,
+      impl="auto"):
+    _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink)
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, *, attn_sink=None, topk_length=None,
+                         out=None, max_logits=None, lse=None, impl="auto"):
+    """FlashMLA's prefill call: returns ``(out, max_logits, lse)``."""
+    s_q, h = q.shape[:2]
+    out = torch.empty(s_q, h, 512, dtype=torch.bfloat16, device=q.device) if out is None else out
+    if max_logits is None:
+        max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device) if lse is None else lse
+    flashmla_sparse_prefill(q, kv, indices, out, max_logits, lse, sm_scale, topk_length,
+                            attn_sink, impl)
+    return out, max_logits, lse

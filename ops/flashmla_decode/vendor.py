@@ -1,0 +1,120 @@
+"""FlashMLA (the ``sgl-flash-mla`` wheel, module ``flash_mla``) as the vendor implementation.
+
+Only its frozen legacy kernels read the V4 584 B / V3.2 656 B formats, and they were verified
+here on SM90 (H100/H200) only, so that is all this path accepts. FlashMLA needs 64 or 128
+heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this module pads
+heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_mla():
+    try:
+        import flash_mla
+    except ImportError as exc:
+        return None, f"flash_mla is not importable (pip install sgl-flash-mla): {exc}"
+    if not getattr(flash_mla, "has_legacy", lambda: True)():
+        return None, "this flash_mla build has no legacy kernels (V4 / V3.2 formats)"
+    return flash_mla, None
+
+
+def _device_reason(t: torch.Tensor) -> Optional[str]:
+    if t.device.type != "cuda":
+        return f"FlashMLA needs CUDA tensors, got {t.device.type}"
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if (major, minor) != (9, 0):
+        return (f"FlashMLA's legacy V4/V3.2 kernels are used on SM90 only (verified there); "
+                f"this GPU is SM{major}{minor}")
+    return None
+
+
+def _padded_heads(h: int) -> int:
+    return 64 if h <= 64 else 128
+
+
+def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-idx.shape[-1]) % multiple
+    return F.pad(idx, (0, pad), value=-1) if pad else idx
+
+
+def _pad_heads(q: torch.Tensor, sink: Optional[torch.Tensor], head_dim: int):
+    h = q.shape[head_dim]
+    hp = _padded_heads(h)
+    if hp != h:
+        shape = list(q.shape)
+        shape[head_dim] = hp
+        qp = torch.zeros(shape, dtype=q.dtype, device=q.device)
+        qp.narrow(head_dim, 0, h).copy_(q)
+        q = qp
+        if sink is not None:
+            sink = torch.cat([sink, sink.new_full((hp - h,), float("-inf"))])
+    return q.contiguous() if q.stride(-1) != 1 else q, sink
+
+
+def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tensor:
+    """FlashMLA's [num_blocks, block_size, 1, B] view of any accepted cache view."""
+    raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    nb = cache.shape[0]
+    stride0 = cache.stride(0) if nb > 1 else bs * bytes_per_token
+    return raw.as_strided((nb, bs, 1, bytes_per_token), (stride0, bytes_per_token,
+                                                          bytes_per_token, 1),
+                          raw.storage_offset())
+
+
+def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+    reason = _device_reason(q)
+    if reason:
+        return reason
+    mod, why = _flash_mla()
+    if mod is None:
+        return why
+    if kv_format == "v32" and (topk_length is not None or extra_k_cache is not None):
+        return "FlashMLA's V3.2 kernels on SM90 take neither topk_length nor an extra cache"
+    return None
+
+
+def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+    flash_mla, _ = _flash_mla()
+    h = q.shape[2]
+    qp, sink = _pad_heads(q, attn_sink, 2)
+    nbytes = 584 if kv_format == "v4" else 656
+    meta, _ = flash_mla.get_mla_metadata()
+    kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
+                  indices=_pad_cols(indices, 64), attn_sink=sink, topk_length=topk_length,
+                  use_legacy=True, kv_format="V4" if kv_format == "v4" else "V32")
+    if extra_k_cache is not None:
+        kwargs.update(extra_k_cache=_paged_4d(extra_k_cache, extra_bs, nbytes),
+                      extra_indices_in_kvcache=_pad_cols(extra_indices, 64),
+                      extra_topk_length=extra_topk_length)
+    o, l = flash_mla.flash_mla_with_kvcache(qp, _paged_4d(k_cache, bs, nbytes), None, None, 512,
+                                           meta, **kwargs)
+    out.copy_(o[:, :, :h])
+    lse.copy_(l[:, :h])
+
+
+def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    reason = _device_reason(q)
+    if reason:
+        return reason
+    mod, why = _flash_mla()
+    return why
+
+
+def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    flash_mla, _ = _flash_mla()
+    h = q.shape[1]
+    qp, sink = _pad_heads(q, attn_sink, 1)
+    o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512, sink,
+                                             topk_length, use_legacy=True)
+    out.copy_(o[:, :h])
+    max_logits.copy_(m[:, :h])
+    lse.copy_(l[:, :h])

@@ -1,0 +1,84 @@
+"""Random FlashMLA-style decode / prefill inputs with every corner SPEC §9 asks for."""
+import torch
+
+from sparse_mla.ops.cache_insert import quantize_insert_v32, quantize_insert_v4
+from sparse_mla.ops.common import formats
+
+POISON = 0xFF           # e4m3 0xFF is NaN: a kernel that reads an unused row produces NaN
+
+
+def paged_cache(fmt, n_rows, block_size, device, g, extra_pages=0):
+    """A cache whose first ``n_rows`` slots hold random rows; every other byte is NaN poison."""
+    nb = n_rows // block_size + 2
+    f = formats.get_format(fmt)
+    cache = formats.alloc_paged_cache(fmt, nb, block_size, device=device, fill=POISON,
+                                      page_bytes=f.page_bytes(block_size) + 576 * extra_pages)
+    x = torch.randn(n_rows, 512, generator=g).to(torch.bfloat16).to(device)
+    slots = torch.arange(n_rows, device=device)
+    if fmt == "v4":
+        quantize_insert_v4(x, cache, slots)
+    else:
+        quantize_insert_v32(x, torch.randn(n_rows, 64, generator=g).to(torch.bfloat16)
+                            .to(device), cache, slots)
+    return cache
+
+
+def index_rows(b, s_q, width, n_rows, g, invalid_frac=0.1):
+    """Distinct valid ids with -1 holes; the last batch row is all -1 (no key)."""
+    idx = torch.stack([torch.randperm(n_rows, generator=g)[:width] if width <= n_rows else
+                       torch.randint(0, n_rows, (width,), generator=g)
+                       for _ in range(b * s_q)]).view(b, s_q, width).to(torch.int32)
+    holes = torch.rand(b, s_q, width, generator=g) < invalid_frac
+    idx[holes] = -1
+    if b > 1:
+        idx[-1] = -1
+    return idx
+
+
+def lengths(b, width, g):
+    """Per batch row: full, partial and zero lengths."""
+    lens = torch.randint(0, width + 1, (b,), generator=g, dtype=torch.int32)
+    lens[0] = width
+    if b > 2:
+        lens[1] = 0
+    return lens
+
+
+def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, extra_bs=2,
+                extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False):
+    g = torch.Generator().manual_seed(seed)
+    d = 512 if fmt == "v4" else 576
+    n_main = max(3 * topk // 2, 8)
+    q = torch.randn(b, s_q, 2 * h if noncontig_q else h, d, generator=g).to(torch.bfloat16)
+    q = q[:, :, ::2] if noncontig_q else q
+    a = dict(q=q.to(device), k_cache=paged_cache(fmt, n_main, bs, device, g),
+             indices=index_rows(b, s_q, topk, n_main, g).to(device), kv_format=fmt)
+    if use_lengths:
+        a["topk_length"] = lengths(b, topk, g).to(device)
+    if extra:
+        n_extra = max(extra_topk + 5, 8)
+        a["extra_k_cache"] = paged_cache(fmt, n_extra, extra_bs, device, g)
+        a["extra_indices_in_kvcache"] = index_rows(b, s_q, extra_topk, n_extra, g).to(device)
+        if use_lengths:
+            a["extra_topk_length"] = lengths(b, extra_topk, g).to(device)
+    if sink == "random":
+        s = torch.randn(h, generator=g)
+        s[0] = float("inf")
+        if h > 1:
+            s[1] = float("-inf")
+        a["attn_sink"] = s.to(device)
+    return a
+
+
+def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(s_kv + 4, 1, 512, generator=g).to(torch.bfloat16)
+    kv[s_kv:] = float("nan")                       # rows beyond s_kv: never valid
+    kv = kv[:s_kv]
+    idx = torch.randint(-2, s_kv + 3, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    lens = torch.randint(0, topk + 1, (s_q,), generator=g, dtype=torch.int32)
+    lens[0] = topk
+    sink = torch.randn(h, generator=g)
+    return dict(q=torch.randn(s_q, h, 512, generator=g).to(torch.bfloat16).to(device),
+                kv=kv.to(device), indices=idx.to(device), topk_length=lens.to(device),
+                attn_sink=sink.to(device), sm_scale=512 ** -0.5)

@@ -1,0 +1,76 @@
+"""The decode / prefill reference against softmax worked out independently in float64."""
+import torch
+
+from sparse_mla.ops.cache_insert import quantize_insert_v4
+from sparse_mla.ops.common import formats
+from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
+
+SCALE = 512 ** -0.5
+
+
+def _exact_rows(n):
+    """Rows whose V4 quantization is exact: one power of two per 64-wide tile, bf16 RoPE."""
+    rows = torch.zeros(n, 512)
+    for i in range(n):
+        rows[i, :448] = torch.tensor([2.0 ** ((i + t) % 5 - 2) * (-1) ** t for t in range(448)])
+        rows[i, 448:] = (i + 1) * 0.125
+    return rows
+
+
+def _expected(q, keys, sink):
+    s = SCALE * (q.double() @ keys.double().T)
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ keys.double()
+    return o * torch.sigmoid(lse - sink).unsqueeze(-1), lse
+
+
+def test_decode_union_of_main_and_extra_with_sinks_and_holes():
+    rows = _exact_rows(6)
+    main = formats.alloc_paged_cache("v4", 2, 4, fill=0xFF)       # NaN poison in unused slots
+    quantize_insert_v4(rows[:4].to(torch.bfloat16), main, torch.tensor([0, 1, 2, 5]))
+    extra = formats.alloc_paged_cache("v4", 2, 2, fill=0xFF)
+    quantize_insert_v4(rows[4:].to(torch.bfloat16), extra, torch.tensor([3, 0]))
+    q = torch.randn(1, 1, 3, 512).to(torch.bfloat16)
+    # main: slots 0, 5 valid; -1 skipped; column 3 (slot 1) beyond topk_length
+    idx = torch.tensor([[[0, -1, 5, 1]]], dtype=torch.int32)
+    eidx = torch.tensor([[[3, 0]]], dtype=torch.int32)
+    sink = torch.tensor([0.5, float("inf"), float("-inf")])
+    out, lse = flash_mla_with_kvcache(
+        q, main, idx, topk_length=torch.tensor([3], dtype=torch.int32), attn_sink=sink,
+        extra_k_cache=extra, extra_indices_in_kvcache=eidx, impl="reference")
+    keys = rows[[0, 3, 4, 5]]                                    # slot 5 holds rows[3]
+    exp_o, exp_lse = _expected(q[0, 0].float(), keys, sink.double())
+    assert lse.shape == (1, 3, 1)
+    torch.testing.assert_close(lse[0, :, 0].double(), exp_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0, 0].double(), exp_o, rtol=2 / 128, atol=1e-3)
+    assert out[0, 0, 1].eq(0).all()                              # +inf sink -> 0
+    assert not out.isnan().any()
+
+
+def test_decode_no_valid_key_gives_zero_and_inf_lse_whatever_the_sink():
+    cache = formats.alloc_paged_cache("v4", 1, 4, fill=0xFF)
+    q = torch.randn(2, 1, 2, 512).to(torch.bfloat16)
+    idx = torch.tensor([[[-1, -1]], [[0, 1]]], dtype=torch.int32)   # row 1: length 0
+    out, lse = flash_mla_with_kvcache(q, cache, idx, topk_length=torch.tensor([2, 0],
+                                      dtype=torch.int32),
+                                      attn_sink=torch.tensor([float("-inf"), 3.0]),
+                                      impl="reference")
+    assert out.eq(0).all() and lse.isinf().all() and (lse > 0).all()
+
+
+def test_prefill_validity_rules_and_max_logits():
+    kv = torch.randn(5, 1, 512).to(torch.bfloat16)
+    q = torch.randn(2, 2, 512).to(torch.bfloat16)
+    # row 0: -3 and 5 (= s_kv) invalid, 1 and 4 valid; row 1: topk_length 1 keeps only id 2
+    idx = torch.tensor([[[1, -3, 5, 4]], [[2, 0, 1, 3]]], dtype=torch.int32)
+    out, mx, lse = flash_mla_sparse_fwd(q, kv, idx, SCALE,
+                                        topk_length=torch.tensor([4, 1], dtype=torch.int32),
+                                        impl="reference")
+    for t, ids in ((0, [1, 4]), (1, [2])):
+        keys = kv[ids, 0].float()
+        s = SCALE * (q[t].double() @ keys.double().T)
+        torch.testing.assert_close(mx[t].double(), s.amax(-1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse[t].double(), torch.logsumexp(s, -1), rtol=1e-6,
+                                   atol=1e-6)
+        torch.testing.assert_close(out[t].double(), torch.softmax(s, -1) @ keys.double(),
+                                   rtol=2 / 128, atol=1e-3)

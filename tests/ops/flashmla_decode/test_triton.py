@@ -1,0 +1,96 @@
+"""Triton decode / prefill vs the reference with SPEC §9's tolerances (FlashMLA's own).
+
+CUDA runs the production-like grid; the Triton interpreter (CPU, *_interpret_test) runs a
+few tiny shapes of the same code.
+"""
+import pytest
+import torch
+
+from sparse_mla.ops.common.dispatch import last_choice
+from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
+from sparse_mla.tests.helpers import triton_params
+from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
+
+DEVICES = triton_params()
+
+
+def check_decode(ref, got):
+    (ro, rl), (o, l) = ref, got
+    assert not o.isnan().any()
+    torch.testing.assert_close(o.float(), ro.float(), atol=1e-3, rtol=2 / 128)
+    assert torch.equal(l.isinf(), rl.isinf())
+    fin = rl.isfinite()
+    torch.testing.assert_close(l[fin], rl[fin], atol=1e-6, rtol=8 / 65536)
+
+
+def _run_decode(a, impl):
+    a = dict(a)
+    q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+    return flash_mla_with_kvcache(q, cache, idx, impl=impl, **a)
+
+
+GPU_GRID = [  # (b, s_q, h, block sizes main/extra, topk, extra_topk, fmt)
+    (1, 1, 64, 64, 2, 128, 512, "v4"), (4, 2, 128, 256, 64, 128, 1024, "v4"),
+    (74, 1, 16, 53, 61, 128, 64, "v4"), (321, 3, 8, 61, 2, 64, 64, "v4"),
+    (4, 3, 1, 2, 53, 64, 128, "v4"), (74, 2, 32, 64, 2, 128, 512, "v4"),
+    (4, 2, 128, 64, None, 256, 0, "v32"), (2, 1, 64, 53, 2, 128, 64, "v32")]
+CPU_GRID = [(2, 2, 3, 61, 2, 64, 32, "v4"), (1, 1, 16, 2, 53, 32, 0, "v4"),
+            (2, 1, 5, 53, 2, 32, 16, "v32")]
+
+
+def _grid(device):
+    return CPU_GRID if device == "cpu" else GPU_GRID
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(GPU_GRID)))
+def test_decode_matches_reference(device, case):
+    grid = _grid(device)
+    if case >= len(grid):
+        pytest.skip(f"the {device} grid has {len(grid)} shapes")
+    b, s_q, h, bs, ebs, topk, etopk, fmt = grid[case]
+    a = decode_case(device, b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
+                    extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case,
+                    noncontig_q=case % 2 == 1)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert last_choice("flashmla_sparse_decode").impl == "triton"
+    check_decode(ref, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_lengths,sink", [(False, None), (True, "random")])
+def test_decode_without_lengths_or_sink(device, use_lengths, sink):
+    a = decode_case(device, b=3, s_q=1, h=4, bs=61, topk=64, extra=True, extra_topk=32,
+                    use_lengths=use_lengths, sink=sink, seed=11)
+    check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_writes_into_given_buffers(device):
+    a = decode_case(device, b=2, s_q=2, h=8, topk=64, extra=False, seed=5)
+    out = torch.full((2, 2, 8, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse_store = torch.full((2, 2, 8), float("nan"), device=device)
+    ref = _run_decode(a, "reference")
+    q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+    o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse_store.transpose(1, 2),
+                                  impl="triton", **a)
+    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse_store.data_ptr()
+    check_decode(ref, (out, lse_store.transpose(1, 2)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(7, 4, 40, 128), (64, 128, 300, 256), (33, 16, 2048, 128)])
+def test_prefill_matches_reference(device, shape):
+    s_q, h, s_kv, topk = shape
+    if device == "cpu":
+        s_q, h, s_kv, topk = min(s_q, 5), min(h, 4), min(s_kv, 64), 64
+    a = prefill_case(device, s_q=s_q, h=h, s_kv=s_kv, topk=topk, seed=s_q)
+    ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
+    o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
+    assert not o.isnan().any()
+    torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
+    for got, want in ((m, rm), (l, rl)):
+        assert torch.equal(got.isinf(), want.isinf())
+        fin = want.isfinite()
+        torch.testing.assert_close(got[fin], want[fin], atol=1e-6, rtol=2 / 65536)

@@ -1,0 +1,85 @@
+"""FlashMLA-semantics decode / prefill: our Triton kernel and FlashMLA side by side, one run.
+
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_flashmla [--quick]
+
+Times are CUDA-graph replays (GPU time per call). FlashMLA is called directly (legacy SM90
+kernels, fresh scheduler metadata per call as vLLM does per step); ours goes through the op.
+Ratio = FlashMLA time / our time (> 1: ours is faster). Roofline: this run's copy bandwidth
+and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA| on the output.
+"""
+import argparse
+import sys
+
+import torch
+
+from sparse_mla.ops.flashmla_decode import bench
+from sparse_mla.tools import harness
+
+
+def _flash_mla_decode(a):
+    import flash_mla
+    meta, _ = flash_mla.get_mla_metadata()
+    four_d = lambda c: c.unsqueeze(-2)  # noqa: E731  [nb, bs, 584] -> [nb, bs, 1, 584]
+    kw = {}
+    if "extra_k_cache" in a:
+        kw = dict(extra_k_cache=four_d(a["extra_k_cache"]),
+                  extra_indices_in_kvcache=a["extra_indices_in_kvcache"],
+                  topk_length=a["topk_length"], extra_topk_length=a["extra_topk_length"],
+                  attn_sink=a["attn_sink"])
+    return flash_mla.flash_mla_with_kvcache(
+        a["q"], four_d(a["k_cache"]), None, None, 512, meta, softmax_scale=a["q"].shape[-1] ** -0.5,
+        is_fp8_kvcache=True, indices=a["indices"], use_legacy=True,
+        kv_format="V4" if a.get("kv_format", "v4") == "v4" else "V32", **kw)
+
+
+def _flash_mla_prefill(a):
+    import flash_mla
+    return flash_mla.flash_mla_sparse_fwd(a["q"], a["kv"], a["indices"], a["sm_scale"], 512,
+                                          a["attn_sink"], None, use_legacy=True)
+
+
+def _time(fn):
+    t = harness.time_graph(fn)
+    return (t, "graph") if t is not None else (harness.time_fn(fn, "cuda"), "eager")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
+    args = p.parse_args(argv)
+    copy = harness.copy_bandwidth("cuda")
+    mm = harness.matmul_rate("cuda")
+    print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "
+          f"matmul {mm / 1e12:,.0f} TFLOP/s (measured now)", flush=True)
+    head = ("shape", "FlashMLA µs", "ours µs", "ratio", "ours TFLOP/s", "ours GB/s", "% mm",
+            "% copy", "max |diff|")
+    rows = []
+    for case in bench.cases("cuda", False):
+        if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
+                                                           for b in (2, 64))):
+            continue
+        torch.manual_seed(0)
+        a = case.make()
+        vendor_fn = (lambda: _flash_mla_prefill(a)) if "prefill" in case.op else \
+            (lambda: _flash_mla_decode(a))
+        try:
+            v_out = vendor_fn()
+            tv, _ = _time(vendor_fn)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            v_out, tv = None, None
+            print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
+        ours = case.run(a, "triton")
+        to, how = _time(lambda: case.run(a, "triton"))
+        diff = "-" if v_out is None else f"{float((ours[0].float() - v_out[0].float()).abs().max()):.2e}"
+        rows.append((case.shape, "-" if tv is None else f"{tv * 1e6:.1f}", f"{to * 1e6:.1f}",
+                     "-" if tv is None else f"{tv / to:.2f}", f"{case.flops / to / 1e12:.0f}",
+                     f"{case.bytes / to / 1e9:,.0f}", f"{100 * case.flops / to / mm:.0f}%",
+                     f"{100 * case.bytes / to / copy:.0f}%", diff))
+        print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()
