@@ -23,7 +23,7 @@ from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
 # Launch shape (tools/ sweeps may override): key rows per tile, max heads per program, warps.
 CONFIG = {"block_n": 32, "max_heads": 64, "num_warps": 8, "min_programs": 264}
