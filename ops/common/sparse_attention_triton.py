@@ -30,7 +30,8 @@ CONFIG = {"block_n": 32, "max_heads": 64, "num_warps": 8, "min_programs": 264}
 
 
 @triton.jit
-def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, DOT_F32: tl.constexpr):
+def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, BN: tl.constexpr,
+               DOT_F32: tl.constexpr):
     """Rows ``idx`` [BN] of one cache as a [BN, 512] tile (V4/V3.2: dequantized latent incl.
     V4's RoPE dims; plain: the row) and, for V3.2, the [BN, 64] RoPE tile (else a dummy).
     Invalid rows are zeros. Dequantization is exact in bf16 for V4 (e4m3 × 2^k) and rounds
@@ -41,15 +42,19 @@ def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, DOT_F32: tl
     blk = (idx // BS).to(tl.int64)[:, None]
     off = (idx % BS).to(tl.int64)[:, None]
     if FMT == 0:
+        # one UE8M0 scale per 64-wide tile, broadcast over the tile (not loaded per element)
+        t3 = tl.arange(0, 8)[None, :, None]
+        c3 = tl.arange(0, 64)[None, None, :]
         base = cache_ptr + blk * s0
-        data = base + off * 576
-        nope = v & (d < 448)
-        q8 = tl.load(data + d, mask=nope, other=0).to(tl.float8e4nv, bitcast=True)
-        sb = tl.load(base + BS * 576 + off * 8 + d // 64, mask=nope, other=127).to(tl.int32)
-        x = q8.to(tl.float32) * exp2_int(sb - 127)
-        rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16)) + (d - 448),
-                       mask=v & (d >= 448), other=0.0).to(tl.float32)
-        k = tl.where(d < 448, x, rope)
+        data3 = (base + off * 576)[:, :, None]
+        v3 = v[:, :, None]
+        q8 = tl.load(data3 + t3 * 64 + c3, mask=v3 & (t3 < 7), other=0)
+        sb = tl.load(base + BS * 576 + off * 8 + tl.arange(0, 8)[None, :], mask=v,
+                     other=127).to(tl.int32)
+        x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * exp2_int(sb - 127)[:, :, None]
+        rope = tl.load((data3 + 448).to(tl.pointer_type(tl.bfloat16)) + c3,
+                       mask=v3 & (t3 == 7), other=0.0).to(tl.float32)
+        k = tl.reshape(tl.where(t3 < 7, x, rope), (BN, 512))
         k_rope = tl.zeros((1, 64), tl.float32)
     elif FMT == 1:
         rec = cache_ptr + blk * s0 + off * 656
@@ -85,7 +90,7 @@ def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s
         live = cols < hi
         idx = tl.load(idx_ptr + t.to(tl.int64) * idx_s0 + cols, mask=live, other=-1)
         valid = live & (idx >= 0) & (idx < cap)
-        k, k_rope = _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT, DOT_F32)
+        k, k_rope = _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT, BN, DOT_F32)
         s = tl.dot(q, tl.trans(k))
         if FMT == 1:
             s += tl.dot(q_rope, tl.trans(k_rope))
