@@ -25,8 +25,8 @@ FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
-# Launch shape (tools/ sweeps may override): key rows per tile, max heads per program, warps.
-CONFIG = {"block_n": 32, "max_heads": 64, "num_warps": 8, "min_programs": 264}
+# Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
+CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": None}
 
 
 @triton.jit
@@ -249,7 +249,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         FMT0=FMT_CODES[src0.fmt], FMT1=FMT_CODES[src1.fmt] if src1 else 0,
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, DOT_F32=interp, num_warps=CONFIG["num_warps"])
+        Q_FP8=q_fp8, HB=hb, BN=bn, DOT_F32=interp, num_warps=CONFIG["num_warps"],
+        **({} if CONFIG["num_stages"] is None else {"num_stages": CONFIG["num_stages"]}))
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
