@@ -26,7 +26,7 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
-CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": None}
+CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": 1}
 
 
 @triton.jit
