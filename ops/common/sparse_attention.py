@@ -31,8 +31,8 @@ class KeySource:
 
     cache: paged byte view for "v4"/"v32" (any view accepted by
         ``checks.paged_cache_block_size``), or ``[num_blocks, block_size, D]`` bf16 /
-        float8_e4m3fn for "plain_bf16"/"plain_fp8" (D = 512; strides of dims 0, 1 free,
-        last dim contiguous).
+        float8_e4m3fn for "plain_bf16"/"plain_fp8" (D = 512, or 576 for a V3.2 plain cache;
+        strides of dims 0, 1 free, last dim contiguous).
     indices: ``[T, K]`` int32 slot ids (``block * block_size + offset``), any strides.
     lengths: ``[T]`` int32 number of leading columns that may be used, or None.
     kv_scale: plain fp8 only: the per-tensor dequantization scale folded into the caller's
@@ -51,7 +51,9 @@ class KeySource:
 
 
 def head_dims(sources: Sequence[KeySource]) -> int:
-    """D_qk: 576 for V3.2 (512 latent + 64 RoPE), else 512."""
+    """D_qk: 576 for V3.2 (512 latent + 64 RoPE; "v32" or a 576-wide plain cache), else 512."""
+    if sources and sources[0].fmt in ("plain_bf16", "plain_fp8"):
+        return sources[0].cache.shape[-1]
     return 576 if sources and sources[0].fmt == "v32" else 512
 
 

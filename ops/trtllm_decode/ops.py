@@ -1,0 +1,780 @@
+"""TRTLLM-gen-semantics sparse MLA decode (SPEC §6) as ``sparse_mla::`` custom ops.
+
+* ``trtllm_decode_dsv4``: FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (DeepSeek-V4,
+  plain bf16 / per-tensor-fp8 SWA and compressed pools, 512-dim q/k/v).
+* ``trtllm_decode_v32``: FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla(...,
+  sparse_mla_top_k=K)`` as vLLM's V3.2 ``FlashInferMLASparseBackend`` calls it (576-dim q/k,
+  512-dim v, one plain cache, global token indices).
+
+Each op: validate (raises before anything is written) → dispatch → implementation. The
+arguments are translated into ``KeySource`` lists of the shared attention layer
+(ops/common/sparse_attention.py), so the reference and the Triton kernel are the shared ones.
+Vendor: FlashInfer, imported lazily, only on SM100/SM103 with ``flashinfer`` installed. The
+vendor argument translation is a pure function (``dsv4_vendor_arguments``,
+``v32_vendor_arguments``) unit-tested on CPU; **FlashInfer's kernel itself was never run by
+this project (no SM100 GPU was available), so the vendor path is unverified.**
+
+Addressing: FlashInfer's TRTLLM-gen kernels see a pool as flat token rows (page size 1): slot
+``s`` is read at ``base + s * token_stride``. For a contiguous pool that is page
+``s // page_size``, offset ``s % page_size``; for a "packed" pool (pages further apart than
+``page_size`` rows, SPEC §2.3) callers must already have remapped slots to the page span, and
+this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
+
+No host syncs on the hot path: per-token lengths are computed with tensor ops, ``max_q_len``
+arrives as a Python int. Value checks (lens range, seq_len >= q_len, slots in range) run for
+CPU tensors, or with ``SPARSE_MLA_CHECK_VALUES=1`` (ops/common/checks.py). Tensor-form
+``bmm1_scale`` / ``bmm2_scale`` are read on the host (``float()``, a sync) by the reference and
+Triton paths, because the shared layer takes Python floats; pass floats to keep the Triton path
+capturable.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from sparse_mla.ops.common import checks
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
+                                                    sparse_attention_triton)
+
+I32 = torch.int32
+SWA_COLS = 128                        # fixed SWA window columns of a DSv4 index row
+TOPK_ALIGNMENT = 4                    # TRTLLM-gen loads index rows with 16-byte cp.async
+MAX_HEADS = 128
+DSV4_DIM = 512
+V32_DIM = 576                         # 512 latent + 64 RoPE
+V_DIM = 512
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+LAYOUTS = ("HND", "NHD")
+FLASHINFER_DSV4_HEADS = (8, 16, 32, 64, 128)   # _check_dsv4_sparse_mla_inputs
+FLASHINFER_V32_PAGE_SIZES = (32, 64)           # trtllm-gen MLA decode block sizes
+VENDOR_CCS = ((10, 0), (10, 3))
+VENDOR_NEEDS = ("needs an SM100/SM103 GPU (compute capability 10.0 / 10.3) and the flashinfer "
+                "package (flashinfer-python); FlashInfer's kernel was never run by this "
+                "project's tests (no SM100 available), so this path is unverified")
+WORKSPACE_BYTES = 128 * 1024 * 1024   # vLLM's zero-initialised FlashInfer workspace
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+
+def _pool_view(name: str, cache: Tensor, kv_layout: str, width: int) -> Tensor:
+    """Validate one pool and return its ``[pages, page_size, width]`` view."""
+    checks.expect_dtype(name, cache, KV_DTYPES)
+    if cache.dim() == 3:
+        if kv_layout != "HND":
+            raise ValueError(f"{name} is 3-D [pages, page_size, {width}], which FlashInfer "
+                             f"accepts only with kv_layout='HND', got kv_layout={kv_layout!r}")
+        v = cache
+    elif cache.dim() == 4:
+        if kv_layout == "HND":
+            if cache.shape[1] != 1:
+                raise ValueError(f"{name} with kv_layout='HND' must be [pages, 1, page_size, "
+                                 f"{width}] (one KV head), got {list(cache.shape)}")
+            v = cache.select(1, 0)
+        else:
+            if cache.shape[2] != 1:
+                raise ValueError(f"{name} with kv_layout='NHD' must be [pages, page_size, 1, "
+                                 f"{width}] (one KV head), got {list(cache.shape)}")
+            v = cache.select(2, 0)
+    else:
+        raise ValueError(f"{name} must be 3-D [pages, page_size, {width}] or 4-D "
+                         f"(HND [pages, 1, page_size, {width}] / NHD [pages, page_size, 1, "
+                         f"{width}]), got {list(cache.shape)}")
+    if v.shape[-1] != width:
+        raise ValueError(f"{name} head dim must be {width}, got {v.shape[-1]}")
+    checks.expect_last_dim_contiguous(name, v)
+    pages, ps = v.shape[0], v.shape[1]
+    if pages < 1 or ps < 1:
+        raise ValueError(f"{name} must hold at least one page of at least one token, "
+                         f"got {list(cache.shape)}")
+    tok = _token_stride(v)
+    if tok < width:
+        raise ValueError(f"{name} token rows overlap: token stride {tok} < head dim {width}")
+    if pages > 1 and (v.stride(0) % tok or v.stride(0) < ps * tok):
+        raise ValueError(f"{name} page stride {v.stride(0)} must be a multiple of the token "
+                         f"stride {tok} and at least page_size * token stride = {ps * tok} "
+                         f"(FlashInfer addresses slot s at base + s * token_stride)")
+    return v
+
+
+def _token_stride(v: Tensor) -> int:
+    pages, ps, d = v.shape
+    if ps > 1:
+        return v.stride(1)
+    return v.stride(0) if pages > 1 else d
+
+
+def _flat_rows(v: Tensor) -> Tensor:
+    """``[rows, 1, D]`` view of a validated pool: row ``s`` at ``base + s * token_stride``."""
+    pages, ps, d = v.shape
+    tok = _token_stride(v)
+    span = v.stride(0) // tok if pages > 1 else ps
+    rows = (pages - 1) * span + ps
+    return v.as_strided((rows, 1, d), (tok, tok, 1), v.storage_offset())
+
+
+def _pool_rows(v: Tensor) -> int:
+    pages, ps, _ = v.shape
+    span = v.stride(0) // _token_stride(v) if pages > 1 else ps
+    return (pages - 1) * span + ps
+
+
+def _fmt(dtype) -> str:
+    return "plain_bf16" if dtype == torch.bfloat16 else "plain_fp8"
+
+
+def _scale(value: float, tensor: Optional[Tensor]) -> float:
+    return value if tensor is None else float(tensor.reshape(-1)[0])
+
+
+def _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor):
+    for name, v in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a float (or pass a tensor), got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v}")
+    for name, t in (("bmm1_scale", bmm1_scale_tensor), ("bmm2_scale", bmm2_scale_tensor)):
+        if t is not None:
+            checks.expect_dtype(name, t, torch.float32)
+            if t.numel() != 1:
+                raise ValueError(f"{name} tensor must hold one scalar, got shape {list(t.shape)}")
+
+
+def _check_query_batch(query, width, cum_seq_lens_q, max_q_len, allow_flat_tokens=False):
+    """Returns (T, B, Q, H). ``Q`` is the per-request token count of the dense form, or
+    ``max_q_len`` for the varlen form."""
+    checks.expect_dtype("query", query, KV_DTYPES)
+    if cum_seq_lens_q is not None:
+        if query.dim() != 3 or query.shape[2] != width:
+            raise ValueError(f"query must have shape [sum_q, num_heads, {width}] when "
+                             f"cum_seq_lens_q is given, got {list(query.shape)}")
+        checks.expect_dtype("cum_seq_lens_q", cum_seq_lens_q, I32)
+        if cum_seq_lens_q.dim() != 1 or cum_seq_lens_q.shape[0] < 2:
+            raise ValueError(f"cum_seq_lens_q must be 1-D [batch_size + 1] with at least 2 "
+                             f"entries, got shape {list(cum_seq_lens_q.shape)}")
+        if max_q_len is None:
+            raise ValueError("max_q_len is required with cum_seq_lens_q (it avoids a "
+                             "device-to-host sync)")
+        checks.expect_int("max_q_len", max_q_len, 1)
+        T, H = query.shape[0], query.shape[1]
+        B, Q = cum_seq_lens_q.shape[0] - 1, max_q_len
+    elif query.dim() == 4:
+        if query.shape[3] != width:
+            raise ValueError(f"query must have shape [batch_size, q_len, num_heads, {width}], "
+                             f"got {list(query.shape)}")
+        B, Q, H = query.shape[0], query.shape[1], query.shape[2]
+        if max_q_len is not None:
+            checks.expect_int("max_q_len", max_q_len, 1)
+            if max_q_len != Q:
+                raise ValueError(f"max_q_len must equal query.shape[1] = {Q} for the dense "
+                                 f"[batch_size, q_len, num_heads, {width}] form, got {max_q_len}")
+        T = B * Q
+    elif query.dim() == 3 and allow_flat_tokens and query.shape[2] == width:
+        T, H = query.shape[0], query.shape[1]
+        B, Q = T, 1
+    else:
+        form = f"[batch_size, q_len, num_heads, {width}]"
+        if allow_flat_tokens:
+            form += f" or [num_tokens, num_heads, {width}]"
+        raise ValueError(f"query must have shape {form} (or [sum_q, num_heads, {width}] with "
+                         f"cum_seq_lens_q), got {list(query.shape)}")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"query has {H} heads; expected 1..{MAX_HEADS}")
+    checks.expect_last_dim_contiguous("query", query)
+    return T, B, Q, H
+
+
+def _check_out(out, query, T, H):
+    checks.expect_dtype("out", out, torch.bfloat16)
+    want = list(query.shape[:-1]) + [V_DIM]
+    if list(out.shape) != want:
+        raise ValueError(f"out must have shape {want}, got {list(out.shape)}")
+    checks.expect_last_dim_contiguous("out", out)
+    try:
+        out.view(T, H, V_DIM)
+    except RuntimeError:
+        raise ValueError(f"out must be viewable as [{T}, {H}, {V_DIM}] (tokens flattened) "
+                         f"without a copy, got strides {out.stride()}") from None
+
+
+def _check_sinks(sinks, H):
+    if sinks is not None:
+        checks.expect_dtype("sinks", sinks, torch.float32)
+        checks.expect_shape("sinks", sinks, (H,))
+
+
+def _token_map(T: int, B: int, Q: int, cum_seq_lens_q: Optional[Tensor], device):
+    """Per token: request id, index inside its request, its request's query length, and
+    whether it belongs to a request at all (varlen rows outside ``cum_seq_lens_q`` do not).
+    Tensor ops only (no host sync)."""
+    t = torch.arange(T, device=device)
+    if cum_seq_lens_q is None:
+        req = t // Q
+        return req, t - req * Q, torch.full_like(t, Q), torch.ones_like(t, dtype=torch.bool)
+    cu = cum_seq_lens_q.long()
+    req = torch.searchsorted(cu[1:].contiguous(), t, right=True).clamp_(max=B - 1)
+    start, end = cu[req], cu[req + 1]
+    return req, t - start, end - start, (t >= start) & (t < end)
+
+
+def _check_requests(cum_seq_lens_q, max_q_len, T):
+    cu = cum_seq_lens_q.long()
+    if int(cu[0]) < 0 or int(cu[-1]) > T:
+        raise ValueError(f"cum_seq_lens_q must lie in [0, {T}] (query rows), got "
+                         f"[{int(cu[0])}, {int(cu[-1])}]")
+    ql = cu[1:] - cu[:-1]
+    if int(ql.min()) < 0:
+        r = int((ql < 0).nonzero()[0])
+        raise ValueError(f"cum_seq_lens_q must be non-decreasing; request {r} has q_len "
+                         f"{int(ql[r])}")
+    if int(ql.max()) > max_q_len:
+        raise ValueError(f"max_q_len = {max_q_len} is smaller than the longest request "
+                         f"({int(ql.max())} query tokens)")
+    return ql
+
+
+def _check_active_slots(name, idx, ncols, capacity):
+    """Values: active (column < ncols[t]) non-negative entries address a pool row."""
+    if idx.numel() == 0:
+        return
+    cols = torch.arange(idx.shape[1], device=idx.device)
+    active = (cols.unsqueeze(0) < ncols.long().unsqueeze(1)) & (idx >= 0)
+    bad = (active & (idx.long() >= capacity)).nonzero()
+    if bad.numel():
+        t, j = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(f"{name}[{t}, {j}] = {int(idx[t, j])} is not a row of its pool "
+                         f"({capacity} rows = pages * page_size, flat token addressing)")
+
+
+def _vendor_env() -> Optional[str]:
+    """None when FlashInfer could run here, else why not."""
+    if not torch.cuda.is_available():
+        return VENDOR_NEEDS + " (no CUDA device)"
+    cc = torch.cuda.get_device_capability()
+    if tuple(cc) not in VENDOR_CCS:
+        return VENDOR_NEEDS + f" (this GPU is SM{cc[0]}{cc[1]})"
+    try:
+        import flashinfer.decode  # noqa: F401
+    except Exception as exc:   # noqa: BLE001 - any import failure means "not available"
+        return VENDOR_NEEDS + f" (flashinfer is not importable: {exc})"
+    return None
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device) -> Tensor:
+    """One zero-initialised 128 MiB FlashInfer workspace per device (as vLLM allocates)."""
+    key = str(device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _WORKSPACES[key]
+
+
+def _pad_heads(H: int, allowed) -> int:
+    for a in allowed:
+        if H <= a:
+            return a
+    raise ValueError(f"{H} heads exceed the largest head count {allowed[-1]} FlashInfer accepts")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4: trtllm_batch_decode_sparse_mla_dsv4
+
+def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                   seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
+                   sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
+    if kv_layout not in LAYOUTS:
+        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    T, B, Q, H = _check_query_batch(query, DSV4_DIM, cum_seq_lens_q, max_q_len)
+    swa = _pool_view("swa_kv_cache", swa_kv_cache, kv_layout, DSV4_DIM)
+    cmp = _pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout, DSV4_DIM)
+    for name, c in (("swa_kv_cache", swa), ("compressed_kv_cache", cmp)):
+        if c.dtype != query.dtype:
+            raise TypeError(f"{name} dtype must match query dtype (TRTLLM-gen reads q and KV in "
+                            f"one precision), got {str(c.dtype).removeprefix('torch.')} and "
+                            f"{str(query.dtype).removeprefix('torch.')}")
+    checks.expect_dtype("sparse_indices", sparse_indices, I32)
+    if sparse_indices.dim() != 2 or sparse_indices.shape[0] != T:
+        raise ValueError(f"sparse_indices must have shape [{T}, TOPK] (one row per query "
+                         f"token), got {list(sparse_indices.shape)}")
+    topk = sparse_indices.shape[1]
+    if topk < SWA_COLS:
+        raise ValueError(f"sparse_indices must include the fixed {SWA_COLS} SWA columns: "
+                         f"TOPK >= {SWA_COLS}, got {topk}")
+    if topk % TOPK_ALIGNMENT:
+        raise ValueError(f"sparse_indices last dimension (TOPK) must be a multiple of "
+                         f"{TOPK_ALIGNMENT} (16-byte rows), got {topk}")
+    checks.expect_dtype("sparse_topk_lens", sparse_topk_lens, I32)
+    checks.expect_shape("sparse_topk_lens", sparse_topk_lens, (T,))
+    checks.expect_dtype("seq_lens", seq_lens, I32)
+    checks.expect_shape("seq_lens", seq_lens, (B,))
+    _check_out(out, query, T, H)
+    _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor)
+    _check_sinks(sinks, H)
+    if workspace_buffer is not None and not isinstance(workspace_buffer, Tensor):
+        raise TypeError("workspace_buffer must be a tensor or None")
+    checks.expect_same_device(query=query, swa_kv_cache=swa_kv_cache,
+                              compressed_kv_cache=compressed_kv_cache,
+                              sparse_indices=sparse_indices, sparse_topk_lens=sparse_topk_lens,
+                              seq_lens=seq_lens, out=out, sinks=sinks,
+                              cum_seq_lens_q=cum_seq_lens_q, bmm1_scale=bmm1_scale_tensor,
+                              bmm2_scale=bmm2_scale_tensor)
+    if checks.value_checks_enabled(query, sparse_topk_lens, seq_lens, sparse_indices):
+        lens = sparse_topk_lens.long()
+        if T and (int(lens.min()) < SWA_COLS or int(lens.max()) > topk):
+            t = int(((lens < SWA_COLS) | (lens > topk)).nonzero()[0])
+            raise ValueError(f"sparse_topk_lens must be in [{SWA_COLS}, {topk}] (it counts the "
+                             f"{SWA_COLS} SWA columns; TOPK = {topk}); token {t} has {int(lens[t])}")
+        if cum_seq_lens_q is not None:
+            ql = _check_requests(cum_seq_lens_q, max_q_len, T)
+        else:
+            ql = torch.full((B,), Q, dtype=torch.long, device=seq_lens.device)
+        bad = (seq_lens.long() < ql).nonzero()
+        if bad.numel():
+            r = int(bad[0])
+            raise ValueError(f"seq_lens must be >= the request's query length (TRTLLM-gen "
+                             f"derives the SWA window from it): request {r} has seq_len "
+                             f"{int(seq_lens[r])} < q_len {int(ql[r])}")
+        swa_len, cmp_len = _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q,
+                                         topk)
+        _check_active_slots("sparse_indices", sparse_indices[:, :SWA_COLS], swa_len,
+                            _pool_rows(swa))
+        _check_active_slots("sparse_indices[:, 128:]", sparse_indices[:, SWA_COLS:], cmp_len,
+                            _pool_rows(cmp))
+    return T, B, Q, H, swa, cmp
+
+
+def _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
+    """SWA: ``min(seq_len - q_len + q_idx + 1, 128)`` leading columns (0 if negative);
+    compressed: ``sparse_topk_lens - 128`` leading columns (clamped to [0, TOPK - 128])."""
+    req, qi, ql, inb = _token_map(T, B, Q, cum_seq_lens_q, sparse_topk_lens.device)
+    visible = seq_lens.long()[req] - ql + qi + 1 if B else torch.zeros_like(req)
+    zero = torch.zeros_like(req)
+    swa_len = torch.where(inb, visible.clamp(0, SWA_COLS), zero).to(I32)
+    cmp_len = torch.where(inb, (sparse_topk_lens.long() - SWA_COLS).clamp(0, topk - SWA_COLS),
+                          zero).to(I32)
+    return swa_len, cmp_len
+
+
+def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                  seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len):
+    """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer."""
+    H = query.shape[-2]
+    q = query.reshape(-1, H, DSV4_DIM)
+    T = q.shape[0]
+    B = seq_lens.shape[0]
+    Q = query.shape[1] if cum_seq_lens_q is None else max_q_len
+    swa = _flat_rows(_pool_view("swa_kv_cache", swa_kv_cache, kv_layout, DSV4_DIM))
+    cmp = _flat_rows(_pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout,
+                                DSV4_DIM))
+    topk = sparse_indices.shape[1]
+    swa_len, cmp_len = _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk)
+    fmt = _fmt(query.dtype)
+    sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], swa_len)]
+    if topk > SWA_COLS:
+        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], cmp_len))
+    return q, sources, out.view(T, H, V_DIM)
+
+
+def _dsv4_reference(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                    seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
+                    sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
+    q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
+                                  sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
+                                  max_q_len)
+    res, _ = sparse_attention_reference(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor),
+                                        _scale(bmm2_scale, bmm2_scale_tensor))
+    o.copy_(res)
+
+
+def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                 seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
+                 sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
+    q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
+                                  sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
+                                  max_q_len)
+    sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
+                            out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
+
+
+def dsv4_vendor_arguments(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
+                          sparse_topk_lens, seq_lens, out, bmm1_scale=1.0,
+                          bmm1_scale_tensor=None, bmm2_scale=1.0, bmm2_scale_tensor=None,
+                          sinks=None, kv_layout="HND", cum_seq_lens_q=None, max_q_len=None,
+                          workspace_buffer=None) -> dict:
+    """Pure translation of validated op arguments into the call FlashInfer would receive.
+
+    Returns ``{"function": name in flashinfer.decode, "kwargs": {...}, "copy_out":
+    (padded_out, out) or None}``. Heads are padded up to the next count FlashInfer's DSv4 check
+    accepts (8, 16, 32, 64, 128): q pad heads are zeros, sink pad heads -inf, and the padded
+    output's first ``H`` heads are copied into ``out`` afterwards. Caches, indices, lengths and
+    the layout pass unchanged (3-D stays 3-D). A tensor ``bmm1_scale`` is passed as the tensor
+    in natural units: FlashInfer multiplies it by log2(e) itself (a float is converted in C++).
+    Allocates only the padded copies; imports nothing; launches nothing.
+    """
+    H = query.shape[-2]
+    Hp = _pad_heads(H, FLASHINFER_DSV4_HEADS)
+    q, o, s, copy_out = query, out, sinks, None
+    if Hp != H:
+        pad = list(query.shape)
+        pad[-2] = Hp
+        q = torch.zeros(pad, dtype=query.dtype, device=query.device)
+        q[..., :H, :] = query
+        o = torch.empty(pad[:-1] + [V_DIM], dtype=torch.bfloat16, device=query.device)
+        copy_out = (o, out)
+        if sinks is not None:
+            s = torch.full((Hp,), float("-inf"), dtype=torch.float32, device=sinks.device)
+            s[:H] = sinks
+    kwargs = dict(
+        query=q, swa_kv_cache=swa_kv_cache, workspace_buffer=workspace_buffer,
+        sparse_indices=sparse_indices, compressed_kv_cache=compressed_kv_cache,
+        sparse_topk_lens=sparse_topk_lens, seq_lens=seq_lens, out=o,
+        bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
+        bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
+        sinks=s, kv_layout=kv_layout, cum_seq_lens_q=cum_seq_lens_q,
+        max_q_len=max_q_len, backend="trtllm-gen")
+    return {"function": "trtllm_batch_decode_sparse_mla_dsv4", "kwargs": kwargs,
+            "copy_out": copy_out}
+
+
+def _run_vendor(plan):
+    import flashinfer.decode as fi_decode
+    getattr(fi_decode, plan["function"])(**plan["kwargs"])
+    if plan["copy_out"] is not None:
+        padded, out = plan["copy_out"]
+        out.copy_(padded[..., :out.shape[-2], :])
+
+
+def _dsv4_vendor(*args):
+    a = list(args)
+    if a[-1] is None:
+        a[-1] = _workspace(args[0].device)
+    _run_vendor(dsv4_vendor_arguments(*a))
+
+
+def _dsv4_vendor_check(*args) -> Optional[str]:
+    reason = _vendor_env()
+    if reason is None and args[0].device.type != "cuda":
+        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
+    return reason
+
+
+_DSV4 = Dispatcher("trtllm_decode_dsv4")
+_DSV4.register("vendor", _dsv4_vendor, _dsv4_vendor_check)
+_DSV4.register("triton", _dsv4_triton, lambda *a: triton_check(*a[:7]))
+_DSV4.register("reference", _dsv4_reference)
+
+
+@torch.library.custom_op("sparse_mla::trtllm_decode_dsv4",
+                         mutates_args=("out", "workspace_buffer"))
+def trtllm_decode_dsv4(query: Tensor, swa_kv_cache: Tensor, sparse_indices: Tensor,
+                       compressed_kv_cache: Tensor, sparse_topk_lens: Tensor, seq_lens: Tensor,
+                       out: Tensor, bmm1_scale: float = 1.0,
+                       bmm1_scale_tensor: Optional[Tensor] = None, bmm2_scale: float = 1.0,
+                       bmm2_scale_tensor: Optional[Tensor] = None,
+                       sinks: Optional[Tensor] = None, kv_layout: str = "HND",
+                       cum_seq_lens_q: Optional[Tensor] = None,
+                       max_q_len: Optional[int] = None,
+                       workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
+    """DeepSeek-V4 sparse decode with TRTLLM-gen semantics (SPEC §6); writes ``out``.
+
+    Per query token ``t`` of request ``b`` (token ``q_idx`` of its ``q_len``), keys are the
+    union of: SWA pool rows ``sparse_indices[t, j]`` for ``j < min(seq_lens[b] - q_len + q_idx
+    + 1, 128)``, and compressed pool rows ``sparse_indices[t, j]`` for ``128 <= j <
+    sparse_topk_lens[t]``. Entries that are negative or beyond the pool are skipped — in
+    particular a -1 inside the active compressed range is skipped (TRTLLM-gen's own behaviour
+    for that case is UNCONFIRMED: closed-source cubins; FlashInfer's test reference masks -1
+    and vLLM never produces it). Softmax scale ``bmm1_scale`` (natural units, fp8: ``scale *
+    q_scale * kv_scale``), output multiplier ``bmm2_scale`` (fp8: ``kv_scale``), sink
+    ``o *= sigmoid(lse - sinks[h])``; no valid key ⇒ 0. Rows of a varlen query outside
+    ``cum_seq_lens_q`` get output 0. ``bmm*_scale_tensor`` (fp32, one element) replaces the
+    float when given.
+    """
+    _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                   seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
+                   sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer)
+    _DSV4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens, seq_lens,
+          out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor, sinks, kv_layout,
+          cum_seq_lens_q, max_q_len, workspace_buffer, impl=impl)
+
+
+@trtllm_decode_dsv4.register_fake
+def _(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens, seq_lens, out,
+      bmm1_scale=1.0, bmm1_scale_tensor=None, bmm2_scale=1.0, bmm2_scale_tensor=None,
+      sinks=None, kv_layout="HND", cum_seq_lens_q=None, max_q_len=None, workspace_buffer=None,
+      impl="auto"):
+    _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                   seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
+                   sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer)
+
+
+def _split_scale(v):
+    if isinstance(v, Tensor):
+        return 1.0, v
+    return v, None
+
+
+def trtllm_batch_decode_sparse_mla_dsv4(query, swa_kv_cache, workspace_buffer=None,
+                                        sparse_indices=None, compressed_kv_cache=None,
+                                        sparse_topk_lens=None, seq_lens=None, out=None,
+                                        bmm1_scale=1.0, bmm2_scale=1.0, sinks=None,
+                                        kv_layout="HND", cum_seq_lens_q=None, max_q_len=None,
+                                        enable_pdl=None, *, impl="auto"):
+    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` signature (TRTLLM-gen arguments
+    only); returns ``out`` (bf16 ``[..., H, 512]``, allocated when not given). ``bmm1_scale`` /
+    ``bmm2_scale``: float or fp32 tensor. ``enable_pdl`` is accepted and ignored."""
+    for name, v in (("sparse_indices", sparse_indices),
+                    ("compressed_kv_cache", compressed_kv_cache),
+                    ("sparse_topk_lens", sparse_topk_lens), ("seq_lens", seq_lens)):
+        if v is None:
+            raise ValueError(f"{name} is required (TRTLLM-gen DSv4 decode)")
+    if out is None:
+        checks.expect_dtype("query", query, KV_DTYPES)
+        out = torch.empty(list(query.shape[:-1]) + [V_DIM], dtype=torch.bfloat16,
+                          device=query.device)
+    b1, b1t = _split_scale(bmm1_scale)
+    b2, b2t = _split_scale(bmm2_scale)
+    trtllm_decode_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
+                       sparse_topk_lens, seq_lens, out, b1, b1t, b2, b2t, sinks, kv_layout,
+                       cum_seq_lens_q, max_q_len, workspace_buffer, impl)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3.2: trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=K)
+
+def _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+                  bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
+                  workspace_buffer):
+    T, B, Q, H = _check_query_batch(query, V32_DIM, cum_seq_lens_q, max_q_len,
+                                    allow_flat_tokens=True)
+    cache = _pool_view("kv_cache", kv_cache, "HND", V32_DIM)
+    if cache.dtype != query.dtype:
+        raise TypeError(f"kv_cache dtype must match query dtype (TRTLLM-gen sparse MLA reads "
+                        f"q and KV in one precision), got "
+                        f"{str(cache.dtype).removeprefix('torch.')} and "
+                        f"{str(query.dtype).removeprefix('torch.')}")
+    checks.expect_dtype("block_tables", block_tables, I32)
+    dense = query.dim() == 4
+    ok = (block_tables.dim() == 2 and block_tables.shape[0] == T) or (
+        dense and block_tables.dim() == 3 and tuple(block_tables.shape[:2]) == (B, Q)) or (
+        not dense and cum_seq_lens_q is None and block_tables.dim() == 3
+        and tuple(block_tables.shape[:2]) == (T, 1))
+    if not ok or block_tables.shape[-1] < 1:
+        raise ValueError(f"block_tables must hold one row of K >= 1 global token indices per "
+                         f"query token: [{T}, K]" + (f" or [{B}, {Q}, K]" if dense else "")
+                         + (f" or [{T}, 1, K]" if not dense and cum_seq_lens_q is None else "")
+                         + f", got {list(block_tables.shape)}")
+    checks.expect_dtype("seq_lens", seq_lens, I32)
+    checks.expect_shape("seq_lens", seq_lens, (B,))
+    _check_out(out, query, T, H)
+    _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor)
+    _check_sinks(sinks, H)
+    checks.expect_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables,
+                              seq_lens=seq_lens, out=out, sinks=sinks,
+                              cum_seq_lens_q=cum_seq_lens_q, bmm1_scale=bmm1_scale_tensor,
+                              bmm2_scale=bmm2_scale_tensor)
+    if checks.value_checks_enabled(query, seq_lens, block_tables):
+        if B and int(seq_lens.min()) < 0:
+            r = int((seq_lens < 0).nonzero()[0])
+            raise ValueError(f"seq_lens (valid top-k counts) must be >= 0; request {r} has "
+                             f"{int(seq_lens[r])}")
+        if cum_seq_lens_q is not None:
+            _check_requests(cum_seq_lens_q, max_q_len, T)
+        idx = block_tables.reshape(T, -1)
+        _check_active_slots("block_tables", idx,
+                            _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1]),
+                            _pool_rows(cache))
+    return T, B, Q, H
+
+
+def _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
+    req, _, _, inb = _token_map(T, B, Q, cum_seq_lens_q, seq_lens.device)
+    n = seq_lens.long()[req].clamp(0, K) if B else torch.zeros_like(req)
+    return torch.where(inb, n, torch.zeros_like(n)).to(I32)
+
+
+def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, max_q_len):
+    H = query.shape[-2]
+    q = query.reshape(-1, H, V32_DIM)
+    T = q.shape[0]
+    B = seq_lens.shape[0]
+    Q = query.shape[1] if query.dim() == 4 else (1 if cum_seq_lens_q is None else max_q_len)
+    idx = block_tables.reshape(T, -1)
+    rows = _flat_rows(_pool_view("kv_cache", kv_cache, "HND", V32_DIM))
+    n = _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1])
+    return q, [KeySource(rows, _fmt(query.dtype), 1, idx, n)], out.view(T, H, V_DIM)
+
+
+def _v32_reference(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+                   bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
+                   workspace_buffer):
+    q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
+                                 max_q_len)
+    res, _ = sparse_attention_reference(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor),
+                                        _scale(bmm2_scale, bmm2_scale_tensor))
+    o.copy_(res)
+
+
+def _v32_triton(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+                bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
+                workspace_buffer):
+    q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
+                                 max_q_len)
+    sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
+                            out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
+
+
+def _v32_vendor_heads(H: int) -> int:
+    """TRTLLM-gen MLA decode rejects 64 < H < 128 (FlashInfer ``trtllm_gen_not_supported_
+    reason``): pad those to 128. Other counts pass unchanged (whether cubins exist for every
+    H <= 64 is UNCONFIRMED; vLLM does not pad for this backend)."""
+    return 128 if 64 < H < 128 else H
+
+
+def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scale=1.0,
+                         bmm1_scale_tensor=None, bmm2_scale=1.0, bmm2_scale_tensor=None,
+                         sinks=None, cum_seq_lens_q=None, max_q_len=None,
+                         workspace_buffer=None) -> dict:
+    """Pure translation into ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` kwargs,
+    the way vLLM's ``FlashInferMLASparseImpl.forward_mqa`` calls it: a 3-D query without
+    ``cum_seq_lens_q`` becomes ``[T, 1, H, 576]`` (one token per batch row) with block tables
+    ``[T, 1, K]``; the cache becomes 4-D ``[pages, 1, page_size, 576]``; ``max_seq_len =
+    sparse_mla_top_k = K``; dims (128, 512, 64). Heads 65..127 are padded to 128 (zeros in q,
+    -inf sinks, output copied back). ``sinks`` is passed as a one-element list (FlashInfer's
+    type ``Optional[List[Tensor]]``)."""
+    H = query.shape[-2]
+    T = math.prod(query.shape[:-2])
+    q, o, bt = query, out, block_tables
+    if query.dim() == 3 and cum_seq_lens_q is None:
+        q, o, bt = query.unsqueeze(1), out.unsqueeze(1), block_tables.reshape(T, 1, -1)
+    elif query.dim() == 4 and block_tables.dim() == 2:
+        bt = block_tables.reshape(query.shape[0], query.shape[1], -1)
+    K = bt.shape[-1]
+    Hp = _v32_vendor_heads(H)
+    s, copy_out = sinks, None
+    if Hp != H:
+        shape = list(q.shape)
+        shape[-2] = Hp
+        qp = torch.zeros(shape, dtype=q.dtype, device=q.device)
+        qp[..., :H, :] = q
+        op = torch.empty(shape[:-1] + [V_DIM], dtype=torch.bfloat16, device=q.device)
+        copy_out = (op, o)
+        q, o = qp, op
+        if sinks is not None:
+            s = torch.full((Hp,), float("-inf"), dtype=torch.float32, device=sinks.device)
+            s[:H] = sinks
+    cache = kv_cache.unsqueeze(1) if kv_cache.dim() == 3 else kv_cache
+    kwargs = dict(
+        query=q, kv_cache=cache, workspace_buffer=workspace_buffer, qk_nope_head_dim=128,
+        kv_lora_rank=512, qk_rope_head_dim=64, block_tables=bt, seq_lens=seq_lens,
+        max_seq_len=K, sparse_mla_top_k=K, out=o,
+        bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
+        bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
+        sinks=None if s is None else [s], backend="trtllm-gen")
+    if cum_seq_lens_q is not None:
+        kwargs.update(cum_seq_lens_q=cum_seq_lens_q, max_q_len=max_q_len)
+    return {"function": "trtllm_batch_decode_with_kv_cache_mla", "kwargs": kwargs,
+            "copy_out": copy_out}
+
+
+def _v32_vendor(*args):
+    a = list(args)
+    if a[-1] is None:
+        a[-1] = _workspace(args[0].device)
+    _run_vendor(v32_vendor_arguments(*a))
+
+
+def _v32_vendor_check(*args) -> Optional[str]:
+    reason = _vendor_env()
+    if reason is None and args[0].device.type != "cuda":
+        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
+    if reason is None:
+        ps = _pool_view("kv_cache", args[1], "HND", V32_DIM).shape[1]
+        if ps not in FLASHINFER_V32_PAGE_SIZES:
+            reason = f"TRTLLM-gen MLA decode needs page_size 32 or 64, got {ps}"
+    return reason
+
+
+_V32 = Dispatcher("trtllm_decode_v32")
+_V32.register("vendor", _v32_vendor, _v32_vendor_check)
+_V32.register("triton", _v32_triton, lambda *a: triton_check(*a[:5]))
+_V32.register("reference", _v32_reference)
+
+
+@torch.library.custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"))
+def trtllm_decode_v32(query: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                      out: Tensor, bmm1_scale: float = 1.0,
+                      bmm1_scale_tensor: Optional[Tensor] = None, bmm2_scale: float = 1.0,
+                      bmm2_scale_tensor: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None, cum_seq_lens_q: Optional[Tensor] = None,
+                      max_q_len: Optional[int] = None,
+                      workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
+    """DeepSeek-V3.2 sparse MLA decode with TRTLLM-gen semantics (SPEC §6 last bullet).
+
+    ``query`` ``[T, H, 576]`` (one token per request, vLLM's call: ``seq_lens`` ``[T]``),
+    ``[B, Q, H, 576]``, or varlen ``[sum_q, H, 576]`` with ``cum_seq_lens_q``/``max_q_len``;
+    ``kv_cache`` ``[pages, page_size, 576]`` or ``[pages, 1, page_size, 576]`` (bf16, or e4m3
+    with an e4m3 query); ``block_tables`` global token rows ``[T, K]`` / ``[T, 1, K]`` /
+    ``[B, Q, K]``, -1 invalid; ``seq_lens`` ``[B]``: the number of leading columns each token
+    of request ``b`` may use (vLLM passes the per-token valid count; values above K mean all
+    K). Scores use all 576 dims, the output the first 512. For Q > 1 every token of a request
+    uses the same ``seq_lens[b]`` columns (no extra causal mask) — UNCONFIRMED against the
+    kernel (vLLM only calls with Q = 1).
+    """
+    _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+                  bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
+                  workspace_buffer)
+    _V32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale,
+         bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len, workspace_buffer, impl=impl)
+
+
+@trtllm_decode_v32.register_fake
+def _(query, kv_cache, block_tables, seq_lens, out, bmm1_scale=1.0, bmm1_scale_tensor=None,
+      bmm2_scale=1.0, bmm2_scale_tensor=None, sinks=None, cum_seq_lens_q=None, max_q_len=None,
+      workspace_buffer=None, impl="auto"):
+    _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+                  bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
+                  workspace_buffer)
+
+
+def trtllm_batch_decode_with_kv_cache_mla(query, kv_cache, workspace_buffer=None,
+                                          qk_nope_head_dim=128, kv_lora_rank=512,
+                                          qk_rope_head_dim=64, block_tables=None,
+                                          seq_lens=None, max_seq_len=None, sparse_mla_top_k=0,
+                                          out=None, bmm1_scale=1.0, bmm2_scale=1.0, sinks=None,
+                                          cum_seq_lens_q=None, max_q_len=None, *,
+                                          impl="auto"):
+    """FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` signature, sparse V3.2 case only
+    (``sparse_mla_top_k = K > 0``, kv_lora_rank 512, qk_rope_head_dim 64). Returns ``out``.
+    ``max_seq_len`` and ``qk_nope_head_dim`` are scheduling / bookkeeping values and are only
+    type-checked. ``sinks`` may be a tensor or a one-element list (FlashInfer's form)."""
+    if kv_lora_rank != 512 or qk_rope_head_dim != 64:
+        raise ValueError(f"only V3.2 sparse MLA is served: kv_lora_rank 512, qk_rope_head_dim "
+                         f"64, got {kv_lora_rank}, {qk_rope_head_dim}")
+    if block_tables is None or seq_lens is None:
+        raise ValueError("block_tables and seq_lens are required")
+    checks.expect_int("sparse_mla_top_k", sparse_mla_top_k, 1)
+    if sparse_mla_top_k != block_tables.shape[-1]:
+        raise ValueError(f"sparse_mla_top_k = {sparse_mla_top_k} must equal "
+                         f"block_tables.shape[-1] = {block_tables.shape[-1]}")
+    if max_seq_len is not None:
+        checks.expect_int("max_seq_len", max_seq_len, 0)
+    if isinstance(sinks, (list, tuple)):
+        if len(sinks) != 1:
+            raise ValueError(f"sinks must be one tensor or a one-element list, got {len(sinks)}")
+        sinks = sinks[0]
+    if out is None:
+        checks.expect_dtype("query", query, KV_DTYPES)
+        out = torch.empty(list(query.shape[:-1]) + [V_DIM], dtype=torch.bfloat16,
+                          device=query.device)
+    b1, b1t = _split_scale(bmm1_scale)
+    b2, b2t = _split_scale(bmm2_scale)
+    trtllm_decode_v32(query, kv_cache, block_tables, seq_lens, out, b1, b1t, b2, b2t, sinks,
+                      cum_seq_lens_q, max_q_len, workspace_buffer, impl)
+    return out

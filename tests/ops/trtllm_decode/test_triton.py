@@ -1,0 +1,103 @@
+"""Triton == reference on random mixed batches (varlen MTP + single tokens, partial windows,
+lens 128..TOPK, -1 holes), h in {8, 16, 32, 64, 128}, bf16 and fp8, pools whose unreferenced
+rows are NaN (an over-read poisons the output).
+
+Runs on CUDA when present and on CPU through Triton's interpreter in the
+trtllm_decode_interpret_test target (tests/helpers.triton_params). Needs the shared Triton core
+(ops/common/sparse_attention_triton.py)."""
+import pytest
+import torch
+
+from sparse_mla.ops import trtllm_decode as td
+from sparse_mla.ops.common.dispatch import last_choice
+from sparse_mla.tests.helpers import INTERPRETING, seeded, triton_params
+from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
+
+BF16 = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
+# Both sides round the same fp32 result to bf16; accumulation order differs (online softmax vs
+# one-shot), so allow one bf16 ulp at |x| ~ 1 (2/128 relative) plus 1e-2 absolute for values
+# near zero. FlashMLA's tests use abs 1e-3 / rel 2/128 on outputs of smaller magnitude.
+TOL = dict(atol=1e-2, rtol=2 / 128)
+HEADS = [8, 16, 32, 64, 128]
+if INTERPRETING:
+    HEADS = [8, 16]      # the interpreter is slow; the GPU run covers every head count
+
+
+def _batch(seed, H, dtype, topk=136, page=16):
+    g = seeded(seed)
+    q_lens = [3, 1, 2, 1]
+    seq = [5, 200, 129, 1]                        # partial, full, edge, first-token windows
+    cu = [0]
+    for ql in q_lens:
+        cu.append(cu[-1] + ql)
+    T = cu[-1]
+    swa = poisoned_pool(-(-T * 128 // page) + 1, page, 512)
+    cmp = poisoned_pool(8, page, 512)
+    idx = torch.full((T, topk), -1, dtype=I32)
+    lens = torch.randint(128, topk + 1, (T,), generator=g, dtype=I32)
+    lens[0] = 128
+    lens[1] = topk
+    swa_used, cmp_used = set(), set()
+    for r, ql in enumerate(q_lens):
+        for i in range(ql):
+            t = cu[r] + i
+            vis = min(seq[r] - ql + i + 1, 128)
+            cols = torch.arange(128) + t * 128
+            idx[t, :128] = cols.to(I32)
+            swa_used.update(cols[:vis].tolist())   # beyond the window: NaN rows
+            n = int(lens[t]) - 128
+            c = torch.randperm(8 * page, generator=g)[:topk - 128].to(I32)
+            c[torch.rand(topk - 128, generator=g) < 0.2] = -1
+            idx[t, 128:] = c
+            cmp_used.update(x for x in c[:n].tolist() if x >= 0)
+    fill(swa, sorted(swa_used), g, dtype)
+    fill(cmp, sorted(cmp_used), g, dtype)
+    x = dict(query=torch.randn(T, H, 512, generator=g).to(dtype), swa_kv_cache=swa.to(dtype),
+             sparse_indices=idx, compressed_kv_cache=cmp.to(dtype), sparse_topk_lens=lens,
+             seq_lens=torch.tensor(seq, dtype=I32), sinks=torch.randn(H, generator=g),
+             cum_seq_lens_q=torch.tensor(cu, dtype=I32), max_q_len=max(q_lens))
+    return x
+
+
+def _run(x, device, impl):
+    y = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    q, swa = y.pop("query"), y.pop("swa_kv_cache")
+    out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=BF16, device=device)
+    td.trtllm_batch_decode_sparse_mla_dsv4(q, swa, None, out=out, bmm1_scale=512 ** -0.5,
+                                           bmm2_scale=0.75, impl=impl, **y)
+    assert last_choice("trtllm_decode_dsv4").impl == impl
+    return out.cpu()
+
+
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+def test_dsv4_triton_matches_reference(device, H, dtype):
+    x = _batch(H, H, dtype)
+    ref = _run(x, "cpu", "reference")
+    tri = _run(x, device, "triton")
+    assert torch.isfinite(ref.float()).all()
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_v32_triton_matches_reference(device):
+    g = seeded(99)
+    cache = poisoned_pool(4, 32, 576)
+    T, K, H = 5, 16, 16
+    bt = torch.randint(0, 128, (T, K), generator=g, dtype=I32)
+    bt[bt % 7 == 0] = -1
+    counts = torch.tensor([16, 3, 0, 9, 20], dtype=I32)
+    used = {int(s) for t in range(T) for s in bt[t, :min(int(counts[t]), K)] if s >= 0}
+    fill(cache, sorted(used), g)
+    q = torch.randn(T, H, 576, generator=g).to(BF16)
+    outs = []
+    for dev, impl in (("cpu", "reference"), (device, "triton")):
+        out = torch.full((T, H, 512), float("nan"), dtype=BF16, device=dev)
+        td.trtllm_batch_decode_with_kv_cache_mla(
+            q.to(dev), cache.to(BF16).to(dev), None, 128, 512, 64, bt.to(dev), counts.to(dev),
+            K, K, out=out, bmm1_scale=576 ** -0.5, impl=impl)
+        outs.append(out.cpu().float())
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[1], outs[0], **TOL)
