@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
 
@@ -31,9 +32,10 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "
 
 @triton.jit
 def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, BN: tl.constexpr,
-               DOT_F32: tl.constexpr):
+               D576: tl.constexpr, DOT_F32: tl.constexpr):
     """Rows ``idx`` [BN] of one cache as a [BN, 512] tile (V4/V3.2: dequantized latent incl.
-    V4's RoPE dims; plain: the row) and, for V3.2, the [BN, 64] RoPE tile (else a dummy).
+    V4's RoPE dims; plain: the row) and, for 576-wide rows (V3.2 656 B, or a plain V3.2 cache),
+    the [BN, 64] RoPE tile (else a dummy).
     Invalid rows are zeros. Dequantization is exact in bf16 for V4 (e4m3 × 2^k) and rounds
     fp32 products to bf16 for V3.2 — as the reference does."""
     d = tl.arange(0, 512)[None, :]
@@ -69,7 +71,13 @@ def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, BN: tl.cons
         if FMT == 3:
             k = k.to(tl.float8e4nv, bitcast=True)
         k = k.to(tl.float32)
-        k_rope = tl.zeros((1, 64), tl.float32)
+        if D576:
+            k_rope = tl.load(row + 512 + r, mask=v, other=0.0)
+            if FMT == 3:
+                k_rope = k_rope.to(tl.float8e4nv, bitcast=True)
+            k_rope = k_rope.to(tl.float32)
+        else:
+            k_rope = tl.zeros((1, 64), tl.float32)
     if DOT_F32:
         return k, k_rope
     return k.to(tl.bfloat16), k_rope.to(tl.bfloat16)
@@ -79,7 +87,7 @@ def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, BN: tl.cons
 def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s1, BS, cap,
                    idx_ptr, idx_s0, K, len_ptr, scale2,
                    FMT: tl.constexpr, HAS_LEN: tl.constexpr, BN: tl.constexpr,
-                   DOT_F32: tl.constexpr):
+                   D576: tl.constexpr, DOT_F32: tl.constexpr):
     """Fold columns [col0, col1) of one source into the running softmax state."""
     n = K
     if HAS_LEN:
@@ -90,9 +98,9 @@ def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s
         live = cols < hi
         idx = tl.load(idx_ptr + t.to(tl.int64) * idx_s0 + cols, mask=live, other=-1)
         valid = live & (idx >= 0) & (idx < cap)
-        k, k_rope = _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT, BN, DOT_F32)
+        k, k_rope = _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT, BN, D576, DOT_F32)
         s = tl.dot(q, tl.trans(k))
-        if FMT == 1:
+        if D576:
             s += tl.dot(q_rope, tl.trans(k_rope))
         s = tl.where(valid[None, :], s * scale2, float("-inf"))
         mx = tl.maximum(mx, tl.max(s, axis=1))
@@ -117,7 +125,7 @@ def _split_kernel(
         scale2, part_o, part_ml, n_splits, cols_per_split, K0P,
         FMT0: tl.constexpr, FMT1: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        D576: tl.constexpr, DOT_F32: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -127,9 +135,12 @@ def _split_kernel(
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
     q = tl.load(q_row + d, mask=hmask[:, None], other=0.0)
     q_rope = tl.zeros((HB, 64), tl.float32)
-    if FMT0 == 1:
+    if D576:
         q_rope = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None],
-                         other=0.0).to(tl.float32)
+                         other=0.0)
+        if Q_FP8:
+            q_rope = q_rope.to(tl.float8e4nv, bitcast=True)
+        q_rope = q_rope.to(tl.float32)
     if Q_FP8:
         q = q.to(tl.float8e4nv, bitcast=True)
     q = q.to(tl.float32)
@@ -146,12 +157,12 @@ def _split_kernel(
     acc, m_i, l_i, mx = _attend_source(
         acc, m_i, l_i, mx, q, q_rope, t, tl.minimum(lo, K0P), tl.minimum(hi, K0P), c0_ptr,
         c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, scale2, FMT0, HAS_L0, BN,
-        DOT_F32)
+        D576, DOT_F32)
     if HAS_SRC1:
         acc, m_i, l_i, mx = _attend_source(
             acc, m_i, l_i, mx, q, q_rope, t, tl.maximum(lo - K0P, 0), tl.maximum(hi - K0P, 0),
             c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, scale2, FMT1,
-            HAS_L1, BN, DOT_F32)
+            HAS_L1, BN, D576, DOT_F32)
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -249,7 +260,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         FMT0=FMT_CODES[src0.fmt], FMT1=FMT_CODES[src1.fmt] if src1 else 0,
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, DOT_F32=interp, num_warps=CONFIG["num_warps"],
+        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576, DOT_F32=interp,
+        num_warps=CONFIG["num_warps"],
         **({} if CONFIG["num_stages"] is None else {"num_stages": CONFIG["num_stages"]}))
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
