@@ -23,6 +23,7 @@ from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
+LAST_SPLIT_KERNEL = None     # the last compiled split kernel (registers, spills: tools/profile_decode.py)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
@@ -249,7 +250,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
-    _split_kernel[(T, n_hb, n_splits)](
+    global LAST_SPLIT_KERNEL
+    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
