@@ -12,6 +12,10 @@ from sparse_mla.ops.flashmla_decode import bench
 
 
 def main():
+    import sys
+    for arg in sys.argv[1:]:                 # e.g. dv_split=2 block_n=32
+        key, _, value = arg.partition("=")
+        core.CONFIG[key] = int(value)
     for h, topk, s_q, b in ((64, 512, 1, 64), (128, 1024, 2, 64)):
         case = bench._decode_case(b, s_q, h, topk, "cuda", check=False)
         torch.manual_seed(0)

@@ -15,8 +15,8 @@ SHAPES = [(64, 512, 1, 2), (64, 512, 1, 64), (128, 1024, 2, 64), (128, 1024, 2, 
 
 
 def main(argv):
-    grid = dict(block_n=(64, 128), num_warps=(8, 16), min_programs=(66, 132),
-                max_heads=(64, 128), num_stages=(1, 2, 3))
+    grid = dict(dv_split=(1, 2), block_n=(32, 64), num_warps=(4, 8), min_programs=(132, 264),
+                max_heads=(64,), num_stages=(1,))
     if "--quick" in argv:
         grid = dict(block_n=(64,), num_warps=(8,), min_programs=(132,), max_heads=(64,),
                     num_stages=(None,))

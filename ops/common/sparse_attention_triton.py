@@ -23,73 +23,78 @@ from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
-LAST_SPLIT_KERNEL = None     # the last compiled split kernel (registers, spills: tools/profile_decode.py)
+LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
-CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": 1}
+CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": 1,
+          "dv_split": 1}
 
 
 @triton.jit
-def _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT: tl.constexpr, BN: tl.constexpr,
-               D576: tl.constexpr, DOT_F32: tl.constexpr):
-    """Rows ``idx`` [BN] of one cache as a [BN, 512] tile (V4/V3.2: dequantized latent incl.
-    V4's RoPE dims; plain: the row) and, for 576-wide rows (V3.2 656 B, or a plain V3.2 cache),
-    the [BN, 64] RoPE tile (else a dummy).
-    Invalid rows are zeros. Dequantization is exact in bf16 for V4 (e4m3 × 2^k) and rounds
-    fp32 products to bf16 for V3.2 — as the reference does."""
-    d = tl.arange(0, 512)[None, :]
-    r = tl.arange(0, 64)[None, :]
-    v = valid[:, None]
-    blk = (idx // BS).to(tl.int64)[:, None]
-    off = (idx % BS).to(tl.int64)[:, None]
+def _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr, BN: tl.constexpr,
+                 COL0: tl.constexpr, NC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Columns [COL0, COL0 + NC) of the 512-wide latent of rows (blk, off) as a [BN, NC] tile
+    (V4: dequantized NoPE plus, in columns 448..511, the bf16 RoPE dims; V3.2: dequantized;
+    plain: the row). Invalid rows (``v`` False) are zeros. Dequantization is exact in bf16 for
+    V4 (e4m3 × 2^k) and rounds fp32 products to bf16 for V3.2, as the reference does."""
+    d = COL0 + tl.arange(0, NC)[None, :]
     if FMT == 0:
         # one UE8M0 scale per 64-wide tile, broadcast over the tile (not loaded per element)
-        t3 = tl.arange(0, 8)[None, :, None]
+        NT: tl.constexpr = NC // 64
+        t3 = COL0 // 64 + tl.arange(0, NT)[None, :, None]
         c3 = tl.arange(0, 64)[None, None, :]
         base = cache_ptr + blk * s0
         data3 = (base + off * 576)[:, :, None]
         v3 = v[:, :, None]
         q8 = tl.load(data3 + t3 * 64 + c3, mask=v3 & (t3 < 7), other=0)
-        sb = tl.load(base + BS * 576 + off * 8 + tl.arange(0, 8)[None, :], mask=v,
-                     other=127).to(tl.int32)
+        sb = tl.load(base + BS * 576 + off * 8 + COL0 // 64 + tl.arange(0, NT)[None, :],
+                     mask=v, other=127).to(tl.int32)
         x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * exp2_int(sb - 127)[:, :, None]
         rope = tl.load((data3 + 448).to(tl.pointer_type(tl.bfloat16)) + c3,
                        mask=v3 & (t3 == 7), other=0.0).to(tl.float32)
-        k = tl.reshape(tl.where(t3 < 7, x, rope), (BN, 512))
-        k_rope = tl.zeros((1, 64), tl.float32)
+        k = tl.reshape(tl.where(t3 < 7, x, rope), (BN, NC))
     elif FMT == 1:
         rec = cache_ptr + blk * s0 + off * 656
         q8 = tl.load(rec + d, mask=v, other=0).to(tl.float8e4nv, bitcast=True)
         sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + d // 128, mask=v, other=0.0)
         k = to_bf16(q8.to(tl.float32) * sc, DOT_F32).to(tl.float32)   # DOT_F32: interpreter
-        k_rope = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16)) + r, mask=v,
-                         other=0.0).to(tl.float32)
     else:
-        row = cache_ptr + blk * s0 + off * s1
-        k = tl.load(row + d, mask=v, other=0.0)
+        k = tl.load(cache_ptr + blk * s0 + off * s1 + d, mask=v, other=0.0)
         if FMT == 3:
             k = k.to(tl.float8e4nv, bitcast=True)
         k = k.to(tl.float32)
-        if D576:
-            k_rope = tl.load(row + 512 + r, mask=v, other=0.0)
-            if FMT == 3:
-                k_rope = k_rope.to(tl.float8e4nv, bitcast=True)
-            k_rope = k_rope.to(tl.float32)
-        else:
-            k_rope = tl.zeros((1, 64), tl.float32)
     if DOT_F32:
-        return k, k_rope
-    return k.to(tl.bfloat16), k_rope.to(tl.bfloat16)
+        return k
+    return k.to(tl.bfloat16)
 
 
 @triton.jit
-def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s1, BS, cap,
-                   idx_ptr, idx_s0, K, len_ptr, scale2,
+def _load_rope_tail(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    """The 64 RoPE dims of 576-wide rows (V3.2 656 B records, or plain 576-wide rows)."""
+    r = tl.arange(0, 64)[None, :]
+    if FMT == 1:
+        k = tl.load((cache_ptr + blk * s0 + off * 656 + 528).to(tl.pointer_type(tl.bfloat16))
+                    + r, mask=v, other=0.0).to(tl.float32)
+    else:
+        k = tl.load(cache_ptr + blk * s0 + off * s1 + 512 + r, mask=v, other=0.0)
+        if FMT == 3:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        k = k.to(tl.float32)
+    if DOT_F32:
+        return k
+    return k.to(tl.bfloat16)
+
+
+@triton.jit
+def _attend_source(acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, col0, col1, cache_ptr, s0, s1,
+                   BS, cap, idx_ptr, idx_s0, K, len_ptr, scale2,
                    FMT: tl.constexpr, HAS_LEN: tl.constexpr, BN: tl.constexpr,
-                   D576: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold columns [col0, col1) of one source into the running softmax state."""
+                   D576: tl.constexpr, DV: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold columns [col0, col1) of one source into the running softmax state. DV == 2: this
+    program owns output dims [256·dv, 256·dv + 256); q·k still uses all 512 (two halves)."""
     n = K
     if HAS_LEN:
         n = tl.minimum(tl.load(len_ptr + t), K)
@@ -99,9 +104,19 @@ def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s
         live = cols < hi
         idx = tl.load(idx_ptr + t.to(tl.int64) * idx_s0 + cols, mask=live, other=-1)
         valid = live & (idx >= 0) & (idx < cap)
-        k, k_rope = _load_keys(cache_ptr, s0, s1, BS, idx, valid, FMT, BN, D576, DOT_F32)
-        s = tl.dot(q, tl.trans(k))
+        v = valid[:, None]
+        blk = (idx // BS).to(tl.int64)[:, None]
+        off = (idx % BS).to(tl.int64)[:, None]
+        if DV == 1:
+            k = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 0, 512, DOT_F32)
+            s = tl.dot(q_a, tl.trans(k))
+        else:
+            k_a = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 0, 256, DOT_F32)
+            k_b = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 256, 256, DOT_F32)
+            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+            k = tl.where(dv == 0, k_a, k_b)
         if D576:
+            k_rope = _load_rope_tail(cache_ptr, s0, s1, BS, blk, off, v, FMT, DOT_F32)
             s += tl.dot(q_rope, tl.trans(k_rope))
         s = tl.where(valid[None, :], s * scale2, float("-inf"))
         mx = tl.maximum(mx, tl.max(s, axis=1))
@@ -119,6 +134,18 @@ def _attend_source(acc, m_i, l_i, mx, q, q_rope, t, col0, col1, cache_ptr, s0, s
 
 
 @triton.jit
+def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    q = tl.load(q_row + COL0 + tl.arange(0, NC)[None, :], mask=hmask[:, None], other=0.0)
+    if Q_FP8:
+        q = q.to(tl.float8e4nv, bitcast=True)
+    q = q.to(tl.float32)
+    if DOT_F32:
+        return q
+    return q.to(tl.bfloat16)
+
+
+@triton.jit
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
@@ -126,29 +153,26 @@ def _split_kernel(
         scale2, part_o, part_ml, n_splits, cols_per_split, K0P,
         FMT0: tl.constexpr, FMT1: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
-        D576: tl.constexpr, DOT_F32: tl.constexpr):
+        D576: tl.constexpr, DV: tl.constexpr, DOT_F32: tl.constexpr):
     t = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // DV
+    dv = tl.program_id(1) % DV
     sp = tl.program_id(2)
+    NV: tl.constexpr = 512 // DV
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
-    d = tl.arange(0, 512)[None, :]
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    q = tl.load(q_row + d, mask=hmask[:, None], other=0.0)
-    q_rope = tl.zeros((HB, 64), tl.float32)
+    if DV == 1:
+        q_a = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32)
+        q_b = q_a
+    else:
+        q_a = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32)
+        q_b = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32)
     if D576:
-        q_rope = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None],
-                         other=0.0)
-        if Q_FP8:
-            q_rope = q_rope.to(tl.float8e4nv, bitcast=True)
-        q_rope = q_rope.to(tl.float32)
-    if Q_FP8:
-        q = q.to(tl.float8e4nv, bitcast=True)
-    q = q.to(tl.float32)
-    if not DOT_F32:
-        q = q.to(tl.bfloat16)
-        q_rope = q_rope.to(tl.bfloat16)
-    acc = tl.zeros((HB, 512), tl.float32)
+        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32)
+    else:
+        q_rope = q_a
+    acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
     mx = tl.full((HB,), float("-inf"), tl.float32)
@@ -156,22 +180,24 @@ def _split_kernel(
     hi = lo + cols_per_split
     # virtual columns [0, K0P) are source 0, [K0P, K0P + K1) source 1
     acc, m_i, l_i, mx = _attend_source(
-        acc, m_i, l_i, mx, q, q_rope, t, tl.minimum(lo, K0P), tl.minimum(hi, K0P), c0_ptr,
-        c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, scale2, FMT0, HAS_L0, BN,
-        D576, DOT_F32)
+        acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, tl.minimum(lo, K0P), tl.minimum(hi, K0P),
+        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, scale2, FMT0, HAS_L0,
+        BN, D576, DV, DOT_F32)
     if HAS_SRC1:
         acc, m_i, l_i, mx = _attend_source(
-            acc, m_i, l_i, mx, q, q_rope, t, tl.maximum(lo - K0P, 0), tl.maximum(hi - K0P, 0),
-            c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, scale2, FMT1,
-            HAS_L1, BN, D576, DOT_F32)
+            acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, tl.maximum(lo - K0P, 0),
+            tl.maximum(hi - K0P, 0), c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1,
+            l1_ptr, scale2, FMT1, HAS_L1, BN, D576, DV, DOT_F32)
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (t.to(tl.int64) * H + h) * n_splits + sp
-    tl.store(part_o + row[:, None] * 512 + d, o, mask=hmask[:, None])
-    tl.store(part_ml + row * 2, lse2, mask=hmask)
-    tl.store(part_ml + row * 2 + 1, mx, mask=hmask)
+    dcol = dv * NV + tl.arange(0, NV)[None, :]
+    tl.store(part_o + row[:, None] * 512 + dcol, o, mask=hmask[:, None])
+    first = hmask & ((h * 0 + dv) == 0)   # vector compare (interpreter rejects scalar & vector)
+    tl.store(part_ml + row * 2, lse2, mask=first)
+    tl.store(part_ml + row * 2 + 1, mx, mask=first)
 
 
 @triton.jit
@@ -232,7 +258,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     k0p = triton.cdiv(k0, bn) * bn
     total_blocks = max(1, (k0p + triton.cdiv(k1, bn) * bn) // bn)
     # enough programs to fill the card; each split a whole number of key tiles
-    want = max(1, CONFIG["min_programs"] // (T * n_hb))
+    want = max(1, CONFIG["min_programs"] // (T * n_hb * CONFIG["dv_split"]))
     n_splits = min(total_blocks, want)
     cols_per_split = triton.cdiv(total_blocks, n_splits) * bn
     n_splits = triton.cdiv(total_blocks * bn, cols_per_split)
@@ -251,7 +277,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb, n_splits)](
+    dv = CONFIG["dv_split"]
+    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dv, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
@@ -262,7 +289,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         FMT0=FMT_CODES[src0.fmt], FMT1=FMT_CODES[src1.fmt] if src1 else 0,
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576, DOT_F32=interp,
+        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576, DV=dv, DOT_F32=interp,
         num_warps=CONFIG["num_warps"],
         **({} if CONFIG["num_stages"] is None else {"num_stages": CONFIG["num_stages"]}))
     _combine_kernel[(T, H)](
