@@ -29,6 +29,7 @@ def main(argv):
     for values in itertools.product(*grid.values()):
         cfg = dict(zip(grid, values))
         core.CONFIG.update(cfg)
+        core.SMALL_CONFIG = {}                 # sweep the one config on every shape
         cells = []
         for c, a in zip(cases, inputs):
             try:

@@ -30,6 +30,19 @@ LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a con
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": 1,
           "dv_split": 1}
+# Tiny launches (<= SMALL_UNITS token x head-block units, <= 64 heads) have too few programs
+# to fill the card: splitting the output dims over two programs with smaller tiles wins there
+# (H200: 16.4 vs 20.9 µs at batch 2, h64) and loses everywhere else.
+SMALL_UNITS = 4
+SMALL_CONFIG = {"block_n": 32, "num_warps": 4, "min_programs": 264, "dv_split": 2}
+
+
+def launch_config(T, H):
+    cfg = dict(CONFIG)
+    hb = max(16, min(triton.next_power_of_2(H), cfg["max_heads"]))
+    if SMALL_CONFIG and H <= 64 and T * triton.cdiv(H, hb) <= SMALL_UNITS:
+        cfg.update(SMALL_CONFIG)
+    return cfg
 
 
 @triton.jit
@@ -248,8 +261,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return
-    bn = CONFIG["block_n"]
-    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
+    cfg = launch_config(T, H)
+    bn = cfg["block_n"]
+    hb = max(16, min(triton.next_power_of_2(H), cfg["max_heads"]))
     n_hb = triton.cdiv(H, hb)
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
@@ -258,7 +272,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     k0p = triton.cdiv(k0, bn) * bn
     total_blocks = max(1, (k0p + triton.cdiv(k1, bn) * bn) // bn)
     # enough programs to fill the card; each split a whole number of key tiles
-    want = max(1, CONFIG["min_programs"] // (T * n_hb * CONFIG["dv_split"]))
+    dv = cfg["dv_split"]
+    want = max(1, cfg["min_programs"] // (T * n_hb * dv))
     n_splits = min(total_blocks, want)
     cols_per_split = triton.cdiv(total_blocks, n_splits) * bn
     n_splits = triton.cdiv(total_blocks * bn, cols_per_split)
@@ -277,7 +292,6 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    dv = CONFIG["dv_split"]
     LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dv, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
@@ -290,8 +304,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576, DV=dv, DOT_F32=interp,
-        num_warps=CONFIG["num_warps"],
-        **({} if CONFIG["num_stages"] is None else {"num_stages": CONFIG["num_stages"]}))
+        num_warps=cfg["num_warps"],
+        **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
@@ -301,11 +315,3 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         max_logits.stride(1) if max_logits is not None else 0, float(out_scale),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, num_warps=4)
-
-
-def splits_for(T, H, K_total):
-    """How many splits ``run`` uses for this shape (for tests and benchmarks)."""
-    bn = CONFIG["block_n"]
-    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
-    total = max(1, math.ceil(K_total / bn))
-    return min(total, max(1, CONFIG["min_programs"] // (T * triton.cdiv(H, hb))))
