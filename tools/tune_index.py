@@ -12,15 +12,14 @@ def main():
     copy = harness.copy_bandwidth("cuda")
     print(f"copy {copy / 1e9:,.0f} GB/s")
     cases = [c for c in bench.cases("cuda", False) if c.op == "combine_topk_swa_indices"]
-    for rows, block, warps in ((1, 256, 2), (2, 256, 2), (4, 128, 4), (4, 256, 4), (8, 128, 4),
-                               (8, 128, 8), (16, 64, 4), (16, 128, 8)):
-        if True:
-            triton_kernels.COMBINE_CONFIG.update(block=block, num_warps=warps, rows=rows)
+    for block in (None, 64, 128, 256):
+        for warps in (1, 2, 4, 8):
+            triton_kernels.COMBINE_CONFIG.update(block=block, num_warps=warps)
             for c in cases:
                 torch.manual_seed(0)
                 a = c.make()
                 t = harness.time_graph(lambda: c.run(a, "triton"))
-                print(f"rows={rows} block={block} warps={warps} {c.shape}: {t * 1e6:6.1f} µs "
+                print(f"block={block} warps={warps} {c.shape}: {t * 1e6:6.1f} µs "
                       f"{c.bytes / t / copy:4.0%} of copy (read+write)", flush=True)
 
 

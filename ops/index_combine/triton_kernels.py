@@ -54,7 +54,7 @@ def _remap_span(v, bs, span, PACKED: tl.constexpr):
 def _find_request(qsl_ptr, R, t, base, niter):
     """Largest r in [0, R) with qsl[r] - base <= t (qsl non-decreasing), and whether token
     ``t`` lies inside request r's range."""
-    lo = t * 0                      # scalar or vector, like t
+    lo = tl.zeros((), dtype=tl.int32)
     hi = lo + R
     for _ in range(niter):
         mid = (lo + hi) // 2
@@ -249,41 +249,35 @@ def c128a_indices_and_lens(positions, slot_mapping, token_to_req_indices, block_
 
 @triton.jit
 def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter, M, N,
-                    W, ratio, TOPK, out_ptr, out_s0, lens_ptr, CT, T, BLOCK: tl.constexpr,
-                    ROWS: tl.constexpr):
-    # ROWS output rows per program: their request look-ups (a dependent chain of loads) run
-    # side by side instead of one chain per program
-    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tvalid = t < T
-    row = t.to(tl.int64)[:, None]
+                    W, ratio, TOPK, out_ptr, out_s0, lens_ptr, CT, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    row = t.to(tl.int64)
     base = tl.load(qsl_ptr)
     b, inside = _find_request(qsl_ptr, R, t, base, niter)
-    inside = inside & tvalid
     qs = tl.load(qsl_ptr + b) - base
     qe = tl.load(qsl_ptr + b + 1) - base
     sl = tl.load(seq_ptr + b)
     gl = tl.load(glen_ptr + b)
     pos = sl - (qe - qs) + (t - qs)
     pos1 = tl.maximum(pos + 1, 0)
-    topk_len = tl.where(inside, tl.minimum(pos1 // ratio, TOPK), 0)[:, None]
-    swa_len = tl.where(inside, tl.minimum(pos1, W), 0)[:, None]
-    row_base = b.to(tl.int64)[:, None] * M
-    win0 = row_base + N + (pos - (sl - gl))[:, None] - swa_len + 1
-    rmask = tvalid[:, None]
+    topk_len = tl.where(inside, tl.minimum(pos1 // ratio, TOPK), 0)
+    swa_len = tl.where(inside, tl.minimum(pos1, W), 0)
+    row_base = b.to(tl.int64) * M
+    win0 = row_base + N + pos - swa_len + 1 - (sl - gl)
     for c0 in range(0, CT, BLOCK):
-        offs = c0 + tl.arange(0, BLOCK)[None, :]
-        m = rmask & (offs < CT)
+        offs = c0 + tl.arange(0, BLOCK)
+        m = offs < CT
         in_topk = m & (offs < topk_len)
         idx = tl.load(topk_ptr + row * topk_s0 + offs, mask=in_topk & (offs < Kt), other=-1)
         val = tl.where(in_topk & (idx >= 0) & (idx < N), row_base + idx, -1)
         i = offs - topk_len
         val = tl.where((i >= 0) & (i < swa_len), win0 + i, val)
         tl.store(out_ptr + row * out_s0 + offs, val.to(tl.int32), mask=m)
-    tl.store(lens_ptr + t, tl.reshape(topk_len + swa_len, (ROWS,)), mask=tvalid)
+    tl.store(lens_ptr + t, topk_len + swa_len)
 
 
 # Launch shape of the prefill combine (tools/tune_index.py sweeps it; block None = widest).
-COMBINE_CONFIG = {"block": 256, "num_warps": 2, "rows": 1}   # H200 sweep (docs/PERF.md)
+COMBINE_CONFIG = {"block": 256, "num_warps": 2}   # H200 sweep: 23.2 µs vs 25.5 (docs/PERF.md)
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
@@ -295,12 +289,10 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     CT = out_indices.shape[1]
     niter = max(1, (max(R, 1)).bit_length())
     block = COMBINE_CONFIG["block"] or _block(CT)
-    rows = COMBINE_CONFIG["rows"]
-    _combine_kernel[(triton.cdiv(T, rows),)](
+    _combine_kernel[(T,)](
         topk_indices, topk_indices.stride(0), topk_indices.shape[1], query_start_loc, seq_lens,
         gather_lens, R, niter, M, N, window_size, compress_ratio, topk, out_indices,
-        out_indices.stride(0), out_lens, CT, T, BLOCK=block, ROWS=rows,
-        num_warps=COMBINE_CONFIG["num_warps"])
+        out_indices.stride(0), out_lens, CT, BLOCK=block, num_warps=COMBINE_CONFIG["num_warps"])
 
 
 # ---------------------------------------------------------------------------------------------

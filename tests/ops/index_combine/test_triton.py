@@ -157,11 +157,7 @@ def _combine_inputs(b, topk, ratio):
 @pytest.mark.parametrize("ratio,topk", [(4, 16), (4, 0), (128, 16)])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("extra_rows", [0, 3])
-@pytest.mark.parametrize("rows_per_program", [1, 3])
-def test_combine(device, ratio, topk, seed, extra_rows, rows_per_program, monkeypatch):
-    # the launch shape is tunable: several rows per program (3 does not divide T) must agree
-    from sparse_mla.ops.index_combine import triton_kernels
-    monkeypatch.setitem(triton_kernels.COMBINE_CONFIG, "rows", rows_per_program)
+def test_combine(device, ratio, topk, seed, extra_rows):
     b = _batch(seed, ratio, 64, 64, topk=max(topk, 1), n_decode=2, n_prefill=3)
     qsl, seq, gl, M, N, rows = _combine_inputs(b, topk, ratio)
     T = b.Tp + extra_rows
