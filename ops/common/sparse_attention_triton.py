@@ -46,6 +46,23 @@ def launch_config(T, H):
 
 
 @triton.jit
+def _load_values(ptrs, mask, FP8: tl.constexpr):
+    """bf16 values, or e4m3 bytes decoded, at ``ptrs`` as fp32 (zeros where masked)."""
+    x = tl.load(ptrs, mask=mask, other=0)
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _dot_operand(x, DOT_F32: tl.constexpr):
+    """fp32 values as a tl.dot operand: bf16, or fp32 under the interpreter (see module doc)."""
+    if DOT_F32:
+        return x
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr, BN: tl.constexpr,
                  COL0: tl.constexpr, NC: tl.constexpr, DOT_F32: tl.constexpr):
     """Columns [COL0, COL0 + NC) of the 512-wide latent of rows (blk, off) as a [BN, NC] tile
@@ -74,13 +91,8 @@ def _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr, BN: tl.c
         sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + d // 128, mask=v, other=0.0)
         k = to_bf16(q8.to(tl.float32) * sc, DOT_F32).to(tl.float32)   # DOT_F32: interpreter
     else:
-        k = tl.load(cache_ptr + blk * s0 + off * s1 + d, mask=v, other=0.0)
-        if FMT == 3:
-            k = k.to(tl.float8e4nv, bitcast=True)
-        k = k.to(tl.float32)
-    if DOT_F32:
-        return k
-    return k.to(tl.bfloat16)
+        k = _load_values(cache_ptr + blk * s0 + off * s1 + d, v, FMT == 3)
+    return _dot_operand(k, DOT_F32)
 
 
 @triton.jit
@@ -89,16 +101,11 @@ def _load_rope_tail(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr,
     """The 64 RoPE dims of 576-wide rows (V3.2 656 B records, or plain 576-wide rows)."""
     r = tl.arange(0, 64)[None, :]
     if FMT == 1:
-        k = tl.load((cache_ptr + blk * s0 + off * 656 + 528).to(tl.pointer_type(tl.bfloat16))
-                    + r, mask=v, other=0.0).to(tl.float32)
+        k = _load_values((cache_ptr + blk * s0 + off * 656 + 528).to(
+            tl.pointer_type(tl.bfloat16)) + r, v, False)
     else:
-        k = tl.load(cache_ptr + blk * s0 + off * s1 + 512 + r, mask=v, other=0.0)
-        if FMT == 3:
-            k = k.to(tl.float8e4nv, bitcast=True)
-        k = k.to(tl.float32)
-    if DOT_F32:
-        return k
-    return k.to(tl.bfloat16)
+        k = _load_values(cache_ptr + blk * s0 + off * s1 + 512 + r, v, FMT == 3)
+    return _dot_operand(k, DOT_F32)
 
 
 @triton.jit
@@ -149,13 +156,8 @@ def _attend_source(acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, col0, col1, cache
 @triton.jit
 def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
             DOT_F32: tl.constexpr):
-    q = tl.load(q_row + COL0 + tl.arange(0, NC)[None, :], mask=hmask[:, None], other=0.0)
-    if Q_FP8:
-        q = q.to(tl.float8e4nv, bitcast=True)
-    q = q.to(tl.float32)
-    if DOT_F32:
-        return q
-    return q.to(tl.bfloat16)
+    q = _load_values(q_row + COL0 + tl.arange(0, NC)[None, :], hmask[:, None], Q_FP8)
+    return _dot_operand(q, DOT_F32)
 
 
 @triton.jit

@@ -450,18 +450,29 @@ def _run_vendor(plan):
         out.copy_(padded[..., :out.shape[-2], :])
 
 
-def _dsv4_vendor(*args):
-    a = list(args)
-    if a[-1] is None:
-        a[-1] = _workspace(args[0].device)
-    _run_vendor(dsv4_vendor_arguments(*a))
+def _vendor_runner(arguments):
+    """The vendor implementation: translate (pure ``arguments``), then call FlashInfer. The
+    last argument is the workspace; a process-wide zeroed one is used when it is None."""
+    def run(*args):
+        a = list(args)
+        if a[-1] is None:
+            a[-1] = _workspace(args[0].device)
+        _run_vendor(arguments(*a))
+    return run
+
+
+def _cuda_vendor_reason(query) -> Optional[str]:
+    reason = _vendor_env()
+    if reason is None and query.device.type != "cuda":
+        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
+    return reason
+
+
+_dsv4_vendor = _vendor_runner(dsv4_vendor_arguments)
 
 
 def _dsv4_vendor_check(*args) -> Optional[str]:
-    reason = _vendor_env()
-    if reason is None and args[0].device.type != "cuda":
-        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
-    return reason
+    return _cuda_vendor_reason(args[0])
 
 
 _DSV4 = Dispatcher("trtllm_decode_dsv4")
@@ -683,17 +694,11 @@ def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scal
             "copy_out": copy_out}
 
 
-def _v32_vendor(*args):
-    a = list(args)
-    if a[-1] is None:
-        a[-1] = _workspace(args[0].device)
-    _run_vendor(v32_vendor_arguments(*a))
+_v32_vendor = _vendor_runner(v32_vendor_arguments)
 
 
 def _v32_vendor_check(*args) -> Optional[str]:
-    reason = _vendor_env()
-    if reason is None and args[0].device.type != "cuda":
-        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
+    reason = _cuda_vendor_reason(args[0])
     if reason is None:
         ps = _pool_view("kv_cache", args[1], "HND", V32_DIM).shape[1]
         if ps not in FLASHINFER_V32_PAGE_SIZES:
