@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sparse_mla.ops.common.vendor_heads import pad_heads
+
 
 @functools.lru_cache(maxsize=1)
 def _flash_mla():
@@ -44,20 +46,6 @@ def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(idx, (0, pad), value=-1) if pad else idx
 
 
-def _pad_heads(q: torch.Tensor, sink: Optional[torch.Tensor], head_dim: int):
-    h = q.shape[head_dim]
-    hp = _padded_heads(h)
-    if hp != h:
-        shape = list(q.shape)
-        shape[head_dim] = hp
-        qp = torch.zeros(shape, dtype=q.dtype, device=q.device)
-        qp.narrow(head_dim, 0, h).copy_(q)
-        q = qp
-        if sink is not None:
-            sink = torch.cat([sink, sink.new_full((hp - h,), float("-inf"))])
-    return q.contiguous() if q.stride(-1) != 1 else q, sink
-
-
 def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tensor:
     """FlashMLA's [num_blocks, block_size, 1, B] view of any accepted cache view."""
     raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
@@ -85,7 +73,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
-    qp, sink = _pad_heads(q, attn_sink, 2)
+    qp, sink, _ = pad_heads(q, attn_sink, _padded_heads(h), head_dim=2)
     nbytes = 584 if kv_format == "v4" else 656
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
@@ -112,7 +100,7 @@ def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, 
 def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
-    qp, sink = _pad_heads(q, attn_sink, 1)
+    qp, sink, _ = pad_heads(q, attn_sink, _padded_heads(h), head_dim=1)
     o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512, sink,
                                              topk_length, use_legacy=True)
     out.copy_(o[:, :h])

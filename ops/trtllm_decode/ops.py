@@ -39,6 +39,7 @@ from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
 from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
                                                     sparse_attention_triton)
+from sparse_mla.ops.common.vendor_heads import pad_heads
 
 I32 = torch.int32
 SWA_COLS = 128                        # fixed SWA window columns of a DSv4 index row
@@ -419,17 +420,8 @@ def dsv4_vendor_arguments(query, swa_kv_cache, sparse_indices, compressed_kv_cac
     """
     H = query.shape[-2]
     Hp = _pad_heads(H, FLASHINFER_DSV4_HEADS)
-    q, o, s, copy_out = query, out, sinks, None
-    if Hp != H:
-        pad = list(query.shape)
-        pad[-2] = Hp
-        q = torch.zeros(pad, dtype=query.dtype, device=query.device)
-        q[..., :H, :] = query
-        o = torch.empty(pad[:-1] + [V_DIM], dtype=torch.bfloat16, device=query.device)
-        copy_out = (o, out)
-        if sinks is not None:
-            s = torch.full((Hp,), float("-inf"), dtype=torch.float32, device=sinks.device)
-            s[:H] = sinks
+    q, s, padded_out = pad_heads(query, sinks, Hp, out_dim=V_DIM)
+    o, copy_out = (out, None) if padded_out is None else (padded_out, (padded_out, out))
     kwargs = dict(
         query=q, swa_kv_cache=swa_kv_cache, workspace_buffer=workspace_buffer,
         sparse_indices=sparse_indices, compressed_kv_cache=compressed_kv_cache,
@@ -668,18 +660,9 @@ def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scal
         bt = block_tables.reshape(query.shape[0], query.shape[1], -1)
     K = bt.shape[-1]
     Hp = _v32_vendor_heads(H)
-    s, copy_out = sinks, None
-    if Hp != H:
-        shape = list(q.shape)
-        shape[-2] = Hp
-        qp = torch.zeros(shape, dtype=q.dtype, device=q.device)
-        qp[..., :H, :] = q
-        op = torch.empty(shape[:-1] + [V_DIM], dtype=torch.bfloat16, device=q.device)
-        copy_out = (op, o)
-        q, o = qp, op
-        if sinks is not None:
-            s = torch.full((Hp,), float("-inf"), dtype=torch.float32, device=sinks.device)
-            s[:H] = sinks
+    q, s, padded_out = pad_heads(q, sinks, Hp, out_dim=V_DIM)
+    copy_out = None if padded_out is None else (padded_out, o)
+    o = o if padded_out is None else padded_out
     cache = kv_cache.unsqueeze(1) if kv_cache.dim() == 3 else kv_cache
     kwargs = dict(
         query=q, kv_cache=cache, workspace_buffer=workspace_buffer, qk_nope_head_dim=128,
