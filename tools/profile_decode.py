@@ -13,7 +13,7 @@ from sparse_mla.ops.flashmla_decode import bench
 
 def main():
     import sys
-    for arg in sys.argv[1:]:                 # e.g. dv_split=2 block_n=32
+    for arg in sys.argv[1:]:                 # e.g. block_n=128 num_stages=1
         key, _, value = arg.partition("=")
         core.CONFIG[key] = int(value)
     for h, topk, s_q, b in ((64, 512, 1, 64), (128, 1024, 2, 64)):

@@ -1,8 +1,10 @@
-"""Sweep the sparse-attention core's launch shape on FlashMLA decode shapes (graph-timed).
+"""Sweep the sparse-attention core's launch shape on FlashMLA shapes (graph-timed µs).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode [--quick]
+
+Each row is one CONFIG override; every output is also compared with the first row's (a
+config must not change the answer beyond bf16 rounding: '!' marks > 1e-2).
 """
-import itertools
 import sys
 
 import torch
@@ -11,33 +13,47 @@ from sparse_mla.ops.common import sparse_attention_triton as core
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
 
-SHAPES = [(64, 512, 1, 2), (64, 512, 1, 64), (128, 1024, 2, 64), (128, 1024, 2, 2)]
+DECODE = [(64, 512, 1, 2), (64, 512, 1, 64), (64, 512, 1, 74), (64, 512, 2, 148),
+          (64, 512, 2, 256), (128, 1024, 2, 2), (128, 1024, 2, 64), (128, 1024, 2, 256)]
+SWEEP = [dict(block_n=64, num_stages=1, prefetch=False),
+         dict(block_n=64, num_stages=2, prefetch=True),
+         dict(block_n=128, num_stages=1, prefetch=False),
+         dict(block_n=64, num_stages=2, prefetch=True, split_overhead=0),
+         dict(block_n=64, num_stages=2, prefetch=True, split_overhead=3),
+         dict(block_n=64, num_stages=3, prefetch=True)]
 
 
 def main(argv):
-    grid = dict(dv_split=(1, 2), block_n=(32, 64), num_warps=(4, 8), min_programs=(132, 264),
-                max_heads=(64,), num_stages=(1,))
-    if "--quick" in argv:
-        grid = dict(block_n=(64,), num_warps=(8,), min_programs=(132,), max_heads=(64,),
-                    num_stages=(None,))
+    quick = "--quick" in argv
     cases = [bench._decode_case(b, s_q, h, topk, "cuda", check=False)
-             for h, topk, s_q, b in SHAPES]
+             for h, topk, s_q, b in (DECODE[:2] if quick else DECODE)]
+    if not quick:
+        cases.append(bench._decode_case(64, 2, 128, 2048, "cuda", fmt="v32", check=False))
+        cases.append(bench._prefill_case(4096, 128, 32768, 2048, "cuda", False))
     inputs = []
     for c in cases:
         torch.manual_seed(0)
         inputs.append(c.make())
-    for values in itertools.product(*grid.values()):
-        cfg = dict(zip(grid, values))
-        core.CONFIG.update(cfg)
-        core.SMALL_CONFIG = {}                 # sweep the one config on every shape
+    default = dict(core.CONFIG)
+    first = {}
+    print(" | ".join(c.shape for c in cases), flush=True)
+    for override in (SWEEP[:2] if quick else SWEEP):
+        core.CONFIG.clear()
+        core.CONFIG.update(default, **override)
         cells = []
-        for c, a in zip(cases, inputs):
+        for i, (c, a) in enumerate(zip(cases, inputs)):
             try:
+                out = c.run(dict(a), "triton")
+                o = (out[0] if isinstance(out, tuple) else out).float()
+                err = (o - first.setdefault(i, o.clone())).abs().max().item()
                 t = harness.time_graph(lambda: c.run(a, "triton"))
-                cells.append(f"{c.shape.split(' win')[0]}: {t * 1e6:7.1f}")
-            except Exception as exc:  # noqa: BLE001 - a config may not compile (registers)
-                cells.append(f"{c.shape.split(' win')[0]}: failed ({str(exc)[:40]})")
-        print(" ".join(f"{k}={v}" for k, v in cfg.items()), "|", " | ".join(cells), flush=True)
+                cells.append(f"{t * 1e6:8.1f}{'!' if err > 1e-2 else ''}")
+            except Exception as exc:  # noqa: BLE001 - a config may not compile (smem, regs)
+                cells.append(f"failed ({str(exc)[:30]})")
+        spills = getattr(core.LAST_SPLIT_KERNEL, "n_spills", "?")
+        print(f"{override} spills={spills} |" + "|".join(cells), flush=True)
+    core.CONFIG.clear()
+    core.CONFIG.update(default)
 
 
 if __name__ == "__main__":

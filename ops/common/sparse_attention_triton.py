@@ -28,21 +28,30 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
-CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "min_programs": 132, "num_stages": 1,
-          "dv_split": 1}
-# Tiny launches (<= SMALL_UNITS token x head-block units, <= 64 heads) have too few programs
-# to fill the card: splitting the output dims over two programs with smaller tiles wins there
-# (H200: 16.4 vs 20.9 µs at batch 2, h64) and loses everywhere else.
-SMALL_UNITS = 4
-SMALL_CONFIG = {"block_n": 32, "num_warps": 4, "min_programs": 264, "dv_split": 2}
+# "split_overhead": the fixed cost of one program (q load, partial store and its share of the
+# combine) in key tiles, for choose_splits' cost model.
+CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
+          "split_overhead": 3}
+DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
 
 
-def launch_config(T, H):
-    cfg = dict(CONFIG)
-    hb = max(16, min(triton.next_power_of_2(H), cfg["max_heads"]))
-    if SMALL_CONFIG and H <= 64 and T * triton.cdiv(H, hb) <= SMALL_UNITS:
-        cfg.update(SMALL_CONFIG)
-    return cfg
+def choose_splits(units, tiles, sms, overhead):
+    """Splits per (token, head block) unit minimising the modelled makespan: programs run one
+    per SM (the accumulator fills the register file) in waves of ``sms``, each costing its
+    tiles plus ``overhead``. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
+    (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic)."""
+    best, best_cost = 1, None
+    for s in range(1, max(1, tiles) + 1):
+        cost = triton.cdiv(units * s, sms) * (triton.cdiv(tiles, s) + overhead)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -63,100 +72,69 @@ def _dot_operand(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr, BN: tl.constexpr,
-                 COL0: tl.constexpr, NC: tl.constexpr, DOT_F32: tl.constexpr):
-    """Columns [COL0, COL0 + NC) of the 512-wide latent of rows (blk, off) as a [BN, NC] tile
-    (V4: dequantized NoPE plus, in columns 448..511, the bf16 RoPE dims; V3.2: dequantized;
-    plain: the row). Invalid rows (``v`` False) are zeros. Dequantization is exact in bf16 for
-    V4 (e4m3 × 2^k) and rounds fp32 products to bf16 for V3.2, as the reference does."""
-    d = COL0 + tl.arange(0, NC)[None, :]
+def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, TILE: tl.constexpr, FMT: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """Dims [64·TILE, 64·TILE + 64) of key rows (blk, off) as a [BN, 64] dot operand; rows
+    with ``v`` False are zeros. TILE 8 is the 64-dim RoPE tail of 576-wide rows. V4: e4m3 × 2^k
+    is exact in bf16 (one UE8M0 scale per row and tile), dims 448..511 are the bf16 RoPE part;
+    V3.2 rounds the fp32 product to bf16 as the reference does. Working one 64-wide tile at a
+    time keeps the dequantization temporaries small: a whole [BN, 512] fp32 tile next to the
+    [64, 512] accumulator is what made the first version spill."""
+    c = tl.arange(0, 64)[None, :]
     if FMT == 0:
-        # one UE8M0 scale per 64-wide tile, broadcast over the tile (not loaded per element)
-        NT: tl.constexpr = NC // 64
-        t3 = COL0 // 64 + tl.arange(0, NT)[None, :, None]
-        c3 = tl.arange(0, 64)[None, None, :]
         base = cache_ptr + blk * s0
-        data3 = (base + off * 576)[:, :, None]
-        v3 = v[:, :, None]
-        q8 = tl.load(data3 + t3 * 64 + c3, mask=v3 & (t3 < 7), other=0)
-        sb = tl.load(base + BS * 576 + off * 8 + COL0 // 64 + tl.arange(0, NT)[None, :],
-                     mask=v, other=127).to(tl.int32)
-        x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * exp2_int(sb - 127)[:, :, None]
-        rope = tl.load((data3 + 448).to(tl.pointer_type(tl.bfloat16)) + c3,
-                       mask=v3 & (t3 == 7), other=0.0).to(tl.float32)
-        k = tl.reshape(tl.where(t3 < 7, x, rope), (BN, NC))
+        if TILE < 7:
+            x = _load_values(base + off * 576 + TILE * 64 + c, v, True)
+            sb = tl.load(base + BS * 576 + off * 8 + TILE, mask=v, other=127).to(tl.int32)
+            x = x * exp2_int(sb - 127)
+        else:
+            x = _load_values((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
+                             False)
     elif FMT == 1:
         rec = cache_ptr + blk * s0 + off * 656
-        q8 = tl.load(rec + d, mask=v, other=0).to(tl.float8e4nv, bitcast=True)
-        sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + d // 128, mask=v, other=0.0)
-        k = to_bf16(q8.to(tl.float32) * sc, DOT_F32).to(tl.float32)   # DOT_F32: interpreter
+        if TILE < 8:
+            x = _load_values(rec + TILE * 64 + c, v, True)
+            sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + TILE // 2, mask=v,
+                         other=0.0)
+            x = to_bf16(x * sc, DOT_F32).to(tl.float32)   # DOT_F32: interpreter rounding
+        else:
+            x = _load_values((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False)
     else:
-        k = _load_values(cache_ptr + blk * s0 + off * s1 + d, v, FMT == 3)
-    return _dot_operand(k, DOT_F32)
+        x = _load_values(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3)
+    return _dot_operand(x, DOT_F32)
 
 
 @triton.jit
-def _load_rope_tail(cache_ptr, s0, s1, BS, blk, off, v, FMT: tl.constexpr,
-                    DOT_F32: tl.constexpr):
-    """The 64 RoPE dims of 576-wide rows (V3.2 656 B records, or plain 576-wide rows)."""
-    r = tl.arange(0, 64)[None, :]
-    if FMT == 1:
-        k = _load_values((cache_ptr + blk * s0 + off * 656 + 528).to(
-            tl.pointer_type(tl.bfloat16)) + r, v, False)
-    else:
-        k = _load_values(cache_ptr + blk * s0 + off * s1 + 512 + r, v, FMT == 3)
-    return _dot_operand(k, DOT_F32)
+def _cat(a, b):
+    j = tl.join(a, b)
+    j = tl.permute(j, (0, 2, 1))
+    return tl.reshape(j, (j.shape[0], 2 * a.shape[1]))
 
 
 @triton.jit
-def _attend_source(acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, col0, col1, cache_ptr, s0, s1,
-                   BS, cap, idx_ptr, idx_s0, K, len_ptr, scale2,
-                   FMT: tl.constexpr, HAS_LEN: tl.constexpr, BN: tl.constexpr,
-                   D576: tl.constexpr, DV: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold columns [col0, col1) of one source into the running softmax state. DV == 2: this
-    program owns output dims [256·dv, 256·dv + 256); q·k still uses all 512 (two halves)."""
+def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.constexpr):
+    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``): source
+    0's columns below ``n0p``, source 1's after."""
+    first = c < n0p
+    col = tl.where(first, c, c - n0p)
+    n = tl.where(c < hi, tl.where(first, n0, n1), 0)
+    row = tl.where(first, i0_ptr + t.to(tl.int64) * i0_s0, i1_ptr + t.to(tl.int64) * i1_s0)
+    cols = col + tl.arange(0, BN)
+    return tl.load(row + cols, mask=cols < n, other=-1)
+
+
+@triton.jit
+def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
+    """Usable leading columns of a source for token ``t``: min(lengths[t], K), at least 0."""
     n = K
     if HAS_LEN:
-        n = tl.minimum(tl.load(len_ptr + t), K)
-    hi = tl.minimum(col1, n)
-    for c in range(col0, hi, BN):
-        cols = c + tl.arange(0, BN)
-        live = cols < hi
-        idx = tl.load(idx_ptr + t.to(tl.int64) * idx_s0 + cols, mask=live, other=-1)
-        valid = live & (idx >= 0) & (idx < cap)
-        v = valid[:, None]
-        blk = (idx // BS).to(tl.int64)[:, None]
-        off = (idx % BS).to(tl.int64)[:, None]
-        if DV == 1:
-            k = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 0, 512, DOT_F32)
-            s = tl.dot(q_a, tl.trans(k))
-        else:
-            k_a = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 0, 256, DOT_F32)
-            k_b = _load_latent(cache_ptr, s0, s1, BS, blk, off, v, FMT, BN, 256, 256, DOT_F32)
-            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
-            k = tl.where(dv == 0, k_a, k_b)
-        if D576:
-            k_rope = _load_rope_tail(cache_ptr, s0, s1, BS, blk, off, v, FMT, DOT_F32)
-            s += tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.where(valid[None, :], s * scale2, float("-inf"))
-        mx = tl.maximum(mx, tl.max(s, axis=1))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, k)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
-        m_i = m_new
-    return acc, m_i, l_i, mx
+        n = tl.maximum(tl.minimum(tl.load(len_ptr + t), K), 0)
+    return n
 
 
 @triton.jit
-def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
-            DOT_F32: tl.constexpr):
-    q = _load_values(q_row + COL0 + tl.arange(0, NC)[None, :], hmask[:, None], Q_FP8)
+def _load_q(q_row, hmask, TILE: tl.constexpr, Q_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    q = _load_values(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], Q_FP8)
     return _dot_operand(q, DOT_F32)
 
 
@@ -165,54 +143,93 @@ def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
-        scale2, part_o, part_ml, n_splits, cols_per_split, K0P,
-        FMT0: tl.constexpr, FMT1: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
+        scale2, part_o, part_ml, n_splits,
+        FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
-        D576: tl.constexpr, DV: tl.constexpr, DOT_F32: tl.constexpr):
+        D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
+        DOT_F32: tl.constexpr):
     t = tl.program_id(0)
-    hb = tl.program_id(1) // DV
-    dv = tl.program_id(1) % DV
+    hb = tl.program_id(1)
     sp = tl.program_id(2)
-    NV: tl.constexpr = 512 // DV
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    if DV == 1:
-        q_a = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32)
-        q_b = q_a
-    else:
-        q_a = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32)
-        q_b = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32)
+    q = _dot_operand(_load_values(q_row + tl.arange(0, 512)[None, :], hmask[:, None], Q_FP8),
+                     DOT_F32)
     if D576:
-        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32)
+        q_rope = _load_q(q_row, hmask, 8, Q_FP8, DOT_F32)
     else:
-        q_rope = q_a
-    acc = tl.zeros((HB, NV), tl.float32)
+        q_rope = q
+    acc = tl.zeros((HB, 512), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
     mx = tl.full((HB,), float("-inf"), tl.float32)
-    lo = sp * cols_per_split
-    hi = lo + cols_per_split
-    # virtual columns [0, K0P) are source 0, [K0P, K0P + K1) source 1
-    acc, m_i, l_i, mx = _attend_source(
-        acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, tl.minimum(lo, K0P), tl.minimum(hi, K0P),
-        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, scale2, FMT0, HAS_L0,
-        BN, D576, DV, DOT_F32)
+    # This token's virtual key list: source 0's usable columns padded to BN, then source 1's,
+    # cut into n_splits runs of whole tiles. One loop over both sources (the source picked per
+    # tile by scalar selects) keeps one copy of the tile code live; two loops spilled.
+    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
+    n1 = 0
     if HAS_SRC1:
-        acc, m_i, l_i, mx = _attend_source(
-            acc, m_i, l_i, mx, q_a, q_b, q_rope, dv, t, tl.maximum(lo - K0P, 0),
-            tl.maximum(hi - K0P, 0), c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1,
-            l1_ptr, scale2, FMT1, HAS_L1, BN, D576, DV, DOT_F32)
+        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
+    n0p = tl.cdiv(n0, BN) * BN
+    total = n0p + n1
+    per_split = tl.cdiv(tl.cdiv(total, BN), n_splits) * BN
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, total)
+    # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits on
+    # its ids, and that load's latency is otherwise paid in full every iteration
+    idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
+    for c in range(lo, hi, BN):
+        first = c < n0p
+        cache = tl.where(first, c0_ptr, c1_ptr)
+        s0 = tl.where(first, c0_s0, c1_s0)
+        s1 = tl.where(first, c0_s1, c1_s1)
+        bs = tl.where(first, c0_bs, c1_bs)
+        cap = tl.where(first, c0_cap, c1_cap)
+        if PREFETCH:
+            idx_next = _tile_slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
+        else:
+            idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
+        valid = (idx >= 0) & (idx < cap)
+        v = valid[:, None]
+        blk = (idx // bs).to(tl.int64)[:, None]
+        off = (idx % bs).to(tl.int64)[:, None]
+        k0 = _key_tile(cache, s0, s1, bs, blk, off, v, 0, FMT, DOT_F32)
+        k1 = _key_tile(cache, s0, s1, bs, blk, off, v, 1, FMT, DOT_F32)
+        k2 = _key_tile(cache, s0, s1, bs, blk, off, v, 2, FMT, DOT_F32)
+        k3 = _key_tile(cache, s0, s1, bs, blk, off, v, 3, FMT, DOT_F32)
+        k4 = _key_tile(cache, s0, s1, bs, blk, off, v, 4, FMT, DOT_F32)
+        k5 = _key_tile(cache, s0, s1, bs, blk, off, v, 5, FMT, DOT_F32)
+        k6 = _key_tile(cache, s0, s1, bs, blk, off, v, 6, FMT, DOT_F32)
+        k7 = _key_tile(cache, s0, s1, bs, blk, off, v, 7, FMT, DOT_F32)
+        k = _cat(_cat(_cat(k0, k1), _cat(k2, k3)), _cat(_cat(k4, k5), _cat(k6, k7)))
+        s = tl.dot(q, tl.trans(k))
+        if D576:
+            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, 8, FMT, DOT_F32)
+            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        s = tl.where(valid[None, :], s * scale2, float("-inf"))
+        m_tile = tl.max(s, axis=1)
+        if TRACK_MAX:
+            mx = tl.maximum(mx, m_tile)
+        m_new = tl.maximum(m_i, m_tile)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _dot_operand(p, DOT_F32)
+        acc = tl.dot(p, k, acc * alpha[:, None])
+        m_i = m_new
+        if PREFETCH:
+            idx = idx_next
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (t.to(tl.int64) * H + h) * n_splits + sp
-    dcol = dv * NV + tl.arange(0, NV)[None, :]
-    tl.store(part_o + row[:, None] * 512 + dcol, o, mask=hmask[:, None])
-    first = hmask & ((h * 0 + dv) == 0)   # vector compare (interpreter rejects scalar & vector)
-    tl.store(part_ml + row * 2, lse2, mask=first)
-    tl.store(part_ml + row * 2 + 1, mx, mask=first)
+    tl.store(part_o + row[:, None] * 512 + tl.arange(0, 512)[None, :], acc * inv_l[:, None], mask=hmask[:, None])
+    tl.store(part_ml + row * 2, lse2, mask=hmask)
+    if TRACK_MAX:
+        tl.store(part_ml + row * 2 + 1, mx, mask=hmask)
 
 
 @triton.jit
@@ -263,7 +280,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return
-    cfg = launch_config(T, H)
+    cfg = dict(CONFIG)
     bn = cfg["block_n"]
     hb = max(16, min(triton.next_power_of_2(H), cfg["max_heads"]))
     n_hb = triton.cdiv(H, hb)
@@ -271,14 +288,12 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
     k1 = src1.indices.shape[1] if src1 is not None else 0
-    k0p = triton.cdiv(k0, bn) * bn
-    total_blocks = max(1, (k0p + triton.cdiv(k1, bn) * bn) // bn)
-    # enough programs to fill the card; each split a whole number of key tiles
-    dv = cfg["dv_split"]
-    want = max(1, cfg["min_programs"] // (T * n_hb * dv))
-    n_splits = min(total_blocks, want)
-    cols_per_split = triton.cdiv(total_blocks, n_splits) * bn
-    n_splits = triton.cdiv(total_blocks * bn, cols_per_split)
+    if src1 is not None and src1.fmt != src0.fmt:
+        raise ValueError(f"sources must share one cache format, got {src0.fmt} and {src1.fmt}")
+    # enough programs to fill the card; the kernel cuts each token's own key list (lengths
+    # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
+    max_tiles = max(1, triton.cdiv(k0, bn) + triton.cdiv(k1, bn))
+    n_splits = choose_splits(T * n_hb, max_tiles, _sm_count(q.device), cfg["split_overhead"])
     dev = q.device
     part_o = torch.empty(T * H * n_splits * 512, dtype=torch.float32, device=dev)
     part_ml = torch.empty(T * H * n_splits * 2, dtype=torch.float32, device=dev)
@@ -294,18 +309,18 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dv, n_splits)](
+    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
         else dummy,
-        float(scale) * LOG2E, part_o, part_ml, n_splits, cols_per_split, k0p,
-        FMT0=FMT_CODES[src0.fmt], FMT1=FMT_CODES[src1.fmt] if src1 else 0,
+        float(scale) * LOG2E, part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576, DV=dv, DOT_F32=interp,
+        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
+        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DOT_F32=interp,
         num_warps=cfg["num_warps"],
         **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))
     _combine_kernel[(T, H)](

@@ -97,11 +97,13 @@ def test_prefill_matches_reference(device, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("small_path", [True, False])
-def test_both_launch_shapes_match_reference(device, small_path, monkeypatch):
-    """Tiny launches split the output dims over two programs (dv_split=2); others do not.
-    Force each path on the same inputs so both are checked whatever the shape picks."""
+@pytest.mark.parametrize("n_splits,block_n", [(1, 64), (3, 64), (7, 32)])
+def test_forced_split_counts_match_reference(device, n_splits, block_n, monkeypatch):
+    """The launch picks its split count from a cost model; force 1, 3 and 7 (more splits than
+    some tokens have tiles: empty splits) with ragged per-token lengths so every way of
+    cutting a token's two-source key list is checked whatever the model picks."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if small_path else 0)
-    a = decode_case(device, b=3, s_q=2, h=24, topk=64, extra=True, extra_topk=64, seed=21)
+    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setitem(core.CONFIG, "block_n", block_n)
+    a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
