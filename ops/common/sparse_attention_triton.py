@@ -1,10 +1,15 @@
 """Triton core of ops/common/sparse_attention.py: split-KV sparse attention over listed keys.
 
-Grid (tokens, head blocks, splits). A program walks its share of the virtual key list
-``[source 0 columns | source 1 columns]`` (each source padded to BLOCK_N so a tile never mixes
-caches), gathers and dequantizes BLOCK_N key rows in registers, and keeps a flash-attention
-running max / sum / accumulator in the log2 domain. K = V, so one load of each row serves q·k
-and p·v. A second kernel merges the splits, applies the sink and writes out / lse.
+Grid (tokens, head blocks × output halves, splits). Each token's key list is virtual:
+``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into ``n_splits`` runs of
+whole tiles (``choose_splits`` picks the count from a wave cost model). A program walks its
+run in one loop (the source of each tile picked by scalar selects), gathers BLOCK_N key rows,
+dequantizes them one 64-wide tile at a time (small temporaries: a whole fp32 [BN, 512] tile
+beside the [64, 512] accumulator is what made the first version spill) and joins the tiles
+into one bf16 operand that serves both q·k and p·v (K = V). It keeps a flash-attention running
+max / sum / accumulator in the log2 domain; a second kernel merges the splits, applies the
+sink and writes out / lse / max logits. Tiny launches also split the 512 output dims over two
+4-warp programs (``DV`` = 2), which then both compute q·k.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
 interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16.
@@ -31,7 +36,19 @@ LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a con
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
 # combine) in key tiles, for choose_splits' cost model.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3}
+          "split_overhead": 3, "dv": 1}
+# Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
+# 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
+# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md).
+SMALL_UNITS = 8
+SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1}
+
+
+def launch_config(T, n_hb):
+    cfg = dict(CONFIG)
+    if T * n_hb <= SMALL_UNITS:
+        cfg.update(SMALL_CONFIG)
+    return cfg
 DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
 
 
@@ -147,20 +164,29 @@ def _split_kernel(
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        DV: tl.constexpr, DOT_F32: tl.constexpr):
     t = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // DV
+    dv = tl.program_id(1) % DV
     sp = tl.program_id(2)
+    NV: tl.constexpr = 512 // DV
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    q = _dot_operand(_load_values(q_row + tl.arange(0, 512)[None, :], hmask[:, None], Q_FP8),
-                     DOT_F32)
+    if DV == 1:
+        q_lo = _dot_operand(_load_values(q_row + tl.arange(0, 512)[None, :], hmask[:, None],
+                                         Q_FP8), DOT_F32)
+        q_hi = q_lo
+    else:
+        q_lo = _dot_operand(_load_values(q_row + tl.arange(0, 256)[None, :], hmask[:, None],
+                                         Q_FP8), DOT_F32)
+        q_hi = _dot_operand(_load_values(q_row + 256 + tl.arange(0, 256)[None, :],
+                                         hmask[:, None], Q_FP8), DOT_F32)
     if D576:
         q_rope = _load_q(q_row, hmask, 8, Q_FP8, DOT_F32)
     else:
-        q_rope = q
-    acc = tl.zeros((HB, 512), tl.float32)
+        q_rope = q_lo
+    acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
     mx = tl.full((HB,), float("-inf"), tl.float32)
@@ -202,8 +228,14 @@ def _split_kernel(
         k5 = _key_tile(cache, s0, s1, bs, blk, off, v, 5, FMT, DOT_F32)
         k6 = _key_tile(cache, s0, s1, bs, blk, off, v, 6, FMT, DOT_F32)
         k7 = _key_tile(cache, s0, s1, bs, blk, off, v, 7, FMT, DOT_F32)
-        k = _cat(_cat(_cat(k0, k1), _cat(k2, k3)), _cat(_cat(k4, k5), _cat(k6, k7)))
-        s = tl.dot(q, tl.trans(k))
+        k_lo = _cat(_cat(k0, k1), _cat(k2, k3))
+        k_hi = _cat(_cat(k4, k5), _cat(k6, k7))
+        if DV == 1:
+            k = _cat(k_lo, k_hi)
+            s = tl.dot(q_lo, tl.trans(k))
+        else:
+            s = tl.dot(q_lo, tl.trans(k_lo))
+            s = tl.dot(q_hi, tl.trans(k_hi), s)
         if D576:
             k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, 8, FMT, DOT_F32)
             s = tl.dot(q_rope, tl.trans(k_rope), s)
@@ -217,7 +249,13 @@ def _split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = _dot_operand(p, DOT_F32)
-        acc = tl.dot(p, k, acc * alpha[:, None])
+        acc = acc * alpha[:, None]
+        if DV == 1:
+            acc = tl.dot(p, k, acc)
+        elif dv == 0:
+            acc = tl.dot(p, k_lo, acc)
+        else:
+            acc = tl.dot(p, k_hi, acc)
         m_i = m_new
         if PREFETCH:
             idx = idx_next
@@ -226,10 +264,12 @@ def _split_kernel(
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (t.to(tl.int64) * H + h) * n_splits + sp
-    tl.store(part_o + row[:, None] * 512 + tl.arange(0, 512)[None, :], acc * inv_l[:, None], mask=hmask[:, None])
-    tl.store(part_ml + row * 2, lse2, mask=hmask)
+    dcol = dv * NV + tl.arange(0, NV)[None, :]
+    tl.store(part_o + row[:, None] * 512 + dcol, acc * inv_l[:, None], mask=hmask[:, None])
+    first = hmask & ((h * 0 + dv) == 0)   # vector compare (interpreter rejects scalar & vector)
+    tl.store(part_ml + row * 2, lse2, mask=first)
     if TRACK_MAX:
-        tl.store(part_ml + row * 2 + 1, mx, mask=hmask)
+        tl.store(part_ml + row * 2 + 1, mx, mask=first)
 
 
 @triton.jit
@@ -280,10 +320,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return
-    cfg = dict(CONFIG)
-    bn = cfg["block_n"]
-    hb = max(16, min(triton.next_power_of_2(H), cfg["max_heads"]))
+    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
     n_hb = triton.cdiv(H, hb)
+    cfg = launch_config(T, n_hb)
+    bn = cfg["block_n"]
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
@@ -293,7 +333,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
     max_tiles = max(1, triton.cdiv(k0, bn) + triton.cdiv(k1, bn))
-    n_splits = choose_splits(T * n_hb, max_tiles, _sm_count(q.device), cfg["split_overhead"])
+    dvs = cfg["dv"]
+    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(q.device) * dvs,
+                             cfg["split_overhead"])
     dev = q.device
     part_o = torch.empty(T * H * n_splits * 512, dtype=torch.float32, device=dev)
     part_ml = torch.empty(T * H * n_splits * 2, dtype=torch.float32, device=dev)
@@ -309,7 +351,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb, n_splits)](
+    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dvs, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
@@ -320,8 +362,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
-        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DOT_F32=interp,
-        num_warps=cfg["num_warps"],
+        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs, DOT_F32=interp,
+        num_warps=cfg["num_warps"] // dvs,
         **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,

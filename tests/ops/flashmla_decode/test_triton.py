@@ -97,13 +97,19 @@ def test_prefill_matches_reference(device, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n_splits,block_n", [(1, 64), (3, 64), (7, 32)])
-def test_forced_split_counts_match_reference(device, n_splits, block_n, monkeypatch):
-    """The launch picks its split count from a cost model; force 1, 3 and 7 (more splits than
-    some tokens have tiles: empty splits) with ragged per-token lengths so every way of
-    cutting a token's two-source key list is checked whatever the model picks."""
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+@pytest.mark.parametrize("n_splits,block_n,dv", [(1, 64, 1), (3, 64, 1), (7, 32, 1), (1, 32, 2),
+                                                 (5, 32, 2)])
+def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv, monkeypatch):
+    """The launch picks its split count from a cost model and the output-dim split for tiny
+    launches only; force 1, 3, 5 and 7 splits (more than some tokens have tiles: empty
+    splits) with and without the output-dim split, on ragged per-token lengths, so every way
+    of cutting a token's two-source key list is checked whatever the model picks."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
     monkeypatch.setitem(core.CONFIG, "block_n", block_n)
-    a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21)
+    monkeypatch.setitem(core.CONFIG, "dv", dv)
+    a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21,
+                    fmt=fmt)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
