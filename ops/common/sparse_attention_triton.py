@@ -89,6 +89,18 @@ def _dot_operand(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_operand(ptrs, mask, FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    """bf16 values, or e4m3 bytes decoded, at ``ptrs`` straight into a dot operand (no fp32
+    copy: a [64, 512] fp32 q staged on its way to bf16 is what made the fp8 path spill)."""
+    x = tl.load(ptrs, mask=mask, other=0)
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    if DOT_F32:
+        return x.to(tl.float32)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, TILE: tl.constexpr, FMT: tl.constexpr,
               DOT_F32: tl.constexpr):
     """Dims [64·TILE, 64·TILE + 64) of key rows (blk, off) as a [BN, 64] dot operand; rows
@@ -103,22 +115,23 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, TILE: tl.constexpr, FMT: tl.co
         if TILE < 7:
             x = _load_values(base + off * 576 + TILE * 64 + c, v, True)
             sb = tl.load(base + BS * 576 + off * 8 + TILE, mask=v, other=127).to(tl.int32)
-            x = x * exp2_int(sb - 127)
+            k = _dot_operand(x * exp2_int(sb - 127), DOT_F32)
         else:
-            x = _load_values((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
-                             False)
+            k = _load_operand((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
+                              False, DOT_F32)
     elif FMT == 1:
         rec = cache_ptr + blk * s0 + off * 656
         if TILE < 8:
             x = _load_values(rec + TILE * 64 + c, v, True)
             sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + TILE // 2, mask=v,
                          other=0.0)
-            x = to_bf16(x * sc, DOT_F32).to(tl.float32)   # DOT_F32: interpreter rounding
+            k = _dot_operand(to_bf16(x * sc, DOT_F32).to(tl.float32), DOT_F32)
         else:
-            x = _load_values((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False)
+            k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
+                              DOT_F32)
     else:
-        x = _load_values(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3)
-    return _dot_operand(x, DOT_F32)
+        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32)
+    return k
 
 
 @triton.jit
@@ -150,9 +163,9 @@ def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_row, hmask, TILE: tl.constexpr, Q_FP8: tl.constexpr, DOT_F32: tl.constexpr):
-    q = _load_values(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], Q_FP8)
-    return _dot_operand(q, DOT_F32)
+def _load_q(q_row, hmask, TILE: tl.constexpr, DOT_F32: tl.constexpr):
+    return _load_operand(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], False,
+                         DOT_F32)
 
 
 @triton.jit
@@ -162,7 +175,7 @@ def _split_kernel(
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
         scale2, part_o, part_ml, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
-        HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+        HAS_SRC1: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, DOT_F32: tl.constexpr):
     t = tl.program_id(0)
@@ -174,16 +187,14 @@ def _split_kernel(
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
     if DV == 1:
-        q_lo = _dot_operand(_load_values(q_row + tl.arange(0, 512)[None, :], hmask[:, None],
-                                         Q_FP8), DOT_F32)
+        q_lo = _load_operand(q_row + tl.arange(0, 512)[None, :], hmask[:, None], False, DOT_F32)
         q_hi = q_lo
     else:
-        q_lo = _dot_operand(_load_values(q_row + tl.arange(0, 256)[None, :], hmask[:, None],
-                                         Q_FP8), DOT_F32)
-        q_hi = _dot_operand(_load_values(q_row + 256 + tl.arange(0, 256)[None, :],
-                                         hmask[:, None], Q_FP8), DOT_F32)
+        q_lo = _load_operand(q_row + tl.arange(0, 256)[None, :], hmask[:, None], False, DOT_F32)
+        q_hi = _load_operand(q_row + 256 + tl.arange(0, 256)[None, :], hmask[:, None], False,
+                             DOT_F32)
     if D576:
-        q_rope = _load_q(q_row, hmask, 8, Q_FP8, DOT_F32)
+        q_rope = _load_q(q_row, hmask, 8, DOT_F32)
     else:
         q_rope = q_lo
     acc = tl.zeros((HB, NV), tl.float32)
@@ -347,12 +358,15 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
-    q_fp8 = q.dtype == torch.float8_e4m3fn
-    qq = q.view(torch.uint8) if q_fp8 else q
+    if q.dtype == torch.float8_e4m3fn:
+        # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
+        # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
+        # 30 % slower than bf16); one elementwise pass here keeps q in shared memory.
+        q = q.to(torch.bfloat16)
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
     LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dvs, n_splits)](
-        qq, q.stride(0), q.stride(1), H,
+        q, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
@@ -361,7 +375,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         float(scale) * LOG2E, part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
+        HB=hb, BN=bn, D576=head_dims(sources) == 576,
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs, DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,
         **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))

@@ -363,8 +363,9 @@ def _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
 
 
 def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
-                  seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len):
-    """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer."""
+                  seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len, lengths=None):
+    """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer; ``lengths``
+    computes the per-token column counts (default: the PyTorch definition)."""
     H = query.shape[-2]
     q = query.reshape(-1, H, DSV4_DIM)
     T = q.shape[0]
@@ -374,7 +375,8 @@ def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spar
     cmp = _flat_rows(_pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout,
                                 DSV4_DIM))
     topk = sparse_indices.shape[1]
-    swa_len, cmp_len = _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk)
+    swa_len, cmp_len = (lengths or _dsv4_lengths)(T, B, Q, sparse_topk_lens, seq_lens,
+                                                   cum_seq_lens_q, topk)
     fmt = _fmt(query.dtype)
     sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], swa_len)]
     if topk > SWA_COLS:
@@ -393,12 +395,17 @@ def _dsv4_reference(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sp
     o.copy_(res)
 
 
+def _triton_lengths():
+    from sparse_mla.ops.trtllm_decode import triton_lengths   # imports Triton: Triton path only
+    return triton_lengths
+
+
 def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
                  seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
                  sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
     q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
                                   sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
-                                  max_q_len)
+                                  max_q_len, _triton_lengths().dsv4_lengths)
     sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
                             out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
 
@@ -602,7 +609,8 @@ def _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
     return torch.where(inb, n, torch.zeros_like(n)).to(I32)
 
 
-def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, max_q_len):
+def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, max_q_len,
+                 lengths=None):
     H = query.shape[-2]
     q = query.reshape(-1, H, V32_DIM)
     T = q.shape[0]
@@ -610,7 +618,7 @@ def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, m
     Q = query.shape[1] if query.dim() == 4 else (1 if cum_seq_lens_q is None else max_q_len)
     idx = block_tables.reshape(T, -1)
     rows = _flat_rows(_pool_view("kv_cache", kv_cache, "HND", V32_DIM))
-    n = _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1])
+    n = (lengths or _v32_lengths)(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1])
     return q, [KeySource(rows, _fmt(query.dtype), 1, idx, n)], out.view(T, H, V_DIM)
 
 
@@ -628,7 +636,7 @@ def _v32_triton(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_s
                 bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
                 workspace_buffer):
     q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
-                                 max_q_len)
+                                 max_q_len, _triton_lengths().v32_lengths)
     sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
                             out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
 

@@ -1,0 +1,80 @@
+"""Per-token usable-column counts of the TRTLLM-gen ops in one Triton launch.
+
+The PyTorch formulation (``ops._dsv4_lengths`` / ``ops._v32_lengths``, kept as the readable
+definition and used by the reference path) costs about ten tiny kernels: most of a batch-1
+decode step under CUDA graphs. This kernel computes the same int32 counts in one launch.
+
+Per token t: its request r (``t // Q``, or the varlen request whose ``cum_seq_lens_q`` range
+holds t: ``searchsorted(cu[1:], t, right=True)`` clamped to B - 1), index i in the request,
+the request's query length ql, and whether t lies in the request at all. Then
+  DSv4: swa = clamp(seq_lens[r] - ql + i + 1, 0, 128), cmp = clamp(topk_lens[t] - 128, 0,
+        topk - 128)   (128 = SWA_COLS);
+  V3.2: n = clamp(seq_lens[r], 0, K);
+every count 0 for a token outside any request.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla.ops.trtllm_decode.ops import SWA_COLS
+
+BLOCK = 128
+
+
+@triton.jit
+def _lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
+                    HAS_CU: tl.constexpr, DSV4: tl.constexpr, SWA: tl.constexpr,
+                    BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = t < T
+    if HAS_CU:
+        req = tl.zeros((BLOCK,), tl.int32)
+        for j in range(0, B, CHUNK):
+            jj = j + tl.arange(0, CHUNK)
+            ends = tl.load(cu + 1 + jj, mask=jj < B, other=2147483647)
+            req += tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        req = tl.minimum(req, B - 1)
+        has = live & (req >= 0)
+        start = tl.load(cu + req, mask=has, other=0)
+        end = tl.load(cu + req + 1, mask=has, other=0)
+        qi = t - start
+        ql = end - start
+        inb = has & (t >= start) & (t < end)
+    else:
+        req = t // Q
+        qi = t - req * Q
+        ql = t * 0 + Q
+        inb = live & (req < B)
+    sl = tl.load(seq_lens + req, mask=inb, other=0)
+    if DSV4:
+        swa = tl.minimum(tl.maximum(sl - ql + qi + 1, 0), SWA)
+        tk = tl.load(topk_lens + t, mask=inb, other=0)
+        cmp = tl.minimum(tl.maximum(tk - SWA, 0), K - SWA)
+        tl.store(out_a + t, tl.where(inb, swa, 0), mask=live)
+        tl.store(out_b + t, tl.where(inb, cmp, 0), mask=live)
+    else:
+        n = tl.minimum(tl.maximum(sl, 0), K)
+        tl.store(out_a + t, tl.where(inb, n, 0), mask=live)
+
+
+def _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, topk_lens, dsv4):
+    dev = seq_lens.device
+    a = torch.empty(T, dtype=torch.int32, device=dev)
+    b = torch.empty(T if dsv4 else 0, dtype=torch.int32, device=dev)
+    if T:
+        cu = cum_seq_lens_q if cum_seq_lens_q is not None else seq_lens
+        _lengths_kernel[(triton.cdiv(T, BLOCK),)](
+            seq_lens, cu, topk_lens if topk_lens is not None else seq_lens, a,
+            b if dsv4 else a, T, B, Q, K, HAS_CU=cum_seq_lens_q is not None, DSV4=dsv4,
+            SWA=SWA_COLS, BLOCK=BLOCK, CHUNK=64, num_warps=4)
+    return a, b
+
+
+def dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
+    """(swa_len, cmp_len) int32 [T]: the same values as ``ops._dsv4_lengths``."""
+    return _launch(T, B, Q, topk, seq_lens, cum_seq_lens_q, sparse_topk_lens, True)
+
+
+def v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
+    """n int32 [T]: the same values as ``ops._v32_lengths``."""
+    return _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, None, False)[0]
