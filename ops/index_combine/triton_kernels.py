@@ -277,7 +277,8 @@ def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter,
 
 
 # Launch shape of the prefill combine (tools/tune_index.py sweeps it; block None = widest).
-COMBINE_CONFIG = {"block": 256, "num_warps": 2}   # H200 sweep: 23.2 µs vs 25.5 (docs/PERF.md)
+# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/PERF.md)
+COMBINE_CONFIG = {"block": 128, "num_warps": 1}
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
