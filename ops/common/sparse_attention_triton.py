@@ -1,6 +1,6 @@
 """Triton core of ops/common/sparse_attention.py: split-KV sparse attention over listed keys.
 
-Grid (tokens, head blocks × output halves, splits). Each token's key list is virtual:
+Grid (tokens × head blocks × output halves, splits). Each token's key list is virtual:
 ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into ``n_splits`` runs of
 whole tiles (``choose_splits`` picks the count from a wave cost model). A program walks its
 run in one loop (the source of each tile picked by scalar selects), gathers BLOCK_N key rows,
@@ -177,11 +177,14 @@ def _split_kernel(
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
-        DV: tl.constexpr, DOT_F32: tl.constexpr):
-    t = tl.program_id(0)
-    hb = tl.program_id(1) // DV
-    dv = tl.program_id(1) % DV
-    sp = tl.program_id(2)
+        DV: tl.constexpr, N_UNITS: tl.constexpr, DOT_F32: tl.constexpr):
+    # axis 0 = (token, head block, output half) with the head block fastest: the programs that
+    # gather the same key rows are launched together, so all but the first read them from L2
+    unit = tl.program_id(0) % N_UNITS
+    t = tl.program_id(0) // N_UNITS
+    hb = unit // DV
+    dv = unit % DV
+    sp = tl.program_id(1)
     NV: tl.constexpr = 512 // DV
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
@@ -365,7 +368,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         q = q.to(torch.bfloat16)
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    LAST_SPLIT_KERNEL = _split_kernel[(T, n_hb * dvs, n_splits)](
+    LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
         q, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
@@ -376,7 +379,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         HB=hb, BN=bn, D576=head_dims(sources) == 576,
-        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs, DOT_F32=interp,
+        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
+        N_UNITS=n_hb * dvs, DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,
         **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))
     _combine_kernel[(T, H)](
