@@ -13,12 +13,14 @@ from sparse_mla.ops.common import formats
 POISON = 0xFF           # e4m3 0xFF is NaN: a kernel that reads an unused row produces NaN
 
 
-def paged_cache(fmt, n_rows, block_size, device, g, extra_pages=0):
-    """A cache whose first ``n_rows`` slots hold random rows; every other byte is NaN poison."""
+def paged_cache(fmt, n_rows, block_size, device, g, extra_pages=0, pad_bytes=0):
+    """A cache whose first ``n_rows`` slots hold random rows; every other byte is NaN poison.
+    Pages are padded by ``576 * extra_pages + pad_bytes`` bytes."""
     nb = n_rows // block_size + 2
     f = formats.get_format(fmt)
-    cache = formats.alloc_paged_cache(fmt, nb, block_size, device=device, fill=POISON,
-                                      page_bytes=f.page_bytes(block_size) + 576 * extra_pages)
+    cache = formats.alloc_paged_cache(
+        fmt, nb, block_size, device=device, fill=POISON,
+        page_bytes=f.page_bytes(block_size) + 576 * extra_pages + pad_bytes)
     x = (torch.randn(n_rows, 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16).to(device)
     slots = torch.arange(n_rows, device=device)
     if fmt == "v4":
@@ -51,20 +53,22 @@ def lengths(b, width, g):
 
 
 def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, extra_bs=2,
-                extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False):
+                extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False,
+                pad_bytes=0):
     g = torch.Generator().manual_seed(seed)
     d = 512 if fmt == "v4" else 576
     n_main = max(3 * topk // 2, 8)
     q = torch.randn(b, s_q, 2 * h if noncontig_q else h, d, generator=g).clamp(-1, 1)
     q = q.to(torch.bfloat16)
     q = q[:, :, ::2] if noncontig_q else q
-    a = dict(q=q.to(device), k_cache=paged_cache(fmt, n_main, bs, device, g),
+    a = dict(q=q.to(device), k_cache=paged_cache(fmt, n_main, bs, device, g,
+                                                 pad_bytes=pad_bytes),
              indices=index_rows(b, s_q, topk, n_main, g).to(device), kv_format=fmt)
     if use_lengths:
         a["topk_length"] = lengths(b, topk, g).to(device)
     if extra:
         n_extra = max(extra_topk + 5, 8)
-        a["extra_k_cache"] = paged_cache(fmt, n_extra, extra_bs, device, g)
+        a["extra_k_cache"] = paged_cache(fmt, n_extra, extra_bs, device, g, pad_bytes=pad_bytes)
         a["extra_indices_in_kvcache"] = index_rows(b, s_q, extra_topk, n_extra, g).to(device)
         if use_lengths:
             a["extra_topk_length"] = lengths(b, extra_topk, g).to(device)
