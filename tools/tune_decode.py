@@ -15,12 +15,12 @@ from sparse_mla.tools import harness
 
 DECODE = [(64, 512, 1, 2), (64, 512, 1, 64), (64, 512, 1, 74), (64, 512, 2, 148),
           (64, 512, 2, 256), (128, 1024, 2, 2), (128, 1024, 2, 64), (128, 1024, 2, 256)]
-SWEEP = [dict(block_n=64, num_stages=1, prefetch=False),
-         dict(block_n=64, num_stages=2, prefetch=True),
-         dict(block_n=128, num_stages=1, prefetch=False),
-         dict(block_n=64, num_stages=2, prefetch=True, split_overhead=0),
-         dict(block_n=64, num_stages=2, prefetch=True, split_overhead=3),
-         dict(block_n=64, num_stages=3, prefetch=True)]
+SWEEP = [dict(),                                    # the current CONFIG
+         dict(num_stages=3),
+         dict(block_n=32, num_stages=3),
+         dict(num_stages=1, prefetch=False),
+         dict(split_overhead=2),
+         dict(split_overhead=5)]
 
 
 def main(argv):
