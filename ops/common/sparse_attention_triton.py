@@ -35,13 +35,15 @@ LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a con
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
 # combine) in key tiles, for choose_splits' cost model.
+# "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
+# s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3, "dv": 1}
+          "split_overhead": 3, "dv": 1, "num_stages_v32": 3}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
 # at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md).
 SMALL_UNITS = 8
-SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1}
+SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
 
 
 def launch_config(T, n_hb):
@@ -409,7 +411,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=all(_scales_aligned(s) for s in sources), DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,
-        **({} if cfg["num_stages"] is None else {"num_stages": cfg["num_stages"]}))
+        num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
