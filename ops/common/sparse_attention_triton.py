@@ -181,8 +181,8 @@ def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_row, hmask, TILE: tl.constexpr, DOT_F32: tl.constexpr):
-    return _load_operand(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], False,
+def _load_q(q_row, hmask, TILE: tl.constexpr, Q_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    return _load_operand(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], Q_FP8,
                          DOT_F32)
 
 
@@ -193,7 +193,7 @@ def _split_kernel(
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
         scale2, part_o, part_ml, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
-        HAS_SRC1: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+        HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         DOT_F32: tl.constexpr):
@@ -209,14 +209,14 @@ def _split_kernel(
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
     if DV == 1:
-        q_lo = _load_operand(q_row + tl.arange(0, 512)[None, :], hmask[:, None], False, DOT_F32)
+        q_lo = _load_operand(q_row + tl.arange(0, 512)[None, :], hmask[:, None], Q_FP8, DOT_F32)
         q_hi = q_lo
     else:
-        q_lo = _load_operand(q_row + tl.arange(0, 256)[None, :], hmask[:, None], False, DOT_F32)
-        q_hi = _load_operand(q_row + 256 + tl.arange(0, 256)[None, :], hmask[:, None], False,
+        q_lo = _load_operand(q_row + tl.arange(0, 256)[None, :], hmask[:, None], Q_FP8, DOT_F32)
+        q_hi = _load_operand(q_row + 256 + tl.arange(0, 256)[None, :], hmask[:, None], Q_FP8,
                              DOT_F32)
     if D576:
-        q_rope = _load_q(q_row, hmask, 8, DOT_F32)
+        q_rope = _load_q(q_row, hmask, 8, Q_FP8, DOT_F32)
     else:
         q_rope = q_lo
     acc = tl.zeros((HB, NV), tl.float32)
@@ -390,15 +390,19 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
-    if q.dtype == torch.float8_e4m3fn:
+    q_fp8 = q.dtype == torch.float8_e4m3fn
+    if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
-        # 30 % slower than bf16); one elementwise pass here keeps q in shared memory.
-        q = q.to(torch.bfloat16)
+        # 30 % slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
+        # launches (one or two tiles per program) decode in the kernel: the extra launch
+        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs).
+        q, q_fp8 = q.to(torch.bfloat16), False
+    qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
     LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
-        q, q.stride(0), q.stride(1), H,
+        qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         src0.lengths if src0.lengths is not None else dummy,
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
@@ -407,7 +411,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         float(scale) * LOG2E, part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        HB=hb, BN=bn, D576=head_dims(sources) == 576,
+        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=all(_scales_aligned(s) for s in sources), DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,

@@ -73,7 +73,13 @@ def _run(x, device, impl):
 @pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("H", HEADS)
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
-def test_dsv4_triton_matches_reference(device, H, dtype):
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
+def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
+    """``tiny`` forces the launch shape used for a handful of (token, head block) units
+    (output-dim split; an fp8 q decoded in the kernel) or the general one (fp8 q decoded to
+    bf16 before the launch), whatever this batch would pick."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
     x = _batch(H, H, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
