@@ -107,11 +107,12 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
 
 
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
-                            sink: Optional[torch.Tensor], scale: float, out: torch.Tensor,
-                            lse: Optional[torch.Tensor] = None, out_scale: float = 1.0,
+                            sink: Optional[torch.Tensor], scale, out: torch.Tensor,
+                            lse: Optional[torch.Tensor] = None, out_scale=1.0,
                             max_logits: Optional[torch.Tensor] = None) -> None:
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
     and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
-    contiguous)."""
+    contiguous). ``scale`` / ``out_scale`` may be one-element fp32 tensors on q's device:
+    the kernels read them, so nothing syncs with the host."""
     from sparse_mla.ops.common import sparse_attention_triton as kernels
     kernels.run(q, sources, sink, scale, out, lse, out_scale, max_logits)

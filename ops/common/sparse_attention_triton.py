@@ -31,6 +31,7 @@ FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
+LOG2E_C = tl.constexpr(LOG2E)
 
 # Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
@@ -191,12 +192,12 @@ def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
-        scale2, part_o, part_ml, n_splits,
+        scale2, scale_ptr, part_o, part_ml, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr):
     # axis 0 = (token, head block, output half) with the head block fastest: the programs that
     # gather the same key rows are launched together, so all but the first read them from L2
     unit = tl.program_id(0) % N_UNITS
@@ -205,6 +206,8 @@ def _split_kernel(
     dv = unit % DV
     sp = tl.program_id(1)
     NV: tl.constexpr = 512 // DV
+    if SCALE_T:   # a device scalar (read at run time: CUDA-graph replays see its new value)
+        scale2 = tl.load(scale_ptr).to(tl.float32) * LOG2E_C
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
@@ -308,8 +311,9 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out_s1, lse_ptr,
-                    lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, out_scale,
-                    HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr, HAS_MAX: tl.constexpr,
+                    lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, out_scale, out_scale_ptr,
+                    OUT_SCALE_T: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr,
+                    HAS_MAX: tl.constexpr,
                     SPLITS: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -331,6 +335,8 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         sink = tl.load(sink_ptr + h)
         # sigmoid(lse - sink): +inf sink -> 0, -inf sink -> 1; empty rows stay 0
         o = o * tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - lse)))
+    if OUT_SCALE_T:
+        out_scale = tl.load(out_scale_ptr).to(tl.float32)
     o = tl.where(empty, 0.0, o * out_scale)
     tl.store(out_ptr + t.to(tl.int64) * out_s0 + h * out_s1 + d, to_bf16(o, SOFT))
     if HAS_LSE:
@@ -338,6 +344,14 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
     if HAS_MAX:
         mx = tl.max(mxs, axis=0)
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
+
+
+def _scalar_arg(value, factor, dummy):
+    """(float, pointer) kernel arguments for a scale given as a float or as a one-element
+    device tensor (then the kernel reads it: no host sync, CUDA-graph safe)."""
+    if isinstance(value, torch.Tensor):
+        return 0.0, value.reshape(-1)
+    return float(value) * factor, dummy
 
 
 def _scales_aligned(src):
@@ -408,12 +422,13 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
         else dummy,
-        float(scale) * LOG2E, part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
+        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
-        N_UNITS=n_hb * dvs, SCALE64=all(_scales_aligned(s) for s in sources), DOT_F32=interp,
+        N_UNITS=n_hb * dvs, SCALE64=all(_scales_aligned(s) for s in sources),
+        SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
     _combine_kernel[(T, H)](
@@ -422,6 +437,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         max_logits if max_logits is not None else part_ml,
         max_logits.stride(0) if max_logits is not None else 0,
-        max_logits.stride(1) if max_logits is not None else 0, float(out_scale),
+        max_logits.stride(1) if max_logits is not None else 0,
+        *_scalar_arg(out_scale, 1.0, part_ml), OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, num_warps=4)

@@ -132,6 +132,12 @@ def _scale(value: float, tensor: Optional[Tensor]) -> float:
     return value if tensor is None else float(tensor.reshape(-1)[0])
 
 
+def _device_scale(value: float, tensor: Optional[Tensor]):
+    """The scale for the Triton core: the tensor itself when given (read on the device: no
+    host sync, so a CUDA graph replay sees the tensor's current value), else the float."""
+    return value if tensor is None else tensor
+
+
 def _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor):
     for name, v in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -406,8 +412,8 @@ def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spars
     q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
                                   sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
                                   max_q_len, _triton_lengths().dsv4_lengths)
-    sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
-                            out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
+    sparse_attention_triton(q, sources, sinks, _device_scale(bmm1_scale, bmm1_scale_tensor), o,
+                            out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
 
 
 def dsv4_vendor_arguments(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
@@ -637,8 +643,8 @@ def _v32_triton(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_s
                 workspace_buffer):
     q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
                                  max_q_len, _triton_lengths().v32_lengths)
-    sparse_attention_triton(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor), o,
-                            out_scale=_scale(bmm2_scale, bmm2_scale_tensor))
+    sparse_attention_triton(q, sources, sinks, _device_scale(bmm1_scale, bmm1_scale_tensor), o,
+                            out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
 
 
 def _v32_vendor_heads(H: int) -> int:

@@ -107,3 +107,51 @@ def test_v32_triton_matches_reference(device):
         outs.append(out.cpu().float())
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0], **TOL)
+
+
+def _run_scales(x, device, impl, b1, b2, out=None):
+    y = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    q, swa = y.pop("query"), y.pop("swa_kv_cache")
+    if out is None:
+        out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=BF16, device=device)
+    td.trtllm_batch_decode_sparse_mla_dsv4(q, swa, None, out=out, bmm1_scale=b1, bmm2_scale=b2,
+                                           impl=impl, **y)
+    return out
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_dsv4_tensor_scales_match_reference(device):
+    """bmm1/bmm2 scales given as one-element device tensors: the Triton path reads them in
+    the kernels (no host sync) and must equal the reference, which reads them on the host."""
+    x = _batch(7, 16, E4M3)
+    t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
+    ref = _run_scales(x, "cpu", "reference", t1, t2)
+    tri = _run_scales(x, device, "triton", t1.to(device), t2.to(device)).cpu()
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+    floats = _run_scales(x, device, "triton", 0.03, 0.6).cpu()
+    torch.testing.assert_close(tri.float(), floats.float(), atol=1e-3, rtol=2 / 256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_dsv4_tensor_scales_under_cuda_graph():
+    """Captured once, replayed after the scale tensors change: the replay must use the new
+    values (a host-side read would have baked the old ones in, or failed to capture)."""
+    x = _batch(8, 32, E4M3)
+    t1 = torch.tensor([0.03], device="cuda")
+    t2 = torch.tensor([0.6], device="cuda")
+    out = torch.empty(x["query"].shape[0], 32, 512, dtype=BF16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _run_scales(x, "cuda", "triton", t1, t2, out)           # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_scales(x, "cuda", "triton", t1, t2, out)
+    t1.fill_(0.05)
+    t2.fill_(0.25)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _run_scales(x, "cpu", "reference", torch.tensor([0.05]), torch.tensor([0.25]))
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOL)
