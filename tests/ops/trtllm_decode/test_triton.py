@@ -136,7 +136,8 @@ def test_dsv4_tensor_scales_match_reference(device):
 def test_dsv4_tensor_scales_under_cuda_graph():
     """Captured once, replayed after the scale tensors change: the replay must use the new
     values (a host-side read would have baked the old ones in, or failed to capture)."""
-    x = _batch(8, 32, E4M3)
+    x = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+         for k, v in _batch(8, 32, E4M3).items()}            # no host copies inside the capture
     t1 = torch.tensor([0.03], device="cuda")
     t2 = torch.tensor([0.6], device="cuda")
     out = torch.empty(x["query"].shape[0], 32, 512, dtype=BF16, device="cuda")
@@ -153,5 +154,8 @@ def test_dsv4_tensor_scales_under_cuda_graph():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+    want = _run_scales(x, "cuda", "triton", torch.tensor([0.05], device="cuda"),
+                       torch.tensor([0.25], device="cuda"))        # eager, new values
+    torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=0)
     want = _run_scales(x, "cpu", "reference", torch.tensor([0.05]), torch.tensor([0.25]))
     torch.testing.assert_close(out.cpu().float(), want.float(), **TOL)
