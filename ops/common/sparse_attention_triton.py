@@ -256,25 +256,36 @@ def _split_kernel(
         v = valid[:, None]
         blk = (idx // bs).to(tl.int64)[:, None]
         off = (idx % bs).to(tl.int64)[:, None]
-        sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
-        k0 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32)
-        k1 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32)
-        k2 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 2, FMT, SCALE64, DOT_F32)
-        k3 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 3, FMT, SCALE64, DOT_F32)
-        k4 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 4, FMT, SCALE64, DOT_F32)
-        k5 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 5, FMT, SCALE64, DOT_F32)
-        k6 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 6, FMT, SCALE64, DOT_F32)
-        k7 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 7, FMT, SCALE64, DOT_F32)
-        k_lo = _cat(_cat(k0, k1), _cat(k2, k3))
-        k_hi = _cat(_cat(k4, k5), _cat(k6, k7))
+        if FMT == 2:
+            # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
+            # shared memory (cp.async) instead of staging 64-wide pieces in registers
+            row = cache + blk * s0 + off * s1
+            if DV == 1:
+                k = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)
+            else:
+                k_lo = _load_operand(row + tl.arange(0, 256)[None, :], v, False, DOT_F32)
+                k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
+        else:
+            sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
+            k0 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32)
+            k1 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32)
+            k2 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 2, FMT, SCALE64, DOT_F32)
+            k3 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 3, FMT, SCALE64, DOT_F32)
+            k4 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 4, FMT, SCALE64, DOT_F32)
+            k5 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 5, FMT, SCALE64, DOT_F32)
+            k6 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 6, FMT, SCALE64, DOT_F32)
+            k7 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 7, FMT, SCALE64, DOT_F32)
+            k_lo = _cat(_cat(k0, k1), _cat(k2, k3))
+            k_hi = _cat(_cat(k4, k5), _cat(k6, k7))
+            if DV == 1:
+                k = _cat(k_lo, k_hi)
         if DV == 1:
-            k = _cat(k_lo, k_hi)
             s = tl.dot(q_lo, tl.trans(k))
         else:
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
         if D576:
-            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 8, FMT, SCALE64, DOT_F32)
+            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, off, 8, FMT, False, DOT_F32)
             s = tl.dot(q_rope, tl.trans(k_rope), s)
         s = tl.where(valid[None, :], s * scale2, float("-inf"))
         m_tile = tl.max(s, axis=1)
