@@ -52,6 +52,8 @@ def launch_config(T, n_hb):
     if T * n_hb <= SMALL_UNITS:
         cfg.update(SMALL_CONFIG)
     return cfg
+
+
 DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
 
 
@@ -161,6 +163,18 @@ def _cat(a, b):
 
 
 @triton.jit
+def _key_half(cache_ptr, s0, s1, BS, blk, off, v, sc64, HALF: tl.constexpr, FMT: tl.constexpr,
+              SCALE64: tl.constexpr, DOT_F32: tl.constexpr):
+    """Dims [256·HALF, 256·HALF + 256) of the key rows: four ``_key_tile``s joined."""
+    T0: tl.constexpr = 4 * HALF
+    a = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0, FMT, SCALE64, DOT_F32)
+    b = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 1, FMT, SCALE64, DOT_F32)
+    c = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 2, FMT, SCALE64, DOT_F32)
+    d = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 3, FMT, SCALE64, DOT_F32)
+    return _cat(_cat(a, b), _cat(c, d))
+
+
+@triton.jit
 def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.constexpr):
     """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``): source
     0's columns below ``n0p``, source 1's after."""
@@ -182,8 +196,10 @@ def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_row, hmask, TILE: tl.constexpr, Q_FP8: tl.constexpr, DOT_F32: tl.constexpr):
-    return _load_operand(q_row + TILE * 64 + tl.arange(0, 64)[None, :], hmask[:, None], Q_FP8,
+def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """Dims [COL0, COL0 + NC) of the head block's q rows as a dot operand."""
+    return _load_operand(q_row + COL0 + tl.arange(0, NC)[None, :], hmask[:, None], Q_FP8,
                          DOT_F32)
 
 
@@ -212,14 +228,13 @@ def _split_kernel(
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
     if DV == 1:
-        q_lo = _load_operand(q_row + tl.arange(0, 512)[None, :], hmask[:, None], Q_FP8, DOT_F32)
+        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32)
         q_hi = q_lo
     else:
-        q_lo = _load_operand(q_row + tl.arange(0, 256)[None, :], hmask[:, None], Q_FP8, DOT_F32)
-        q_hi = _load_operand(q_row + 256 + tl.arange(0, 256)[None, :], hmask[:, None], Q_FP8,
-                             DOT_F32)
+        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32)
+        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32)
     if D576:
-        q_rope = _load_q(q_row, hmask, 8, Q_FP8, DOT_F32)
+        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32)
     else:
         q_rope = q_lo
     acc = tl.zeros((HB, NV), tl.float32)
@@ -267,16 +282,8 @@ def _split_kernel(
                 k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
         else:
             sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
-            k0 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32)
-            k1 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32)
-            k2 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 2, FMT, SCALE64, DOT_F32)
-            k3 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 3, FMT, SCALE64, DOT_F32)
-            k4 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 4, FMT, SCALE64, DOT_F32)
-            k5 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 5, FMT, SCALE64, DOT_F32)
-            k6 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 6, FMT, SCALE64, DOT_F32)
-            k7 = _key_tile(cache, s0, s1, bs, blk, off, v, sc64, 7, FMT, SCALE64, DOT_F32)
-            k_lo = _cat(_cat(k0, k1), _cat(k2, k3))
-            k_hi = _cat(_cat(k4, k5), _cat(k6, k7))
+            k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32)
+            k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32)
             if DV == 1:
                 k = _cat(k_lo, k_hi)
         if DV == 1:
@@ -365,13 +372,13 @@ def _scalar_arg(value, factor, dummy):
     return float(value) * factor, dummy
 
 
+def _blocks_aligned8(cache, stride0):
+    return stride0 % 8 == 0 and cache.data_ptr() % 8 == 0
+
+
 def _scales_aligned(src):
     """V4 scale bytes of every row can be read as one int64 (block starts 8-byte aligned)."""
-    if src.fmt != "v4":
-        return False
-    fmt = formats.get_format(src.fmt)
-    stride = checks.block_stride(src.cache, fmt, src.block_size)
-    return stride % 8 == 0 and src.cache.data_ptr() % 8 == 0
+    return src.fmt == "v4" and _blocks_aligned8(*_source_args(src)[:2])
 
 
 def _source_args(src):
@@ -415,6 +422,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
+    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
+        src1 is None or _blocks_aligned8(c1, c1s0))
     q_fp8 = q.dtype == torch.float8_e4m3fn
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
@@ -438,7 +447,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
-        N_UNITS=n_hb * dvs, SCALE64=all(_scales_aligned(s) for s in sources),
+        N_UNITS=n_hb * dvs, SCALE64=scale64,
         SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp,
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
