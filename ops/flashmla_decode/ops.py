@@ -21,6 +21,16 @@ MAX_HEADS = 128
 HEAD_DIM = {"v4": 512, "v32": 576}
 
 
+def _check_sink_and_out(attn_sink, h, out, out_shape):
+    """``attn_sink`` fp32 [h] (optional) and ``out`` bf16 of ``out_shape``, last dim contiguous."""
+    if attn_sink is not None:
+        checks.expect_dtype("attn_sink", attn_sink, torch.float32)
+        checks.expect_shape("attn_sink", attn_sink, (h,))
+    checks.expect_dtype("out", out, torch.bfloat16)
+    checks.expect_shape("out", out, out_shape)
+    checks.expect_last_dim_contiguous("out", out)
+
+
 def _token_lengths(lengths, s_q):
     """FlashMLA's lengths are per batch row [b]; every s_q token of the row shares them."""
     return None if lengths is None else lengths.repeat_interleave(s_q)
@@ -113,12 +123,7 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
         if extra_topk_length is not None:
             checks.expect_dtype("extra_topk_length", extra_topk_length, torch.int32)
             checks.expect_shape("extra_topk_length", extra_topk_length, (b,))
-    if attn_sink is not None:
-        checks.expect_dtype("attn_sink", attn_sink, torch.float32)
-        checks.expect_shape("attn_sink", attn_sink, (h,))
-    checks.expect_dtype("out", out, torch.bfloat16)
-    checks.expect_shape("out", out, (b, s_q, h, 512))
-    checks.expect_last_dim_contiguous("out", out)
+    _check_sink_and_out(attn_sink, h, out, (b, s_q, h, 512))
     checks.expect_dtype("lse", lse, torch.float32)
     checks.expect_shape("lse", lse, (b, h, s_q))
     checks.expect_same_device(q=q, k_cache=k_cache, indices=indices, out=out, lse=lse,
@@ -225,12 +230,7 @@ def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_si
     if topk_length is not None:
         checks.expect_dtype("topk_length", topk_length, torch.int32)
         checks.expect_shape("topk_length", topk_length, (s_q,))
-    if attn_sink is not None:
-        checks.expect_dtype("attn_sink", attn_sink, torch.float32)
-        checks.expect_shape("attn_sink", attn_sink, (h,))
-    checks.expect_dtype("out", out, torch.bfloat16)
-    checks.expect_shape("out", out, (s_q, h, 512))
-    checks.expect_last_dim_contiguous("out", out)
+    _check_sink_and_out(attn_sink, h, out, (s_q, h, 512))
     for name, t in (("max_logits", max_logits), ("lse", lse)):
         checks.expect_dtype(name, t, torch.float32)
         checks.expect_shape(name, t, (s_q, h))

@@ -63,6 +63,15 @@ def _vec(name, t, n_min, dtypes=I32):
     checks.expect_last_dim_contiguous(name, t)
 
 
+def _index_matrix(name, t):
+    """An int32 ``[num_tokens, topk]`` index matrix (last dim contiguous); returns its shape."""
+    checks.expect_dtype(name, t, I32)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have shape [num_tokens, topk], got {list(t.shape)}")
+    checks.expect_last_dim_contiguous(name, t)
+    return t.shape
+
+
 def _block_table(name, t, R=None):
     checks.expect_dtype(name, t, I32)
     if t.dim() != 2 or (R is not None and t.shape[0] < R):
@@ -152,12 +161,7 @@ _GLOBAL_TOPK = _dispatcher("global_topk_indices_and_lens",
 
 def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_valid_token,
                           out_indices, out_lens, block_size):
-    checks.expect_dtype("topk_indices", topk_indices, I32)
-    if topk_indices.dim() != 2:
-        raise ValueError(f"topk_indices must have shape [num_tokens, topk], "
-                         f"got {list(topk_indices.shape)}")
-    checks.expect_last_dim_contiguous("topk_indices", topk_indices)
-    T, K = topk_indices.shape
+    T, K = _index_matrix("topk_indices", topk_indices)
     _vec("token_to_req_indices", token_to_req_indices, T)
     _vec("is_valid_token", is_valid_token, T, torch.bool)
     _block_table("block_table", block_table)
@@ -232,12 +236,7 @@ _CONVERT = _dispatcher("convert_req_index_to_global", reference.convert_req_inde
 def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
                       prefill_workspace_request_ids, prefill_workspace_starts, block_size,
                       block_stride_rows):
-    checks.expect_dtype("token_indices", token_indices, I32)
-    if token_indices.dim() != 2:
-        raise ValueError(f"token_indices must have shape [num_tokens, topk], "
-                         f"got {list(token_indices.shape)}")
-    checks.expect_last_dim_contiguous("token_indices", token_indices)
-    T, K = token_indices.shape
+    T, K = _index_matrix("token_indices", token_indices)
     checks.expect_dtype("req_id", req_id, I32)
     checks.expect_shape("req_id", req_id, (T,))
     _block_table("block_table", block_table)

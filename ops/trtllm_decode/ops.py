@@ -535,6 +535,20 @@ def _split_scale(v):
     return v, None
 
 
+def _split_scales(bmm1_scale, bmm2_scale):
+    """FlashInfer's float-or-tensor scales as the ops' (float, tensor) argument pairs."""
+    return (*_split_scale(bmm1_scale), *_split_scale(bmm2_scale))
+
+
+def _out_or_new(query, out):
+    """``out``, or a new bf16 ``[..., 512]`` output shaped like ``query``."""
+    if out is None:
+        checks.expect_dtype("query", query, KV_DTYPES)
+        out = torch.empty(list(query.shape[:-1]) + [V_DIM], dtype=torch.bfloat16,
+                          device=query.device)
+    return out
+
+
 def trtllm_batch_decode_sparse_mla_dsv4(query, swa_kv_cache, workspace_buffer=None,
                                         sparse_indices=None, compressed_kv_cache=None,
                                         sparse_topk_lens=None, seq_lens=None, out=None,
@@ -549,12 +563,8 @@ def trtllm_batch_decode_sparse_mla_dsv4(query, swa_kv_cache, workspace_buffer=No
                     ("sparse_topk_lens", sparse_topk_lens), ("seq_lens", seq_lens)):
         if v is None:
             raise ValueError(f"{name} is required (TRTLLM-gen DSv4 decode)")
-    if out is None:
-        checks.expect_dtype("query", query, KV_DTYPES)
-        out = torch.empty(list(query.shape[:-1]) + [V_DIM], dtype=torch.bfloat16,
-                          device=query.device)
-    b1, b1t = _split_scale(bmm1_scale)
-    b2, b2t = _split_scale(bmm2_scale)
+    out = _out_or_new(query, out)
+    b1, b1t, b2, b2t = _split_scales(bmm1_scale, bmm2_scale)
     trtllm_decode_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
                        sparse_topk_lens, seq_lens, out, b1, b1t, b2, b2t, sinks, kv_layout,
                        cum_seq_lens_q, max_q_len, workspace_buffer, impl)
@@ -771,12 +781,8 @@ def trtllm_batch_decode_with_kv_cache_mla(query, kv_cache, workspace_buffer=None
         if len(sinks) != 1:
             raise ValueError(f"sinks must be one tensor or a one-element list, got {len(sinks)}")
         sinks = sinks[0]
-    if out is None:
-        checks.expect_dtype("query", query, KV_DTYPES)
-        out = torch.empty(list(query.shape[:-1]) + [V_DIM], dtype=torch.bfloat16,
-                          device=query.device)
-    b1, b1t = _split_scale(bmm1_scale)
-    b2, b2t = _split_scale(bmm2_scale)
+    out = _out_or_new(query, out)
+    b1, b1t, b2, b2t = _split_scales(bmm1_scale, bmm2_scale)
     trtllm_decode_v32(query, kv_cache, block_tables, seq_lens, out, b1, b1t, b2, b2t, sinks,
                       cum_seq_lens_q, max_q_len, workspace_buffer, impl)
     return out
