@@ -42,3 +42,22 @@ def seeded(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+def hopper_with_gluon():
+    """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon)."""
+    import torch
+    if INTERPRETING or not torch.cuda.is_available() or \
+            torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        import sparse_mla.ops.common.sparse_attention_gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def split_kernel_name():
+    """Name of the attention core's last split kernel (``_ws_kernel`` or ``_split_kernel``)."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    return core.LAST_SPLIT_KERNEL.name

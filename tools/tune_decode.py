@@ -1,6 +1,9 @@
 """Sweep the sparse-attention core's launch shape on FlashMLA shapes (graph-timed µs).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode [--quick]
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode [--quick] [--gluon]
+
+--gluon sweeps the sm_90 warp-specialized kernel's module settings instead (V4 shapes only;
+MODE 2 / 3 rows time the producer / the consumers alone: their outputs are wrong on purpose).
 
 Each row is one CONFIG override; every output is also compared with the first row's (a
 config must not change the answer beyond bf16 rounding: '!' marks > 1e-2).
@@ -23,23 +26,35 @@ SWEEP = [dict(),                                    # the current CONFIG
          dict(split_overhead=5)]
 
 
+GLUON_SWEEP = [dict(), dict(MODE=2), dict(MODE=3), dict(PRODUCER_REGS=96),
+               dict(PRODUCER_REGS=152), dict(PRODUCER_REGS=168), dict(INT_DEQUANT=True)]
+
+
 def main(argv):
     quick = "--quick" in argv
+    if "--gluon" in argv:
+        from sparse_mla.ops.common import sparse_attention_gluon as g
+        return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False)
+    return _sweep(core.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
+                  not quick)
+
+
+def _sweep(settings, sweep, decode, extra):
     cases = [bench._decode_case(b, s_q, h, topk, "cuda", check=False)
-             for h, topk, s_q, b in (DECODE[:2] if quick else DECODE)]
-    if not quick:
+             for h, topk, s_q, b in decode]
+    if extra:
         cases.append(bench._decode_case(64, 2, 128, 2048, "cuda", fmt="v32", check=False))
         cases.append(bench._prefill_case(4096, 128, 32768, 2048, "cuda", False))
     inputs = []
     for c in cases:
         torch.manual_seed(0)
         inputs.append(c.make())
-    default = dict(core.CONFIG)
+    default = {k: settings[k] for o in sweep for k in o}
     first = {}
     print(" | ".join(c.shape for c in cases), flush=True)
-    for override in (SWEEP[:2] if quick else SWEEP):
-        core.CONFIG.clear()
-        core.CONFIG.update(default, **override)
+    for override in sweep:
+        settings.update(default)
+        settings.update(override)
         cells = []
         for i, (c, a) in enumerate(zip(cases, inputs)):
             try:
@@ -52,8 +67,7 @@ def main(argv):
                 cells.append(f"failed ({str(exc)[:30]})")
         spills = getattr(core.LAST_SPLIT_KERNEL, "n_spills", "?")
         print(f"{override} spills={spills} |" + "|".join(cells), flush=True)
-    core.CONFIG.clear()
-    core.CONFIG.update(default)
+    settings.update(default)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launche
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -364,6 +365,42 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
+def _gluon_module(q, src0, cfg, scale64, d576):
+    """``sparse_attention_gluon`` when its warp-specialized kernel serves this launch: sm_90,
+    Gluon importable, 512-dim keys in the V4 cache (8-byte-aligned blocks) or a plain bf16 /
+    e4m3 cache, one output half per program (tiny launches keep the portable kernel's
+    output-dim split). ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs, bisecting)."""
+    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting():
+        return None
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return None
+    if d576 or cfg["dv"] != 1 or src0.fmt == "v32" or (src0.fmt == "v4" and not scale64):
+        return None
+    try:
+        from sparse_mla.ops.common import sparse_attention_gluon
+    except ImportError:     # Triton without Gluon (< 3.5)
+        return None
+    return sparse_attention_gluon
+
+
+def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, scale,
+                  part_o, part_ml, n_splits, n_units, max_logits):
+    return g._ws_kernel[grid](
+        q, q.stride(0), q.stride(1), q.shape[1],
+        *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
+        src0.lengths if src0.lengths is not None else dummy,
+        *args1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
+        i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
+        else dummy,
+        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+        FMT=FMT_CODES[src0.fmt], HAS_L0=src0.lengths is not None,
+        HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
+        BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
+        SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
+        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, INT_DEQUANT=g.INT_DEQUANT,
+        num_warps=g.CONSUMER_WARPS.value, maxnreg=g.maxnreg(g.PRODUCER_WARPS))
+
+
 def _scalar_arg(value, factor, dummy):
     """(float, pointer) kernel arguments for a scale given as a float or as a one-element
     device tensor (then the kernel reads it: no host sync, CUDA-graph safe)."""
@@ -435,22 +472,30 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
-        qq, q.stride(0), q.stride(1), H,
-        c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
-        src0.lengths if src0.lengths is not None else dummy,
-        c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-        i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
-        else dummy,
-        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, FMT=FMT_CODES[src0.fmt],
-        HAS_L0=src0.lengths is not None,
-        HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, D576=head_dims(sources) == 576,
-        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
-        N_UNITS=n_hb * dvs, SCALE64=scale64,
-        SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp,
-        num_warps=cfg["num_warps"] // dvs,
-        num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
+    d576 = head_dims(sources) == 576
+    g = _gluon_module(q, src0, cfg, scale64, d576)
+    if g is not None:
+        LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), q, (c0, c0s0, c0s1), src0,
+                                          i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy, scale,
+                                          part_o, part_ml, n_splits, n_hb, max_logits)
+    else:
+        LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
+            qq, q.stride(0), q.stride(1), H,
+            c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
+            src0.lengths if src0.lengths is not None else dummy,
+            c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
+            i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
+            else dummy,
+            *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+            FMT=FMT_CODES[src0.fmt],
+            HAS_L0=src0.lengths is not None,
+            HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
+            Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
+            TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
+            N_UNITS=n_hb * dvs, SCALE64=scale64,
+            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp,
+            num_warps=cfg["num_warps"] // dvs,
+            num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,

@@ -8,7 +8,7 @@ import torch
 
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import triton_params
+from sparse_mla.tests.helpers import hopper_with_gluon, split_kernel_name, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 
 DEVICES = triton_params()
@@ -130,3 +130,28 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned):
                            a["extra_indices_in_kvcache"], a["extra_topk_length"], "v4", 53, 61)
     assert all(core._scales_aligned(s) for s in srcs) == aligned
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("b,s_q,h,bs,topk,etopk,n_splits", [
+    (3, 2, 24, 53, 150, 70, 1), (3, 2, 24, 53, 150, 70, 3), (2, 1, 128, 61, 256, 512, 7),
+    (5, 3, 1, 2, 64, 0, 2), (4, 1, 64, 64, 128, 1024, None), (80, 2, 64, 256, 128, 512, None)])
+def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits,
+                                                   monkeypatch):
+    """The sm_90 Gluon kernel (V4 cache) on poisoned caches, ragged lengths, ±inf sinks,
+    forced and modelled split counts (some splits empty), every head count class, one and
+    two sources; it must be what ran, and agree with the reference and the portable kernel."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    if n_splits is not None:
+        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=bs, topk=topk, extra=bool(etopk),
+                    extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == "_ws_kernel"
+    check_decode(ref, got)
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    portable = _run_decode(a, "triton")
+    assert split_kernel_name() == "_split_kernel"
+    check_decode(ref, portable)

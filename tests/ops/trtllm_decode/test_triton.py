@@ -10,7 +10,8 @@ import torch
 
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import last_choice
-from sparse_mla.tests.helpers import INTERPRETING, seeded, triton_params
+from sparse_mla.tests.helpers import (INTERPRETING, hopper_with_gluon, seeded, split_kernel_name,
+                                      triton_params)
 from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -77,12 +78,15 @@ def _run(x, device, impl):
 def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
     """``tiny`` forces the launch shape used for a handful of (token, head block) units
     (output-dim split; an fp8 q decoded in the kernel) or the general one (fp8 q decoded to
-    bf16 before the launch), whatever this batch would pick."""
+    bf16 before the launch; on sm_90 the warp-specialized kernel), whatever this batch would
+    pick."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
     x = _batch(H, H, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
+    if device == "cuda" and not tiny and hopper_with_gluon():
+        assert split_kernel_name() == "_ws_kernel"
     assert torch.isfinite(ref.float()).all()
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
@@ -120,9 +124,12 @@ def _run_scales(x, device, impl, b1, b2, out=None):
 
 
 @pytest.mark.parametrize("device", triton_params())
-def test_dsv4_tensor_scales_match_reference(device):
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
+def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
     """bmm1/bmm2 scales given as one-element device tensors: the Triton path reads them in
     the kernels (no host sync) and must equal the reference, which reads them on the host."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
     x = _batch(7, 16, E4M3)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)

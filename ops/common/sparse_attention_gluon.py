@@ -1,0 +1,339 @@
+"""Warp-specialized Hopper (sm_90) split kernel for the V4 584 B cache, written in Gluon.
+
+Same contract as ``sparse_attention_triton._split_kernel`` (one program per token × 64-head
+block × split of the token's virtual key list; partial out / lse2 / max written for the
+combine kernel), but the work is divided between warps instead of serialised in each warp:
+
+* a 4-warp **producer** gathers BLOCK_N key rows (448 e4m3 bytes, 64 bf16 RoPE dims and the
+  row's eight UE8M0 scale bytes as one int64), dequantizes them once and stores a bf16
+  [BLOCK_N, 512] tile into a shared-memory ring, then signals an mbarrier;
+* two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from that ring.
+  The score tile is split by key columns between the warpgroups and the accumulator by output
+  dims (``warps_per_cta = [4, 2]`` for both), so no warpgroup repeats another's work — plain
+  Triton lays the q·k dot out as [8, 1] (both warpgroups compute the same scores, a third of
+  the tensor work) and dequantizes in the same warps that wait on the tensor cores.
+
+Only compiled on sm_90 with Gluon available (triton >= 3.5); ``sparse_attention_triton.run``
+falls back to the portable kernel everywhere else.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of both warpgroups
+CONSUMER_WARPS = gl.constexpr(8)
+BLOCK_N = 64         # keys per ring stage (64 KB of bf16)
+STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 120  # setmaxnreg for the producer; the consumers get the rest of maxnreg
+                     # (H200: 120 beats 96 by 7-16 %, docs/PERF.md)
+INT_DEQUANT = False  # e4m3 decoded with integer ops + bf16x2 multiplies (see _e4m3x4_to_bf16)
+MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
+
+
+def maxnreg(producer_warps):
+    """Registers per thread at launch: the 64 K register file over all warps, in steps of 8."""
+    return (65536 // (32 * (8 + producer_warps))) // 8 * 8
+
+
+@gluon.jit
+def _source_length(len_ptr, t, K, HAS_LEN: gl.constexpr):
+    n = K
+    if HAS_LEN:
+        n = gl.maximum(gl.minimum(gl.load(len_ptr + t), K), 0)
+    return n
+
+
+@gluon.jit
+def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+             c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+             c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
+             FMT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
+             MODE: gl.constexpr, INT_DEQUANT: gl.constexpr):
+    # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
+    LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
+    # [BN, 64] bf16 RoPE tiles: 8 values (16 bytes) per thread, 8 threads a row
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
+    rows_b: gl.constexpr = gl.SliceLayout(1, LB)
+    rows_r: gl.constexpr = gl.SliceLayout(1, LR)
+    cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
+    # Slot ids are loaded a tile ahead (the gather of a tile waits on them). The gather itself
+    # is issued before waiting for the stage to drain, so its latency overlaps the consumers
+    # still reading that stage. Issuing it a whole tile earlier (software pipelining) needs a
+    # second tile of raw bytes in registers: 3 KB of spills at 168 registers (sm_90a).
+    idx = _slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
+    for i in range(n_tiles):
+        st = i % STAGES
+        c = lo + i * BN
+        idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
+        first = c < n0p
+        cache = gl.where(first, c0_ptr, c1_ptr)
+        s0 = gl.where(first, c0_s0, c1_s0)
+        s1 = gl.where(first, c0_s1, c1_s1)
+        bs = gl.where(first, c0_bs, c1_bs)
+        cap = gl.where(first, c0_cap, c1_cap)
+        if MODE == 3:   # timing experiment: the consumers alone
+            valid = idx < -1
+        else:
+            valid = (idx >= 0) & (idx < cap)
+        blk = (idx // bs).to(gl.int64)
+        off = (idx % bs).to(gl.int64)
+        kb = k_bufs.index(st)
+        if FMT == 0:
+            x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, blk, off, valid,
+                                                             cb, cr, rows_r)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            if MODE != 3:
+                _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc, INT_DEQUANT)
+        elif FMT == 2:
+            # bf16 rows need no decoding: copied asynchronously straight into the stage
+            row = gl.convert_layout(cache + blk * s0 + off * s1, rows_r)
+            v_r = gl.convert_layout(valid, rows_r)[:, None]
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            for j in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(
+                    kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cr[None, :]), mask=v_r)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+        else:
+            row = cache + blk * s0 + off * s1
+            v2 = valid[:, None]
+            y0 = gl.load(row[:, None] + cb[None, :], mask=v2, other=0)
+            y1 = gl.load(row[:, None] + (64 + cb[None, :]), mask=v2, other=0)
+            y2 = gl.load(row[:, None] + (128 + cb[None, :]), mask=v2, other=0)
+            y3 = gl.load(row[:, None] + (192 + cb[None, :]), mask=v2, other=0)
+            y4 = gl.load(row[:, None] + (256 + cb[None, :]), mask=v2, other=0)
+            y5 = gl.load(row[:, None] + (320 + cb[None, :]), mask=v2, other=0)
+            y6 = gl.load(row[:, None] + (384 + cb[None, :]), mask=v2, other=0)
+            y7 = gl.load(row[:, None] + (448 + cb[None, :]), mask=v2, other=0)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            _store_e4m3(kb, 0, y0)
+            _store_e4m3(kb, 1, y1)
+            _store_e4m3(kb, 2, y2)
+            _store_e4m3(kb, 3, y3)
+            _store_e4m3(kb, 4, y4)
+            _store_e4m3(kb, 5, y5)
+            _store_e4m3(kb, 6, y6)
+            _store_e4m3(kb, 7, y7)
+        bias_bufs.index(st).store(gl.where(valid, 0.0, float("-inf")))
+        # generic-proxy stores -> the wgmma (async proxy) reads; all producer warps first
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(st))
+        idx = idx_next
+
+
+@gluon.jit
+def _gather_v4(cache, s0, bs, blk, off, valid, cb, cr, rows_r: gl.constexpr):
+    """Issue the loads of one tile of V4 rows: seven [BN, 64] e4m3 byte tiles, the [BN, 64]
+    bf16 RoPE tile and each row's eight scale bytes as one int64 (rows with an unusable slot
+    id load nothing and read as zeros)."""
+    rec = cache + blk * s0 + off * 576
+    sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
+                 mask=valid, other=0)
+    v2 = valid[:, None]
+    x0 = gl.load(rec[:, None] + cb[None, :], mask=v2, other=0)
+    x1 = gl.load(rec[:, None] + (64 + cb[None, :]), mask=v2, other=0)
+    x2 = gl.load(rec[:, None] + (128 + cb[None, :]), mask=v2, other=0)
+    x3 = gl.load(rec[:, None] + (192 + cb[None, :]), mask=v2, other=0)
+    x4 = gl.load(rec[:, None] + (256 + cb[None, :]), mask=v2, other=0)
+    x5 = gl.load(rec[:, None] + (320 + cb[None, :]), mask=v2, other=0)
+    x6 = gl.load(rec[:, None] + (384 + cb[None, :]), mask=v2, other=0)
+    rec_r = gl.convert_layout(rec, rows_r)
+    v_r = gl.convert_layout(valid, rows_r)[:, None]
+    rope = gl.load((rec_r + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cr[None, :],
+                   mask=v_r, other=0.0)
+    return x0, x1, x2, x3, x4, x5, x6, rope, sc
+
+
+@gluon.jit
+def _store_e4m3(kb, TILE: gl.constexpr, x):
+    """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as bf16: exact."""
+    kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16))
+
+
+@gluon.jit
+def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr, layout: gl.constexpr):
+    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``)."""
+    first = c < n0p
+    col = gl.where(first, c, c - n0p)
+    n = gl.where(c < hi, gl.where(first, n0, n1), 0)
+    row = gl.where(first, i0_ptr + t.to(gl.int64) * i0_s0, i1_ptr + t.to(gl.int64) * i1_s0)
+    cols = col + gl.arange(0, BN, layout=layout)
+    return gl.load(row + cols, mask=cols < n, other=-1)
+
+
+@gluon.jit
+def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc, INT_DEQUANT: gl.constexpr):
+        kb.slice(0, 64, dim=1).store(_dequant(x0, sc, 0, INT_DEQUANT))
+        kb.slice(64, 64, dim=1).store(_dequant(x1, sc, 1, INT_DEQUANT))
+        kb.slice(128, 64, dim=1).store(_dequant(x2, sc, 2, INT_DEQUANT))
+        kb.slice(192, 64, dim=1).store(_dequant(x3, sc, 3, INT_DEQUANT))
+        kb.slice(256, 64, dim=1).store(_dequant(x4, sc, 4, INT_DEQUANT))
+        kb.slice(320, 64, dim=1).store(_dequant(x5, sc, 5, INT_DEQUANT))
+        kb.slice(384, 64, dim=1).store(_dequant(x6, sc, 6, INT_DEQUANT))
+        kb.slice(448, 64, dim=1).store(rope)
+
+
+@gluon.jit
+def _dequant(x, sc64, TILE: gl.constexpr, INT_DEQUANT: gl.constexpr):
+    """e4m3 bytes × 2^(scale byte - 127) as bf16: exact (e4m3 × 2^k fits bf16)."""
+    sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
+    if INT_DEQUANT:
+        # bf16 bits of 2^(sb - 127) in both halves (sb 0 -> 0, as the fp32 path gives)
+        s16 = sb << 7
+        s32 = (s16 | (s16 << 16))[:, None]
+        return _e4m3x4_to_bf16(x, gl.broadcast(s32, x)[0])
+    scale = (sb << 23).to(gl.float32, bitcast=True)
+    return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _e4m3x4_to_bf16(x, scale2x):
+    """Four e4m3 bytes -> four bf16 times a power of two, on the integer and FMA pipes: the
+    byte's bits are placed as a bf16 2^120 too small (sign to bit 15, exponent and mantissa
+    to bits 10..4: also right for subnormals), then two exact bf16x2 multiplies (2^120, then
+    the scale). The conversion instructions (F2FP) this replaces issue at a quarter of the
+    rate. e4m3 NaN codes (0x7F / 0xFF, never written by the insert op, which saturates) come
+    out as ±480·scale instead of NaN."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi, t, c;
+        mov.b32 c, 0x7B807B80;
+        prmt.b32 lo, $2, 0, 0x4140;
+        prmt.b32 hi, $2, 0, 0x4342;
+        and.b32 t, lo, 0x00800080;
+        shl.b32 lo, lo, 4;
+        mad.lo.u32 lo, t, 240, lo;
+        and.b32 t, hi, 0x00800080;
+        shl.b32 hi, hi, 4;
+        mad.lo.u32 hi, t, 240, hi;
+        mul.rn.bf16x2 lo, lo, c;
+        mul.rn.bf16x2 hi, hi, c;
+        mul.rn.bf16x2 $0, lo, $3;
+        mul.rn.bf16x2 $1, hi, $3;
+        }""",
+        "=r,=r,r,r,r,r,r", [x, scale2x], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml, t, h0,
+             H, sp, n_splits, BN: gl.constexpr, STAGES: gl.constexpr,
+             TRACK_MAX: gl.constexpr, MODE: gl.constexpr):
+    # scores [64, BN]: warpgroup w owns key columns [w·BN/2, (w+1)·BN/2); accumulator
+    # [64, 512]: warpgroup w owns output dims [256 w, 256 w + 256)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BN // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, 256, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    acc = gl.zeros([HEADS, 512], gl.float32, O_L)
+    s_init = gl.zeros([HEADS, BN], gl.float32, S_L)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([HEADS], gl.float32, ROW_S)
+    mx = gl.full([HEADS], float("-inf"), gl.float32, ROW_S)
+    for i in range(n_tiles):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        kb = k_bufs.index(st)
+        if MODE != 2:   # MODE 2, a timing experiment: the producer alone
+            s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            bias = bias_bufs.index(st).load(gl.SliceLayout(0, S_L))
+            s = s * scale2 + bias[None, :]
+            m_tile = gl.max(s, axis=1)
+            if TRACK_MAX:
+                mx = gl.maximum(mx, m_tile)
+            m_new = gl.maximum(m_i, m_tile)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            p16 = gl.convert_layout(p.to(gl.bfloat16), P_L)
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            acc = warpgroup_mma(p16, kb, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            m_i = m_new
+        gl.thread_barrier()       # both warpgroups are done with the stage
+        mbarrier.arrive(empty.index(st))
+    # partials, as the portable kernel writes them
+    empty_row = l_i == 0.0
+    inv_l = 1.0 / gl.where(empty_row, 1.0, l_i)
+    lse2 = gl.where(empty_row, float("-inf"), m_i + gl.log2(gl.where(empty_row, 1.0, l_i)))
+    h_o = h0 + gl.arange(0, HEADS, layout=ROW_O)
+    d_o = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
+    row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
+    o = acc * gl.convert_layout(inv_l, ROW_O)[:, None]
+    gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
+    h_s = h0 + gl.arange(0, HEADS, layout=ROW_S)
+    row_s = (t.to(gl.int64) * H + h_s) * n_splits + sp
+    gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
+    if TRACK_MAX:
+        gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
+
+
+@gluon.jit
+def _ws_kernel(
+        q_ptr, q_s0, q_s1, H,
+        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
+        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
+        scale2, scale_ptr, part_o, part_ml, n_splits, FMT: gl.constexpr,
+        HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
+        BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
+        N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
+        P_REGS: gl.constexpr, MODE: gl.constexpr, INT_DEQUANT: gl.constexpr,
+        num_warps: gl.constexpr):
+    gl.static_assert(num_warps == CONSUMER_WARPS)
+    unit = gl.program_id(0) % N_UNITS
+    t = gl.program_id(0) // N_UNITS
+    sp = gl.program_id(1)
+    h0 = unit * HEADS
+    if SCALE_T:
+        scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
+    # the token's virtual key list, cut into n_splits runs of whole tiles (as the portable
+    # kernel does: source 0's usable columns padded to BN, then source 1's)
+    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
+    n1 = 0
+    if HAS_SRC1:
+        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
+    n0p = gl.cdiv(n0, BN) * BN
+    total = n0p + n1
+    per_split = gl.cdiv(gl.cdiv(total, BN), n_splits) * BN
+    lo = sp * per_split
+    hi = gl.minimum(lo + per_split, total)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BN)
+
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + t.to(gl.int64) * q_s0 + hq[:, None] * q_s1 + dq[None, :],
+                mask=(hq < H)[:, None], other=0.0)
+    q_smem.store(q)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], SMEM)
+    bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_consume, (q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml,
+                    t, h0, H, sp, n_splits, BN, STAGES, TRACK_MAX, MODE)),
+        (_produce, (k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+                    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, BN, STAGES,
+                    P_WARPS, MODE, INT_DEQUANT)),
+    ], [P_WARPS], [P_REGS])
