@@ -1,20 +1,25 @@
-"""Warp-specialized Hopper (sm_90) split kernel for the V4 584 B cache, written in Gluon.
+"""Warp-specialized Hopper (sm_90) split kernel of the attention core, written in Gluon.
 
 Same contract as ``sparse_attention_triton._split_kernel`` (one program per token × 64-head
 block × split of the token's virtual key list; partial out / lse2 / max written for the
-combine kernel), but the work is divided between warps instead of serialised in each warp:
+combine kernel) for 512-dim keys in the V4 584 B cache or a plain bf16 / e4m3 cache, but the
+work is divided between warps instead of serialised in each warp:
 
-* a 4-warp **producer** gathers BLOCK_N key rows (448 e4m3 bytes, 64 bf16 RoPE dims and the
-  row's eight UE8M0 scale bytes as one int64), dequantizes them once and stores a bf16
-  [BLOCK_N, 512] tile into a shared-memory ring, then signals an mbarrier;
-* two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from that ring.
+* a 4-warp **producer** gathers BLOCK_N key rows into a bf16 [BLOCK_N, 512] tile of a
+  two-stage shared-memory ring, then signals an mbarrier. V4 rows: 448 e4m3 bytes, 64 bf16
+  RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once; plain e4m3 rows
+  are converted (their per-tensor scale is folded into the softmax / output scales outside);
+  plain bf16 rows are copied with cp.async, never passing through registers;
+* two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring.
   The score tile is split by key columns between the warpgroups and the accumulator by output
-  dims (``warps_per_cta = [4, 2]`` for both), so no warpgroup repeats another's work — plain
+  dims (``warps_per_cta = [4, 2]`` for both), so no warpgroup repeats another's work: plain
   Triton lays the q·k dot out as [8, 1] (both warpgroups compute the same scores, a third of
   the tensor work) and dequantizes in the same warps that wait on the tensor cores.
 
-Only compiled on sm_90 with Gluon available (triton >= 3.5); ``sparse_attention_triton.run``
-falls back to the portable kernel everywhere else.
+An e4m3 q is decoded to bf16 once, into shared memory, in the prologue. Only used on sm_90
+with Gluon available (triton >= 3.5); ``sparse_attention_triton.run`` falls back to the
+portable kernel everywhere else and for tiny launches. docs/PERF.md has the measurements
+(including what was tried and dropped: a software-pipelined producer, integer e4m3 decoding).
 """
 from __future__ import annotations
 
@@ -31,7 +36,6 @@ STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 120  # setmaxnreg for the producer; the consumers get the rest of maxnreg
                      # (H200: 120 beats 96 by 7-16 %, docs/PERF.md)
-INT_DEQUANT = False  # e4m3 decoded with integer ops + bf16x2 multiplies (see _e4m3x4_to_bf16)
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 
 
@@ -53,7 +57,7 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
              c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-             MODE: gl.constexpr, INT_DEQUANT: gl.constexpr):
+             MODE: gl.constexpr):
     # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     # [BN, 64] bf16 RoPE tiles: 8 values (16 bytes) per thread, 8 threads a row
@@ -89,7 +93,7 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
                                                              cb, cr, rows_r)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if MODE != 3:
-                _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc, INT_DEQUANT)
+                _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage
             row = gl.convert_layout(cache + blk * s0 + off * s1, rows_r)
@@ -169,56 +173,24 @@ def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr
 
 
 @gluon.jit
-def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc, INT_DEQUANT: gl.constexpr):
-        kb.slice(0, 64, dim=1).store(_dequant(x0, sc, 0, INT_DEQUANT))
-        kb.slice(64, 64, dim=1).store(_dequant(x1, sc, 1, INT_DEQUANT))
-        kb.slice(128, 64, dim=1).store(_dequant(x2, sc, 2, INT_DEQUANT))
-        kb.slice(192, 64, dim=1).store(_dequant(x3, sc, 3, INT_DEQUANT))
-        kb.slice(256, 64, dim=1).store(_dequant(x4, sc, 4, INT_DEQUANT))
-        kb.slice(320, 64, dim=1).store(_dequant(x5, sc, 5, INT_DEQUANT))
-        kb.slice(384, 64, dim=1).store(_dequant(x6, sc, 6, INT_DEQUANT))
-        kb.slice(448, 64, dim=1).store(rope)
+def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc):
+    """Dequantized V4 tile into the stage: seven e4m3 64-dim tiles, then the bf16 RoPE dims."""
+    kb.slice(0, 64, dim=1).store(_dequant(x0, sc, 0))
+    kb.slice(64, 64, dim=1).store(_dequant(x1, sc, 1))
+    kb.slice(128, 64, dim=1).store(_dequant(x2, sc, 2))
+    kb.slice(192, 64, dim=1).store(_dequant(x3, sc, 3))
+    kb.slice(256, 64, dim=1).store(_dequant(x4, sc, 4))
+    kb.slice(320, 64, dim=1).store(_dequant(x5, sc, 5))
+    kb.slice(384, 64, dim=1).store(_dequant(x6, sc, 6))
+    kb.slice(448, 64, dim=1).store(rope)
 
 
 @gluon.jit
-def _dequant(x, sc64, TILE: gl.constexpr, INT_DEQUANT: gl.constexpr):
+def _dequant(x, sc64, TILE: gl.constexpr):
     """e4m3 bytes × 2^(scale byte - 127) as bf16: exact (e4m3 × 2^k fits bf16)."""
     sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
-    if INT_DEQUANT:
-        # bf16 bits of 2^(sb - 127) in both halves (sb 0 -> 0, as the fp32 path gives)
-        s16 = sb << 7
-        s32 = (s16 | (s16 << 16))[:, None]
-        return _e4m3x4_to_bf16(x, gl.broadcast(s32, x)[0])
     scale = (sb << 23).to(gl.float32, bitcast=True)
     return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
-
-
-@gluon.jit
-def _e4m3x4_to_bf16(x, scale2x):
-    """Four e4m3 bytes -> four bf16 times a power of two, on the integer and FMA pipes: the
-    byte's bits are placed as a bf16 2^120 too small (sign to bit 15, exponent and mantissa
-    to bits 10..4: also right for subnormals), then two exact bf16x2 multiplies (2^120, then
-    the scale). The conversion instructions (F2FP) this replaces issue at a quarter of the
-    rate. e4m3 NaN codes (0x7F / 0xFF, never written by the insert op, which saturates) come
-    out as ±480·scale instead of NaN."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 lo, hi, t, c;
-        mov.b32 c, 0x7B807B80;
-        prmt.b32 lo, $2, 0, 0x4140;
-        prmt.b32 hi, $2, 0, 0x4342;
-        and.b32 t, lo, 0x00800080;
-        shl.b32 lo, lo, 4;
-        mad.lo.u32 lo, t, 240, lo;
-        and.b32 t, hi, 0x00800080;
-        shl.b32 hi, hi, 4;
-        mad.lo.u32 hi, t, 240, hi;
-        mul.rn.bf16x2 lo, lo, c;
-        mul.rn.bf16x2 hi, hi, c;
-        mul.rn.bf16x2 $0, lo, $3;
-        mul.rn.bf16x2 $1, hi, $3;
-        }""",
-        "=r,=r,r,r,r,r,r", [x, scale2x], dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -288,7 +260,7 @@ def _ws_kernel(
         HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
         BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
-        P_REGS: gl.constexpr, MODE: gl.constexpr, INT_DEQUANT: gl.constexpr,
+        P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr,
         num_warps: gl.constexpr):
     gl.static_assert(num_warps == CONSUMER_WARPS)
     unit = gl.program_id(0) % N_UNITS
@@ -317,8 +289,10 @@ def _ws_kernel(
     hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
     q = gl.load(q_ptr + t.to(gl.int64) * q_s0 + hq[:, None] * q_s1 + dq[None, :],
-                mask=(hq < H)[:, None], other=0.0)
-    q_smem.store(q)
+                mask=(hq < H)[:, None], other=0)
+    if Q_FP8:   # e4m3 bytes: decoded once here (exact), the dots read bf16 from shared memory
+        q = q.to(gl.float8e4nv, bitcast=True)
+    q_smem.store(q.to(gl.bfloat16))
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], SMEM)
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -335,5 +309,5 @@ def _ws_kernel(
         (_produce, (k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
                     c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, BN, STAGES,
-                    P_WARPS, MODE, INT_DEQUANT)),
+                    P_WARPS, MODE)),
     ], [P_WARPS], [P_REGS])

@@ -11,6 +11,10 @@ max / sum / accumulator in the log2 domain; a second kernel merges the splits, a
 sink and writes out / lse / max logits. Tiny launches also split the 512 output dims over two
 4-warp programs (``DV`` = 2), which then both compute q·k.
 
+On sm_90 the split kernel is replaced by ``sparse_attention_gluon._ws_kernel`` (warp-specialized:
+producer warps gather and dequantize, consumer warpgroups run the dots) for V4 and plain
+512-dim caches whenever the launch is not tiny; the combine kernel is shared.
+
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
 interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16.
 """
@@ -384,7 +388,7 @@ def _gluon_module(q, src0, cfg, scale64, d576):
 
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, scale,
-                  part_o, part_ml, n_splits, n_units, max_logits):
+                  part_o, part_ml, n_splits, n_units, max_logits, q_fp8):
     return g._ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.shape[1],
         *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
@@ -397,7 +401,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, s
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
-        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, INT_DEQUANT=g.INT_DEQUANT,
+        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8,
         num_warps=g.CONSUMER_WARPS.value, maxnreg=g.maxnreg(g.PRODUCER_WARPS))
 
 
@@ -462,22 +466,23 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
         src1 is None or _blocks_aligned8(c1, c1s0))
     q_fp8 = q.dtype == torch.float8_e4m3fn
-    if q_fp8 and cfg["dv"] == 1:
+    d576 = head_dims(sources) == 576
+    g = _gluon_module(q, src0, cfg, scale64, d576)
+    if q_fp8 and cfg["dv"] == 1 and g is None:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
         # 30 % slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
         # launches (one or two tiles per program) decode in the kernel: the extra launch
-        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs).
+        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs). The Gluon kernel decodes q
+        # into shared memory itself.
         q, q_fp8 = q.to(torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     global LAST_SPLIT_KERNEL
-    d576 = head_dims(sources) == 576
-    g = _gluon_module(q, src0, cfg, scale64, d576)
     if g is not None:
-        LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), q, (c0, c0s0, c0s1), src0,
+        LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0,
                                           i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy, scale,
-                                          part_o, part_ml, n_splits, n_hb, max_logits)
+                                          part_o, part_ml, n_splits, n_hb, max_logits, q_fp8)
     else:
         LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
             qq, q.stride(0), q.stride(1), H,
