@@ -28,6 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from sparse_mla.ops.common.sparse_attention_triton import key_run
+
 LOG2E = gl.constexpr(1.4426950408889634)
 HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of both warpgroups
 CONSUMER_WARPS = gl.constexpr(8)
@@ -42,14 +44,6 @@ MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumer
 def maxnreg(producer_warps):
     """Registers per thread at launch: the 64 K register file over all warps, in steps of 8."""
     return (65536 // (32 * (8 + producer_warps))) // 8 * 8
-
-
-@gluon.jit
-def _source_length(len_ptr, t, K, HAS_LEN: gl.constexpr):
-    n = K
-    if HAS_LEN:
-        n = gl.maximum(gl.minimum(gl.load(len_ptr + t), K), 0)
-    return n
 
 
 @gluon.jit
@@ -271,15 +265,8 @@ def _ws_kernel(
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     # the token's virtual key list, cut into n_splits runs of whole tiles (as the portable
     # kernel does: source 0's usable columns padded to BN, then source 1's)
-    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
-    n1 = 0
-    if HAS_SRC1:
-        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
-    n0p = gl.cdiv(n0, BN) * BN
-    total = n0p + n1
-    per_split = gl.cdiv(gl.cdiv(total, BN), n_splits) * BN
-    lo = sp * per_split
-    hi = gl.minimum(lo + per_split, total)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1,
+                                  HAS_SRC1, BN)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BN)
 
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,

@@ -201,6 +201,24 @@ def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
+def key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0: tl.constexpr,
+            HAS_L1: tl.constexpr, HAS_SRC1: tl.constexpr, BN: tl.constexpr):
+    """Token ``t``'s usable lengths (n0, n1), source 0's padded length n0p, and split ``sp``'s
+    run [lo, hi) of its virtual key list: source 0's usable columns padded to BN, then source
+    1's, cut into ``n_splits`` runs of whole tiles. Scalar code: the Gluon kernel calls it too."""
+    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
+    n1 = 0
+    if HAS_SRC1:
+        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
+    n0p = tl.cdiv(n0, BN) * BN
+    total = n0p + n1
+    per_split = tl.cdiv(tl.cdiv(total, BN), n_splits) * BN
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, total)
+    return n0, n1, n0p, lo, hi
+
+
+@triton.jit
 def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
             DOT_F32: tl.constexpr):
     """Dims [COL0, COL0 + NC) of the head block's q rows as a dot operand."""
@@ -249,15 +267,8 @@ def _split_kernel(
     # This token's virtual key list: source 0's usable columns padded to BN, then source 1's,
     # cut into n_splits runs of whole tiles. One loop over both sources (the source picked per
     # tile by scalar selects) keeps one copy of the tile code live; two loops spilled.
-    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
-    n1 = 0
-    if HAS_SRC1:
-        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
-    n0p = tl.cdiv(n0, BN) * BN
-    total = n0p + n1
-    per_split = tl.cdiv(tl.cdiv(total, BN), n_splits) * BN
-    lo = sp * per_split
-    hi = tl.minimum(lo + per_split, total)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1,
+                                  HAS_SRC1, BN)
     # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits on
     # its ids, and that load's latency is otherwise paid in full every iteration
     idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
