@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from sparse_mla.ops.common.sparse_attention_triton import key_run
 
 LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of both warpgroups
 CONSUMER_WARPS = gl.constexpr(8)
 BLOCK_N = 64         # keys per ring stage (64 KB of bf16)
@@ -54,12 +55,11 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
              MODE: gl.constexpr):
     # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
-    # [BN, 64] bf16 RoPE tiles: 8 values (16 bytes) per thread, 8 threads a row
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
+    # bf16 [BN, 64] tiles (RoPE dims, plain bf16 rows) use the same layout: 32 bytes per
+    # thread, so their row pointers need no layout conversion (a shared-memory round trip
+    # and two barriers per tile)
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
-    rows_r: gl.constexpr = gl.SliceLayout(1, LR)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
-    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     # Slot ids are loaded a tile ahead (the gather of a tile waits on them). The gather itself
     # is issued before waiting for the stage to drain, so its latency overlaps the consumers
     # still reading that stage. Issuing it a whole tile earlier (software pipelining) needs a
@@ -84,18 +84,18 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
         kb = k_bufs.index(st)
         if FMT == 0:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, blk, off, valid,
-                                                             cb, cr, rows_r)
+                                                             cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if MODE != 3:
                 _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage
-            row = gl.convert_layout(cache + blk * s0 + off * s1, rows_r)
-            v_r = gl.convert_layout(valid, rows_r)[:, None]
+            row = cache + blk * s0 + off * s1
+            v2 = valid[:, None]
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             for j in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(
-                    kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cr[None, :]), mask=v_r)
+                    kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cb[None, :]), mask=v2)
             async_copy.commit_group()
             async_copy.wait_group(0)
         else:
@@ -127,7 +127,7 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
 
 
 @gluon.jit
-def _gather_v4(cache, s0, bs, blk, off, valid, cb, cr, rows_r: gl.constexpr):
+def _gather_v4(cache, s0, bs, blk, off, valid, cb):
     """Issue the loads of one tile of V4 rows: seven [BN, 64] e4m3 byte tiles, the [BN, 64]
     bf16 RoPE tile and each row's eight scale bytes as one int64 (rows with an unusable slot
     id load nothing and read as zeros)."""
@@ -142,10 +142,8 @@ def _gather_v4(cache, s0, bs, blk, off, valid, cb, cr, rows_r: gl.constexpr):
     x4 = gl.load(rec[:, None] + (256 + cb[None, :]), mask=v2, other=0)
     x5 = gl.load(rec[:, None] + (320 + cb[None, :]), mask=v2, other=0)
     x6 = gl.load(rec[:, None] + (384 + cb[None, :]), mask=v2, other=0)
-    rec_r = gl.convert_layout(rec, rows_r)
-    v_r = gl.convert_layout(valid, rows_r)[:, None]
-    rope = gl.load((rec_r + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cr[None, :],
-                   mask=v_r, other=0.0)
+    rope = gl.load((rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
+                   mask=v2, other=0.0)
     return x0, x1, x2, x3, x4, x5, x6, rope, sc
 
 
@@ -189,8 +187,10 @@ def _dequant(x, sc64, TILE: gl.constexpr):
 
 @gluon.jit
 def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml, t, h0,
-             H, sp, n_splits, BN: gl.constexpr, STAGES: gl.constexpr,
-             TRACK_MAX: gl.constexpr, MODE: gl.constexpr):
+             H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0,
+             mx_s1, sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
+             TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
+             HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr):
     # scores [64, BN]: warpgroup w owns key columns [w·BN/2, (w+1)·BN/2); accumulator
     # [64, 512]: warpgroup w owns output dims [256 w, 256 w + 256)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -229,20 +229,40 @@ def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, p
             m_i = m_new
         gl.thread_barrier()       # both warpgroups are done with the stage
         mbarrier.arrive(empty.index(st))
-    # partials, as the portable kernel writes them
     empty_row = l_i == 0.0
     inv_l = 1.0 / gl.where(empty_row, 1.0, l_i)
     lse2 = gl.where(empty_row, float("-inf"), m_i + gl.log2(gl.where(empty_row, 1.0, l_i)))
     h_o = h0 + gl.arange(0, HEADS, layout=ROW_O)
     d_o = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
-    row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
-    o = acc * gl.convert_layout(inv_l, ROW_O)[:, None]
-    gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
     h_s = h0 + gl.arange(0, HEADS, layout=ROW_S)
-    row_s = (t.to(gl.int64) * H + h_s) * n_splits + sp
-    gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
-    if TRACK_MAX:
-        gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
+    o = acc * gl.convert_layout(inv_l, ROW_O)[:, None]
+    if FINAL:
+        # the only split of its token: finish here as the combine kernel would with one
+        # split (same arithmetic, so the same bits), no fp32 partials and no second launch
+        lse = gl.where(empty_row, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            # sigmoid(lse - sink): +inf sink -> 0, -inf sink -> 1; empty rows stay 0
+            sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=0.0)
+            gate = gl.where(empty_row, 0.0, 1.0 / (1.0 + gl.exp(sink - lse)))
+            o = o * gl.convert_layout(gate, ROW_O)[:, None]
+        if OUT_SCALE_T:
+            out_scale = gl.load(out_scale_ptr).to(gl.float32)
+        o = gl.where(gl.convert_layout(empty_row, ROW_O)[:, None], 0.0, o * out_scale)
+        out_row = t.to(gl.int64) * out_s0 + h_o.to(gl.int64) * out_s1
+        gl.store(out_ptr + out_row[:, None] + d_o[None, :], o.to(gl.bfloat16),
+                 mask=(h_o < H)[:, None])
+        if HAS_LSE:
+            gl.store(lse_ptr + t.to(gl.int64) * lse_s0 + h_s * lse_s1, lse, mask=h_s < H)
+        if TRACK_MAX:
+            gl.store(mx_ptr + t.to(gl.int64) * mx_s0 + h_s * mx_s1, mx * LN2, mask=h_s < H)
+    else:
+        # partials, as the portable kernel writes them
+        row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
+        gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
+        row_s = (t.to(gl.int64) * H + h_s) * n_splits + sp
+        gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
+        if TRACK_MAX:
+            gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
 
 
 @gluon.jit
@@ -250,11 +270,14 @@ def _ws_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
-        scale2, scale_ptr, part_o, part_ml, n_splits, FMT: gl.constexpr,
+        scale2, scale_ptr, part_o, part_ml, n_splits,
+        out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
+        out_scale, out_scale_ptr, FMT: gl.constexpr,
         HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
         BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
-        P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr,
+        P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
+        HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         num_warps: gl.constexpr):
     gl.static_assert(num_warps == CONSUMER_WARPS)
     unit = gl.program_id(0) % N_UNITS
@@ -292,7 +315,9 @@ def _ws_kernel(
     gl.thread_barrier()
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml,
-                    t, h0, H, sp, n_splits, BN, STAGES, TRACK_MAX, MODE)),
+                    t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1,
+                    mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES,
+                    TRACK_MAX, MODE, FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T)),
         (_produce, (k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
                     c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, BN, STAGES,

@@ -13,7 +13,8 @@ sink and writes out / lse / max logits. Tiny launches also split the 512 output 
 
 On sm_90 the split kernel is replaced by ``sparse_attention_gluon._ws_kernel`` (warp-specialized:
 producer warps gather and dequantize, consumer warpgroups run the dots) for V4 and plain
-512-dim caches whenever the launch is not tiny; the combine kernel is shared.
+512-dim caches whenever the launch is not tiny; the combine kernel is shared, and when a
+launch has one split per token the Gluon kernel writes out / lse / max logits itself.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
 interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16.
@@ -34,6 +35,7 @@ from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
+LAST_COMBINED = None       # whether the last launch ran the combine kernel (tests)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 LOG2E_C = tl.constexpr(LOG2E)
@@ -399,7 +401,11 @@ def _gluon_module(q, src0, cfg, scale64, d576):
 
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, scale,
-                  part_o, part_ml, n_splits, n_units, max_logits, q_fp8):
+                  part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
+                  out_scale):
+    lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
+    mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
+               if max_logits is not None else (part_ml, 0, 0))
     return g._ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.shape[1],
         *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
@@ -408,11 +414,15 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, s
         i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
         else dummy,
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+        out, out.stride(0), out.stride(1), *lse_args, *mx_args,
+        sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml),
         FMT=FMT_CODES[src0.fmt], HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
-        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8,
+        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
+        HAS_SINK=sink is not None, HAS_LSE=lse is not None,
+        OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         num_warps=g.CONSUMER_WARPS.value, maxnreg=g.maxnreg(g.PRODUCER_WARPS))
 
 
@@ -464,8 +474,16 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(q.device) * dvs,
                              cfg["split_overhead"])
     dev = q.device
-    part_o = torch.empty(T * H * n_splits * 512, dtype=torch.float32, device=dev)
-    part_ml = torch.empty(T * H * n_splits * 2, dtype=torch.float32, device=dev)
+    q_fp8 = q.dtype == torch.float8_e4m3fn
+    d576 = head_dims(sources) == 576
+    scale64 = src0.fmt == "v4" and _blocks_aligned8(*_source_args(src0)[:2]) and (
+        src1 is None or _blocks_aligned8(*_source_args(src1)[:2]))
+    g = _gluon_module(q, src0, cfg, scale64, d576)
+    # one split per token: the Gluon kernel finishes the rows itself (no partials, no combine)
+    final = g is not None and n_splits == 1
+    n_part = 0 if final else T * H * n_splits
+    part_o = torch.empty(max(1, n_part * 512), dtype=torch.float32, device=dev)
+    part_ml = torch.empty(max(1, n_part * 2), dtype=torch.float32, device=dev)
     c0, c0s0, c0s1 = _source_args(src0)
     if src1 is not None:
         c1, c1s0, c1s1 = _source_args(src1)
@@ -474,11 +492,6 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
-    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
-        src1 is None or _blocks_aligned8(c1, c1s0))
-    q_fp8 = q.dtype == torch.float8_e4m3fn
-    d576 = head_dims(sources) == 576
-    g = _gluon_module(q, src0, cfg, scale64, d576)
     if q_fp8 and cfg["dv"] == 1 and g is None:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
@@ -489,11 +502,15 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         q, q_fp8 = q.to(torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
-    global LAST_SPLIT_KERNEL
+    global LAST_SPLIT_KERNEL, LAST_COMBINED
+    LAST_COMBINED = not final
     if g is not None:
         LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0,
                                           i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy, scale,
-                                          part_o, part_ml, n_splits, n_hb, max_logits, q_fp8)
+                                          part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
+                                          final, sink, out, lse, out_scale)
+        if final:
+            return
     else:
         LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
             qq, q.stride(0), q.stride(1), H,

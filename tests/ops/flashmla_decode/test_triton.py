@@ -150,8 +150,33 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
+    if n_splits is not None:    # one split: the kernel's own epilogue, no combine launch
+        assert core.LAST_COMBINED == (n_splits > 1)
     check_decode(ref, got)
     monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     portable = _run_decode(a, "triton")
     assert split_kernel_name() == "_split_kernel"
     check_decode(ref, portable)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("n_splits", [1, 2])
+def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch):
+    """Prefill through the sm_90 kernel with one split (it writes out, lse and max logits
+    itself, sink applied) and with two (partials + combine kernel); a query without keys,
+    ±inf sinks, out-of-range indices, NaN rows past s_kv."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
+    a["topk_length"][1] = 0
+    a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
+    ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
+    o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
+    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED == (n_splits > 1)
+    assert not o.isnan().any()
+    torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
+    for got, want in ((m, rm), (l, rl)):
+        assert torch.equal(got.isinf(), want.isinf())
+        fin = want.isfinite()
+        torch.testing.assert_close(got[fin], want[fin], atol=1e-6, rtol=2 / 65536)

@@ -139,6 +139,22 @@ def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
     torch.testing.assert_close(tri.float(), floats.float(), atol=1e-3, rtol=2 / 256)
 
 
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
+    """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
+    tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    monkeypatch.setattr(core, "choose_splits", lambda *args: 1)
+    x = _batch(24, 64, dtype)
+    t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
+    ref = _run_scales(x, "cpu", "reference", t1, t2)
+    tri = _run_scales(x, "cuda", "triton", t1.cuda(), t2.cuda()).cpu()
+    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED is False
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_dsv4_tensor_scales_under_cuda_graph():
     """Captured once, replayed after the scale tensors change: the replay must use the new
