@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from sparse_mla.ops.common.sparse_attention_triton import key_run
+from sparse_mla.ops.common.sparse_attention_triton import key_run, sink_gate, softmax_step
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -214,14 +214,9 @@ def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, p
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             bias = bias_bufs.index(st).load(gl.SliceLayout(0, S_L))
             s = s * scale2 + bias[None, :]
-            m_tile = gl.max(s, axis=1)
+            p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
             if TRACK_MAX:
                 mx = gl.maximum(mx, m_tile)
-            m_new = gl.maximum(m_i, m_tile)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
             p16 = gl.convert_layout(p.to(gl.bfloat16), P_L)
             acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
             acc = warpgroup_mma(p16, kb, acc, is_async=True)
@@ -241,10 +236,8 @@ def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, p
         # split (same arithmetic, so the same bits), no fp32 partials and no second launch
         lse = gl.where(empty_row, float("inf"), lse2 * LN2)
         if HAS_SINK:
-            # sigmoid(lse - sink): +inf sink -> 0, -inf sink -> 1; empty rows stay 0
             sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=0.0)
-            gate = gl.where(empty_row, 0.0, 1.0 / (1.0 + gl.exp(sink - lse)))
-            o = o * gl.convert_layout(gate, ROW_O)[:, None]
+            o = o * gl.convert_layout(sink_gate(lse, sink, empty_row), ROW_O)[:, None]
         if OUT_SCALE_T:
             out_scale = gl.load(out_scale_ptr).to(gl.float32)
         o = gl.where(gl.convert_layout(empty_row, ROW_O)[:, None], 0.0, o * out_scale)

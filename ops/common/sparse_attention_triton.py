@@ -203,6 +203,28 @@ def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i):
+    """One tile of the running softmax over log2-domain scores ``s`` [rows, keys] (-inf for
+    unusable keys): (p, the rescale of what came before, new max, new sum, the tile's max).
+    Rows without a usable key so far keep max -inf and sum 0. Elementwise / row-reduction
+    code: the Gluon kernel calls it on its wgmma layouts too."""
+    m_tile = tl.max(s, axis=1)
+    m_new = tl.maximum(m_i, m_tile)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1), m_tile
+
+
+@triton.jit
+def sink_gate(lse, sink, empty):
+    """Output factor of the attention sink: sigmoid(lse - sink), so a +inf sink gives 0 and a
+    -inf sink 1; rows without keys stay 0. Shared by the combine kernel and the Gluon
+    kernel's one-split epilogue."""
+    return tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - lse)))
+
+
+@triton.jit
 def key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0: tl.constexpr,
             HAS_L1: tl.constexpr, HAS_SRC1: tl.constexpr, BN: tl.constexpr):
     """Token ``t``'s usable lengths (n0, n1), source 0's padded length n0p, and split ``sp``'s
@@ -313,14 +335,9 @@ def _split_kernel(
             k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, off, 8, FMT, False, DOT_F32)
             s = tl.dot(q_rope, tl.trans(k_rope), s)
         s = tl.where(valid[None, :], s * scale2, float("-inf"))
-        m_tile = tl.max(s, axis=1)
+        p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
         if TRACK_MAX:
             mx = tl.maximum(mx, m_tile)
-        m_new = tl.maximum(m_i, m_tile)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         p = _dot_operand(p, DOT_F32)
         acc = acc * alpha[:, None]
         if DV == 1:
@@ -369,8 +386,7 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
-        # sigmoid(lse - sink): +inf sink -> 0, -inf sink -> 1; empty rows stay 0
-        o = o * tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - lse)))
+        o = o * sink_gate(lse, sink, empty)
     if OUT_SCALE_T:
         out_scale = tl.load(out_scale_ptr).to(tl.float32)
     o = tl.where(empty, 0.0, o * out_scale)
@@ -476,19 +492,19 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
     d576 = head_dims(sources) == 576
-    scale64 = src0.fmt == "v4" and _blocks_aligned8(*_source_args(src0)[:2]) and (
-        src1 is None or _blocks_aligned8(*_source_args(src1)[:2]))
+    c0, c0s0, c0s1 = _source_args(src0)
+    if src1 is not None:
+        c1, c1s0, c1s1 = _source_args(src1)
+    else:
+        c1, c1s0, c1s1 = c0, 0, 0
+    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
+        src1 is None or _blocks_aligned8(c1, c1s0))
     g = _gluon_module(q, src0, cfg, scale64, d576)
     # one split per token: the Gluon kernel finishes the rows itself (no partials, no combine)
     final = g is not None and n_splits == 1
     n_part = 0 if final else T * H * n_splits
     part_o = torch.empty(max(1, n_part * 512), dtype=torch.float32, device=dev)
     part_ml = torch.empty(max(1, n_part * 2), dtype=torch.float32, device=dev)
-    c0, c0s0, c0s1 = _source_args(src0)
-    if src1 is not None:
-        c1, c1s0, c1s1 = _source_args(src1)
-    else:
-        c1, c1s0, c1s1 = c0, 0, 0
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0

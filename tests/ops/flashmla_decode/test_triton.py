@@ -23,6 +23,16 @@ def check_decode(ref, got):
     torch.testing.assert_close(l[fin], rl[fin], atol=1e-6, rtol=8 / 65536)
 
 
+def check_prefill(ref, got):
+    (ro, rm, rl), (o, m, l) = ref, got
+    assert not o.isnan().any()
+    torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
+    for g, want in ((m, rm), (l, rl)):
+        assert torch.equal(g.isinf(), want.isinf())
+        fin = want.isfinite()
+        torch.testing.assert_close(g[fin], want[fin], atol=1e-6, rtol=2 / 65536)
+
+
 def _run_decode(a, impl):
     a = dict(a)
     q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
@@ -88,12 +98,7 @@ def test_prefill_matches_reference(device, shape):
     a = prefill_case(device, s_q=s_q, h=h, s_kv=s_kv, topk=topk, seed=s_q)
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
-    assert not o.isnan().any()
-    torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
-    for got, want in ((m, rm), (l, rl)):
-        assert torch.equal(got.isinf(), want.isinf())
-        fin = want.isfinite()
-        torch.testing.assert_close(got[fin], want[fin], atol=1e-6, rtol=2 / 65536)
+    check_prefill((ro, rm, rl), (o, m, l))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,9 +179,4 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
     assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED == (n_splits > 1)
-    assert not o.isnan().any()
-    torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
-    for got, want in ((m, rm), (l, rl)):
-        assert torch.equal(got.isinf(), want.isinf())
-        fin = want.isfinite()
-        torch.testing.assert_close(got[fin], want[fin], atol=1e-6, rtol=2 / 65536)
+    check_prefill((ro, rm, rl), (o, m, l))
