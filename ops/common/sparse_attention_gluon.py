@@ -28,7 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from sparse_mla.ops.common.sparse_attention_triton import key_run, sink_gate, softmax_step
+from sparse_mla.ops.common.sparse_attention_triton import (
+    key_run, sink_gate, slot_row, softmax_step, tile_source)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -69,12 +70,8 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
         st = i % STAGES
         c = lo + i * BN
         idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
-        first = c < n0p
-        cache = gl.where(first, c0_ptr, c1_ptr)
-        s0 = gl.where(first, c0_s0, c1_s0)
-        s1 = gl.where(first, c0_s1, c1_s1)
-        bs = gl.where(first, c0_bs, c1_bs)
-        cap = gl.where(first, c0_cap, c1_cap)
+        cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                             c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         if MODE == 3:   # timing experiment: the consumers alone
             valid = idx < -1
         else:
@@ -155,11 +152,9 @@ def _store_e4m3(kb, TILE: gl.constexpr, x):
 
 @gluon.jit
 def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr, layout: gl.constexpr):
-    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``)."""
-    first = c < n0p
-    col = gl.where(first, c, c - n0p)
-    n = gl.where(c < hi, gl.where(first, n0, n1), 0)
-    row = gl.where(first, i0_ptr + t.to(gl.int64) * i0_s0, i1_ptr + t.to(gl.int64) * i1_s0)
+    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``), in
+    ``layout`` (the portable kernel's ``_tile_slots`` with an explicit layout)."""
+    row, col, n = slot_row(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0)
     cols = col + gl.arange(0, BN, layout=layout)
     return gl.load(row + cols, mask=cols < n, other=-1)
 

@@ -182,13 +182,32 @@ def _key_half(cache_ptr, s0, s1, BS, blk, off, v, sc64, HALF: tl.constexpr, FMT:
 
 
 @triton.jit
-def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.constexpr):
-    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``): source
-    0's columns below ``n0p``, source 1's after."""
+def slot_row(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0):
+    """Where the slot ids of virtual columns from ``c`` live: (index row of token ``t`` in
+    the column's source, the column within that source, its usable column count; 0 at/after
+    ``hi``). Source 0's columns are below ``n0p``, source 1's after. Scalar code: the Gluon
+    producer calls it too."""
     first = c < n0p
     col = tl.where(first, c, c - n0p)
     n = tl.where(c < hi, tl.where(first, n0, n1), 0)
     row = tl.where(first, i0_ptr + t.to(tl.int64) * i0_s0, i1_ptr + t.to(tl.int64) * i1_s0)
+    return row, col, n
+
+
+@triton.jit
+def tile_source(first, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs,
+                c1_cap):
+    """A tile's cache arguments (pointer, block stride, row stride, block size, capacity):
+    source 0's where ``first``, else source 1's. Scalar code: the Gluon producer calls it."""
+    return (tl.where(first, c0_ptr, c1_ptr), tl.where(first, c0_s0, c1_s0),
+            tl.where(first, c0_s1, c1_s1), tl.where(first, c0_bs, c1_bs),
+            tl.where(first, c0_cap, c1_cap))
+
+
+@triton.jit
+def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.constexpr):
+    """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``)."""
+    row, col, n = slot_row(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0)
     cols = col + tl.arange(0, BN)
     return tl.load(row + cols, mask=cols < n, other=-1)
 
@@ -297,12 +316,8 @@ def _split_kernel(
     # its ids, and that load's latency is otherwise paid in full every iteration
     idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
     for c in range(lo, hi, BN):
-        first = c < n0p
-        cache = tl.where(first, c0_ptr, c1_ptr)
-        s0 = tl.where(first, c0_s0, c1_s0)
-        s1 = tl.where(first, c0_s1, c1_s1)
-        bs = tl.where(first, c0_bs, c1_bs)
-        cap = tl.where(first, c0_cap, c1_cap)
+        cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                             c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         if PREFETCH:
             idx_next = _tile_slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
         else:
