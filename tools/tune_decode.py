@@ -27,7 +27,7 @@ SWEEP = [dict(),                                    # the current CONFIG
 
 
 GLUON_SWEEP = [dict(), dict(MODE=2), dict(MODE=3), dict(PRODUCER_REGS=96),
-               dict(PRODUCER_REGS=152), dict(PRODUCER_REGS=168)]
+               dict(PRODUCER_REGS=112), dict(FOLLOW_REGS=176)]
 
 
 def main(argv):

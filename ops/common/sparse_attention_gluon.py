@@ -10,11 +10,13 @@ work is divided between warps instead of serialised in each warp:
   RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once; plain e4m3 rows
   are converted (their per-tensor scale is folded into the softmax / output scales outside);
   plain bf16 rows are copied with cp.async, never passing through registers;
-* two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring.
-  The score tile is split by key columns between the warpgroups and the accumulator by output
-  dims (``warps_per_cta = [4, 2]`` for both), so no warpgroup repeats another's work: plain
-  Triton lays the q·k dot out as [8, 1] (both warpgroups compute the same scores, a third of
-  the tensor work) and dequantizes in the same warps that wait on the tensor cores.
+* two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring,
+  split as FlashMLA's sm_90 decode kernel splits them: ``_lead`` computes the whole score
+  tile, the softmax and p·v for output dims [0, 256); ``_follow`` does p·v for [256, 512)
+  with the lead's p from shared memory, so its p·v of tile i overlaps the lead's q·k of tile
+  i+1. (The earlier split — scores by key columns, accumulator by output dims in one 8-warp
+  partition — read q from shared memory twice per tile and reduced every row across both
+  warpgroups: 5-15 % slower, docs/PERF.md session 6.)
 
 An e4m3 q is decoded to bf16 once, into shared memory, in the prologue. Only used on sm_90
 with Gluon available (triton >= 3.5); ``sparse_attention_triton.run`` falls back to the
@@ -23,6 +25,9 @@ portable kernel everywhere else and for tiny launches. docs/PERF.md has the meas
 """
 from __future__ import annotations
 
+import re
+
+from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -33,19 +38,39 @@ from sparse_mla.ops.common.sparse_attention_triton import (
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of both warpgroups
-CONSUMER_WARPS = gl.constexpr(8)
+HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of each warpgroup
 BLOCK_N = 64         # keys per ring stage (64 KB of bf16)
 STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 120  # setmaxnreg for the producer; the consumers get the rest of maxnreg
-                     # (H200: 120 beats 96 by 7-16 %, docs/PERF.md)
+PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
+FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
+                     # 12-warp budget: 216
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 
 
-def maxnreg(producer_warps):
-    """Registers per thread at launch: the 64 K register file over all warps, in steps of 8."""
-    return (65536 // (32 * (8 + producer_warps))) // 8 * 8
+def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
+    """Triton stamps warp-specialized kernels with ``.maxnreg`` (the launch share: 168 for 12
+    warps) and ptxas caps every ``setmaxnreg.inc`` region at it, so the lead warpgroup could
+    never use the registers the other partitions give back. Without the directive ptxas takes
+    the launch limit from ``.reqntid`` and honours each region's ``setmaxnreg`` (sm_90a,
+    ptxas 12.9: 0 spills; with the cap, 236 B of spills and serialized wgmma). Only
+    ``_ws_kernel``'s PTX is edited; a hook installed before still runs."""
+    if _previous_hook is not None:
+        _previous_hook(backend, stages, options, language, capability)
+    make_ptx = stages.get("ptx")
+    if make_ptx is None:
+        return
+
+    def ptx(src, metadata):
+        out = make_ptx(src, metadata)
+        if metadata.get("name") == "_ws_kernel":
+            out = re.sub(r"^\.maxnreg \d+\n", "", out, flags=re.M)
+        return out
+    stages["ptx"] = ptx
+
+
+_previous_hook = knobs.runtime.add_stages_inspection_hook
+knobs.runtime.add_stages_inspection_hook = _keep_setmaxnreg_budgets
 
 
 @gluon.jit
@@ -181,21 +206,24 @@ def _dequant(x, sc64, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml, t, h0,
-             H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0,
-             mx_s1, sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
-             TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
-             HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr):
-    # scores [64, BN]: warpgroup w owns key columns [w·BN/2, (w+1)·BN/2); accumulator
-    # [64, 512]: warpgroup w owns output dims [256 w, 256 w + 256)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BN // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+def _lead(q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+          scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr,
+          lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr,
+          BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr, MODE: gl.constexpr,
+          FINAL: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr,
+          OUT_SCALE_T: gl.constexpr):
+    # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
+    # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
+    # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
+    # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    acc = gl.zeros([HEADS, 512], gl.float32, O_L)
+    acc = gl.zeros([HEADS, 256], gl.float32, O_L)
     s_init = gl.zeros([HEADS, BN], gl.float32, S_L)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([HEADS], gl.float32, ROW_S)
@@ -212,45 +240,101 @@ def _consume(q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, p
             p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
             if TRACK_MAX:
                 mx = gl.maximum(mx, m_tile)
-            p16 = gl.convert_layout(p.to(gl.bfloat16), P_L)
+            p16 = p.to(gl.bfloat16)
+            mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
+            p_smem.store(p16)
+            rows.index(0).store(alpha)
+            fence_async_shared()                   # generic stores -> _follow's wgmma
+            gl.thread_barrier()
+            mbarrier.arrive(p_full)
             acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-            acc = warpgroup_mma(p16, kb, acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p16, P_L), kb.slice(0, 256, dim=1), acc,
+                                is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             m_i = m_new
-        gl.thread_barrier()       # both warpgroups are done with the stage
+        gl.thread_barrier()
         mbarrier.arrive(empty.index(st))
     empty_row = l_i == 0.0
     inv_l = 1.0 / gl.where(empty_row, 1.0, l_i)
     lse2 = gl.where(empty_row, float("-inf"), m_i + gl.log2(gl.where(empty_row, 1.0, l_i)))
-    h_o = h0 + gl.arange(0, HEADS, layout=ROW_O)
-    d_o = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
     h_s = h0 + gl.arange(0, HEADS, layout=ROW_S)
-    o = acc * gl.convert_layout(inv_l, ROW_O)[:, None]
+    lse = gl.where(empty_row, float("inf"), lse2 * LN2)
+    gate = gl.full([HEADS], 1.0, gl.float32, ROW_S)
+    if FINAL and HAS_SINK:
+        gate = sink_gate(lse, gl.load(sink_ptr + h_s, mask=h_s < H, other=0.0), empty_row)
+    # the row factors for _follow's half of the output
+    rows.index(1).store(inv_l)
+    rows.index(2).store(gate)
+    rows.index(3).store(empty_row.to(gl.float32))
+    gl.thread_barrier()
+    mbarrier.arrive(done)
+    _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
+                gl.convert_layout(empty_row, ROW_O), part_o, t, h0, H, sp, n_splits, out_ptr,
+                out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
     if FINAL:
-        # the only split of its token: finish here as the combine kernel would with one
-        # split (same arithmetic, so the same bits), no fp32 partials and no second launch
-        lse = gl.where(empty_row, float("inf"), lse2 * LN2)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=0.0)
-            o = o * gl.convert_layout(sink_gate(lse, sink, empty_row), ROW_O)[:, None]
-        if OUT_SCALE_T:
-            out_scale = gl.load(out_scale_ptr).to(gl.float32)
-        o = gl.where(gl.convert_layout(empty_row, ROW_O)[:, None], 0.0, o * out_scale)
-        out_row = t.to(gl.int64) * out_s0 + h_o.to(gl.int64) * out_s1
-        gl.store(out_ptr + out_row[:, None] + d_o[None, :], o.to(gl.bfloat16),
-                 mask=(h_o < H)[:, None])
         if HAS_LSE:
             gl.store(lse_ptr + t.to(gl.int64) * lse_s0 + h_s * lse_s1, lse, mask=h_s < H)
         if TRACK_MAX:
             gl.store(mx_ptr + t.to(gl.int64) * mx_s0 + h_s * mx_s1, mx * LN2, mask=h_s < H)
     else:
-        # partials, as the portable kernel writes them
-        row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
-        gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
         row_s = (t.to(gl.int64) * H + h_s) * n_splits + sp
         gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
         if TRACK_MAX:
             gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
+
+
+@gluon.jit
+def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o, t, h0,
+            H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
+            STAGES: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
+            HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
+    # p·v for output dims [256, 512) with _lead's p (shared memory) and row rescale
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 256, 16])
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    acc = gl.zeros([HEADS, 256], gl.float32, O_L)
+    for i in range(n_tiles):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        if MODE != 2:
+            mbarrier.wait(p_full, i & 1)
+            acc = acc * rows.index(0).load(ROW_O)[:, None]
+            acc = warpgroup_mma(p_smem, k_bufs.index(st).slice(256, 256, dim=1), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            gl.thread_barrier()
+            mbarrier.arrive(p_free)
+        else:
+            gl.thread_barrier()
+        mbarrier.arrive(empty.index(st))
+    mbarrier.wait(done, 0)
+    _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
+                rows.index(3).load(ROW_O) != 0.0, part_o, t, h0, H, sp, n_splits, out_ptr,
+                out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+
+
+@gluon.jit
+def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, h0, H, sp, n_splits, out_ptr,
+                out_s0, out_s1, out_scale, out_scale_ptr, O_L: gl.constexpr,
+                FINAL: gl.constexpr, HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
+    """Output dims [d0, d0 + 256) of the program's rows: bf16 out when this is the token's
+    only split (the combine kernel's arithmetic with one split, so the same bits), else the
+    fp32 partial the combine kernel reads."""
+    h_o = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
+    d_o = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    o = acc * inv_l[:, None]
+    if FINAL:
+        if HAS_SINK:
+            o = o * gate[:, None]
+        if OUT_SCALE_T:
+            out_scale = gl.load(out_scale_ptr).to(gl.float32)
+        o = gl.where(empty_row[:, None], 0.0, o * out_scale)
+        out_row = t.to(gl.int64) * out_s0 + h_o.to(gl.int64) * out_s1
+        gl.store(out_ptr + out_row[:, None] + d_o[None, :], o.to(gl.bfloat16),
+                 mask=(h_o < H)[:, None])
+    else:
+        row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
+        gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
 
 
 @gluon.jit
@@ -266,8 +350,8 @@ def _ws_kernel(
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-        num_warps: gl.constexpr):
-    gl.static_assert(num_warps == CONSUMER_WARPS)
+        F_REGS: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     unit = gl.program_id(0) % N_UNITS
     t = gl.program_id(0) // N_UNITS
     sp = gl.program_id(1)
@@ -296,18 +380,32 @@ def _ws_kernel(
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, BN], SMEM)
+    # per-row factors from _lead to _follow: 0 the tile's rescale, 1-3 the epilogue's
+    rows = gl.allocate_shared_memory(gl.float32, [4, HEADS],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    lf_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    p_full = lf_bars.index(0)
+    p_free = lf_bars.index(1)
+    done = lf_bars.index(2)
+    for b in gl.static_range(3):
+        mbarrier.init(lf_bars.index(b), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)       # _lead and _follow
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, bias_bufs, ready, empty, n_tiles, scale2, part_o, part_ml,
-                    t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1,
-                    mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES,
-                    TRACK_MAX, MODE, FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T)),
+        (_lead, (q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full, p_free,
+                 done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
+                 out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
+                 out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE, FINAL, HAS_SINK,
+                 HAS_LSE, OUT_SCALE_T)),
+        (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                   part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
         (_produce, (k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
                     c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, BN, STAGES,
                     P_WARPS, MODE)),
-    ], [P_WARPS], [P_REGS])
+    ], [4, P_WARPS], [F_REGS, P_REGS])

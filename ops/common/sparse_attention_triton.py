@@ -453,8 +453,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, s
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
-        OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
-        num_warps=g.CONSUMER_WARPS.value, maxnreg=g.maxnreg(g.PRODUCER_WARPS))
+        OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, num_warps=4)
 
 
 def _scalar_arg(value, factor, dummy):
