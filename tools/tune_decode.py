@@ -2,8 +2,9 @@
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode [--quick] [--gluon]
 
---gluon sweeps the sm_90 warp-specialized kernel's module settings instead (V4 shapes only;
-MODE 2 / 3 rows time the producer / the consumers alone: their outputs are wrong on purpose).
+--gluon sweeps the sm_90 warp-specialized kernel's module settings instead: the V4 shapes plus
+plain bf16 / e4m3 TRTLLM-gen shapes and the prefill shape (MODE 2 / 3 rows time the producer /
+the consumers alone: their outputs are wrong on purpose).
 
 Each row is one CONFIG override; every output is also compared with the first row's (a
 config must not change the answer beyond bf16 rounding: '!' marks > 1e-2).
@@ -34,14 +35,21 @@ def main(argv):
     quick = "--quick" in argv
     if "--gluon" in argv:
         from sparse_mla.ops.common import sparse_attention_gluon as g
-        return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False)
+        return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False,
+                      plain=True)
     return _sweep(core.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
                   not quick)
 
 
-def _sweep(settings, sweep, decode, extra):
+def _sweep(settings, sweep, decode, extra, plain=False):
     cases = [bench._decode_case(b, s_q, h, topk, "cuda", check=False)
              for h, topk, s_q, b in decode]
+    if plain:
+        from sparse_mla.tools.bench_trtllm import _trtllm_case
+        cases += [_trtllm_case(torch.bfloat16, 64, 512, 64),
+                  _trtllm_case(torch.bfloat16, 128, 1024, 256),
+                  _trtllm_case(torch.float8_e4m3fn, 64, 512, 256),
+                  bench._prefill_case(4096, 128, 32768, 2048, "cuda", False)]
     if extra:
         cases.append(bench._decode_case(64, 2, 128, 2048, "cuda", fmt="v32", check=False))
         cases.append(bench._prefill_case(4096, 128, 32768, 2048, "cuda", False))
