@@ -302,10 +302,9 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
             acc = warpgroup_mma(p_smem, k_bufs.index(st).slice(256, 256, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            gl.thread_barrier()
+        gl.thread_barrier()
+        if MODE != 2:
             mbarrier.arrive(p_free)
-        else:
-            gl.thread_barrier()
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(done, 0)
     _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
