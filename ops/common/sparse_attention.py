@@ -34,7 +34,11 @@ class KeySource:
         float8_e4m3fn for "plain_bf16"/"plain_fp8" (D = 512, or 576 for a V3.2 plain cache;
         strides of dims 0, 1 free, last dim contiguous).
     indices: ``[T, K]`` int32 slot ids (``block * block_size + offset``), any strides.
-    lengths: ``[T]`` int32 number of leading columns that may be used, or None.
+    lengths: int32 number of leading columns that may be used, one entry per
+        ``tokens_per_length`` consecutive tokens (``[T // tokens_per_length]``), or None.
+    tokens_per_length: tokens sharing one ``lengths`` entry (FlashMLA's lengths are per batch
+        row of s_q tokens). Kernels index ``lengths[t // tokens_per_length]``, so no per-token
+        copy (a kernel launch per call) is made.
     kv_scale: plain fp8 only: the per-tensor dequantization scale folded into the caller's
         scales (the kernel reads e4m3 values as they are), so it is not stored here.
     """
@@ -44,6 +48,7 @@ class KeySource:
     block_size: int
     indices: torch.Tensor
     lengths: Optional[torch.Tensor] = None
+    tokens_per_length: int = 1
 
     @property
     def capacity(self) -> int:
@@ -88,7 +93,8 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
         for src in sources:
             idx = src.indices[t].long()
             cols = torch.arange(idx.shape[0], device=idx.device)
-            n = idx.shape[0] if src.lengths is None else int(src.lengths[t])
+            n = (idx.shape[0] if src.lengths is None
+                 else int(src.lengths[t // src.tokens_per_length]))
             ok = (cols < n) & (idx >= 0) & (idx < src.capacity)
             if ok.any():
                 keys.append(gather_rows(src, idx[ok]))

@@ -20,8 +20,9 @@ work is divided between warps instead of serialised in each warp:
 
 An e4m3 q is decoded to bf16 once, into shared memory, in the prologue. Only used on sm_90
 with Gluon available (triton >= 3.5); ``sparse_attention_triton.run`` falls back to the
-portable kernel everywhere else and for tiny launches. docs/PERF.md has the measurements
-(including what was tried and dropped: a software-pipelined producer, integer e4m3 decoding).
+portable kernel everywhere else and for tiny launches of one head block. docs/PERF.md has the
+measurements (including what was tried and dropped: a software-pipelined producer, integer
+e4m3 decoding).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from sparse_mla.ops.common.sparse_attention_triton import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
+from sparse_mla.ops.common.triton_utils import grid_launch_dependents
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -340,7 +342,7 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, h0, H, sp, n_splits,
 def _ws_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
+        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, len_div,
         scale2, scale_ptr, part_o, part_ml, n_splits,
         out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
         out_scale, out_scale_ptr, FMT: gl.constexpr,
@@ -349,8 +351,10 @@ def _ws_kernel(
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-        F_REGS: gl.constexpr, num_warps: gl.constexpr):
+        F_REGS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
+    if PDL:     # the combine kernel may be launched now; it waits for this grid's writes
+        grid_launch_dependents()
     unit = gl.program_id(0) % N_UNITS
     t = gl.program_id(0) // N_UNITS
     sp = gl.program_id(1)
@@ -359,8 +363,8 @@ def _ws_kernel(
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     # the token's virtual key list, cut into n_splits runs of whole tiles (as the portable
     # kernel does: source 0's usable columns padded to BN, then source 1's)
-    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1,
-                                  HAS_SRC1, BN)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0,
+                                  HAS_L1, HAS_SRC1, BN)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BN)
 
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,

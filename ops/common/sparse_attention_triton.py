@@ -13,8 +13,9 @@ sink and writes out / lse / max logits. Tiny launches also split the 512 output 
 
 On sm_90 the split kernel is replaced by ``sparse_attention_gluon._ws_kernel`` (warp-specialized:
 producer warps gather and dequantize, consumer warpgroups run the dots) for V4 and plain
-512-dim caches whenever the launch is not tiny; the combine kernel is shared, and when a
-launch has one split per token the Gluon kernel writes out / lse / max logits itself.
+512-dim caches unless the launch is tiny and has one head block; the combine kernel is shared
+(launched with programmatic dependent launch on sm_90+), and when a launch has one split per
+token the Gluon kernel writes out / lse / max logits itself.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
 interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16.
@@ -31,7 +32,8 @@ import triton.language as tl
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
-from sparse_mla.ops.common.triton_utils import exp2_int, to_bf16
+from sparse_mla.ops.common.triton_utils import (exp2_int, grid_launch_dependents, grid_wait,
+                                                pdl_supported, to_bf16)
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
@@ -49,14 +51,21 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
           "split_overhead": 3, "dv": 1, "num_stages_v32": 3}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
-# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md).
+# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
+# warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
+# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2; one head block stays
+# portable: 9.6 vs 12.5 µs at s_q 1).
 SMALL_UNITS = 8
+# Launch the combine kernel with programmatic dependent launch where the GPU has it (sm_90+):
+# it is scheduled while the split kernel runs and waits for its partials in-kernel, so its
+# launch latency is hidden (docs/PERF.md session 7).
+PDL = True
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
 
 
-def launch_config(T, n_hb):
+def launch_config(T, n_hb, warp_specialized=False):
     cfg = dict(CONFIG)
-    if T * n_hb <= SMALL_UNITS:
+    if T * n_hb <= SMALL_UNITS and not (warp_specialized and n_hb > 1):
         cfg.update(SMALL_CONFIG)
     return cfg
 
@@ -213,11 +222,12 @@ def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.cons
 
 
 @triton.jit
-def _source_length(len_ptr, t, K, HAS_LEN: tl.constexpr):
-    """Usable leading columns of a source for token ``t``: min(lengths[t], K), at least 0."""
+def _source_length(len_ptr, t, len_div, K, HAS_LEN: tl.constexpr):
+    """Usable leading columns of a source for token ``t``: min(lengths[t // len_div], K), at
+    least 0 (``len_div`` tokens share one entry: FlashMLA's per-batch-row lengths)."""
     n = K
     if HAS_LEN:
-        n = tl.maximum(tl.minimum(tl.load(len_ptr + t), K), 0)
+        n = tl.maximum(tl.minimum(tl.load(len_ptr + t // len_div), K), 0)
     return n
 
 
@@ -244,15 +254,15 @@ def sink_gate(lse, sink, empty):
 
 
 @triton.jit
-def key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0: tl.constexpr,
+def key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0: tl.constexpr,
             HAS_L1: tl.constexpr, HAS_SRC1: tl.constexpr, BN: tl.constexpr):
     """Token ``t``'s usable lengths (n0, n1), source 0's padded length n0p, and split ``sp``'s
     run [lo, hi) of its virtual key list: source 0's usable columns padded to BN, then source
     1's, cut into ``n_splits`` runs of whole tiles. Scalar code: the Gluon kernel calls it too."""
-    n0 = _source_length(l0_ptr, t, K0, HAS_L0)
+    n0 = _source_length(l0_ptr, t, len_div, K0, HAS_L0)
     n1 = 0
     if HAS_SRC1:
-        n1 = _source_length(l1_ptr, t, K1, HAS_L1)
+        n1 = _source_length(l1_ptr, t, len_div, K1, HAS_L1)
     n0p = tl.cdiv(n0, BN) * BN
     total = n0p + n1
     per_split = tl.cdiv(tl.cdiv(total, BN), n_splits) * BN
@@ -273,13 +283,15 @@ def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.conste
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr,
+        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, len_div,
         scale2, scale_ptr, part_o, part_ml, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
-        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr):
+        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # the combine kernel may be launched now; it waits for this grid's writes
+        grid_launch_dependents()
     # axis 0 = (token, head block, output half) with the head block fastest: the programs that
     # gather the same key rows are launched together, so all but the first read them from L2
     unit = tl.program_id(0) % N_UNITS
@@ -310,8 +322,8 @@ def _split_kernel(
     # This token's virtual key list: source 0's usable columns padded to BN, then source 1's,
     # cut into n_splits runs of whole tiles. One loop over both sources (the source picked per
     # tile by scalar selects) keeps one copy of the tile code live; two loops spilled.
-    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1,
-                                  HAS_SRC1, BN)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0,
+                                  HAS_L1, HAS_SRC1, BN)
     # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits on
     # its ids, and that load's latency is otherwise paid in full every iteration
     idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
@@ -382,7 +394,9 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
                     lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, out_scale, out_scale_ptr,
                     OUT_SCALE_T: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr,
                     HAS_MAX: tl.constexpr,
-                    SPLITS: tl.constexpr, SOFT: tl.constexpr):
+                    SPLITS: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # launched early (programmatic dependent launch): wait for the partials
+        grid_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -413,16 +427,16 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
-def _gluon_module(q, src0, cfg, scale64, d576):
-    """``sparse_attention_gluon`` when its warp-specialized kernel serves this launch: sm_90,
+def _gluon_module(q, src0, scale64, d576):
+    """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
     Gluon importable, 512-dim keys in the V4 cache (8-byte-aligned blocks) or a plain bf16 /
-    e4m3 cache, one output half per program (tiny launches keep the portable kernel's
-    output-dim split). ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs, bisecting)."""
+    e4m3 cache (``run`` still keeps tiny launches that ``launch_config`` gives the output-dim
+    split on the portable kernel). ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs, bisecting)."""
     if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting():
         return None
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
-    if d576 or cfg["dv"] != 1 or src0.fmt == "v32" or (src0.fmt == "v4" and not scale64):
+    if d576 or src0.fmt == "v32" or (src0.fmt == "v4" and not scale64):
         return None
     try:
         from sparse_mla.ops.common import sparse_attention_gluon
@@ -431,9 +445,9 @@ def _gluon_module(q, src0, cfg, scale64, d576):
     return sparse_attention_gluon
 
 
-def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, scale,
+def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, len_div, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale):
+                  out_scale, pdl):
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
@@ -443,7 +457,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, s
         src0.lengths if src0.lengths is not None else dummy,
         *args1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
-        else dummy,
+        else dummy, len_div,
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml),
@@ -453,7 +467,16 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, s
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
-        OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, num_warps=4)
+        OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
+        num_warps=4)
+
+
+def _tokens_per_length(sources):
+    """The one ``tokens_per_length`` of the sources that have lengths (the kernels take one)."""
+    divs = {src.tokens_per_length for src in sources if src.lengths is not None}
+    if len(divs) > 1:
+        raise ValueError(f"sources with lengths must share tokens_per_length, got {sorted(divs)}")
+    return divs.pop() if divs else 1
 
 
 def _scalar_arg(value, factor, dummy):
@@ -489,14 +512,26 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         return
     hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
     n_hb = triton.cdiv(H, hb)
-    cfg = launch_config(T, n_hb)
-    bn = cfg["block_n"]
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
     k1 = src1.indices.shape[1] if src1 is not None else 0
     if src1 is not None and src1.fmt != src0.fmt:
         raise ValueError(f"sources must share one cache format, got {src0.fmt} and {src1.fmt}")
+    len_div = _tokens_per_length(sources)
+    c0, c0s0, c0s1 = _source_args(src0)
+    if src1 is not None:
+        c1, c1s0, c1s1 = _source_args(src1)
+    else:
+        c1, c1s0, c1s1 = c0, 0, 0
+    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
+        src1 is None or _blocks_aligned8(c1, c1s0))
+    d576 = head_dims(sources) == 576
+    g = _gluon_module(q, src0, scale64, d576)
+    cfg = launch_config(T, n_hb, warp_specialized=g is not None)
+    if cfg["dv"] != 1:
+        g = None
+    bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
     max_tiles = max(1, triton.cdiv(k0, bn) + triton.cdiv(k1, bn))
@@ -505,15 +540,6 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                              cfg["split_overhead"])
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
-    d576 = head_dims(sources) == 576
-    c0, c0s0, c0s1 = _source_args(src0)
-    if src1 is not None:
-        c1, c1s0, c1s1 = _source_args(src1)
-    else:
-        c1, c1s0, c1s1 = c0, 0, 0
-    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
-        src1 is None or _blocks_aligned8(c1, c1s0))
-    g = _gluon_module(q, src0, cfg, scale64, d576)
     # one split per token: the Gluon kernel finishes the rows itself (no partials, no combine)
     final = g is not None and n_splits == 1
     n_part = 0 if final else T * H * n_splits
@@ -532,13 +558,15 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         q, q_fp8 = q.to(torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
+    pdl = PDL and not final and pdl_supported(dev)
     global LAST_SPLIT_KERNEL, LAST_COMBINED
     LAST_COMBINED = not final
     if g is not None:
         LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0,
-                                          i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy, scale,
+                                          i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy,
+                                          len_div, scale,
                                           part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
-                                          final, sink, out, lse, out_scale)
+                                          final, sink, out, lse, out_scale, pdl)
         if final:
             return
     else:
@@ -548,7 +576,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             src0.lengths if src0.lengths is not None else dummy,
             c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
             i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
-            else dummy,
+            else dummy, len_div,
             *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
             FMT=FMT_CODES[src0.fmt],
             HAS_L0=src0.lengths is not None,
@@ -556,7 +584,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
             TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
             N_UNITS=n_hb * dvs, SCALE64=scale64,
-            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp,
+            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl,
             num_warps=cfg["num_warps"] // dvs,
             num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
     _combine_kernel[(T, H)](
@@ -568,4 +596,5 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         max_logits.stride(1) if max_logits is not None else 0,
         *_scalar_arg(out_scale, 1.0, part_ml), OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
-        SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, num_warps=4)
+        SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))

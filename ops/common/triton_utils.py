@@ -7,6 +7,7 @@ Everything here is bit-exact against the PyTorch reference. Two traps are handle
   with integer arithmetic (``SOFT``); compiled kernels use the hardware conversion. The
   interpreter also truncates fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -85,3 +86,26 @@ def to_bf16(x, SOFT: tl.constexpr):
 def e4m3_sat(x, SOFT: tl.constexpr):
     """Saturating fp32 → e4m3fn byte (clamp to ±448, NaN stays NaN), like torch's reference."""
     return e4m3_bits(tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), SOFT)
+
+
+# Programmatic dependent launch (sm_90+): a kernel launched with ``launch_pdl=True`` may start
+# while the kernel before it finishes, and waits in ``grid_wait`` until that kernel's writes
+# are visible; the earlier kernel lets it start with ``grid_launch_dependents``. Written as
+# inline PTX (what ``triton.language.extra.cuda.gdc_*`` emit) so the Gluon kernel can use them
+# too; both are no-ops when the launch did not ask for PDL.
+@triton.jit
+def grid_wait():
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def grid_launch_dependents():
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def pdl_supported(device) -> bool:
+    """Whether launches on ``device`` may use PDL: CUDA sm_90 or newer, not interpreted."""
+    return (device.type == "cuda" and not triton_interpreting()
+            and torch.cuda.get_device_capability(device) >= (9, 0))

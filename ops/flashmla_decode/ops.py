@@ -31,20 +31,14 @@ def _check_sink_and_out(attn_sink, h, out, out_shape):
     checks.expect_last_dim_contiguous("out", out)
 
 
-def _token_lengths(lengths, s_q):
-    """FlashMLA's lengths are per batch row [b]; every s_q token of the row shares them."""
-    return None if lengths is None else lengths.repeat_interleave(s_q)
-
-
 def _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                     extra_topk_length, kv_format, bs, extra_bs):
     b, s_q = indices.shape[0], indices.shape[1]
-    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, -1),
-                      _token_lengths(topk_length, s_q))]
+    # FlashMLA's lengths are per batch row [b]: every s_q token of the row shares them
+    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, -1), topk_length, s_q)]
     if extra_k_cache is not None:
         srcs.append(KeySource(extra_k_cache, kv_format, extra_bs,
-                              extra_indices.reshape(b * s_q, -1),
-                              _token_lengths(extra_topk_length, s_q)))
+                              extra_indices.reshape(b * s_q, -1), extra_topk_length, s_q))
     return srcs
 
 

@@ -77,6 +77,26 @@ def test_decode_without_lengths_or_sink(device, use_lengths, sink):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_row_lengths_are_shared_by_the_rows_tokens(device, impl):
+    """topk_length is per batch row (the kernels read lengths[t // s_q], no per-token copy):
+    the answer must equal the same tokens sent as s_q = 1 rows with the lengths repeated."""
+    b, s_q, h = 3, 3, 4
+    a = decode_case(device, b=b, s_q=s_q, h=h, topk=64, extra=True, extra_topk=32, seed=13)
+    flat = dict(a)
+    flat["q"] = a["q"].reshape(b * s_q, 1, h, 512)
+    flat["indices"] = a["indices"].reshape(b * s_q, 1, -1)
+    flat["extra_indices_in_kvcache"] = a["extra_indices_in_kvcache"].reshape(b * s_q, 1, -1)
+    for key in ("topk_length", "extra_topk_length"):
+        flat[key] = a[key].repeat_interleave(s_q)
+    assert a["topk_length"].unique().numel() > 1       # rows really differ
+    o, l = _run_decode(a, impl)
+    fo, fl = _run_decode(flat, impl)
+    assert torch.equal(o.reshape(b * s_q, 1, h, 512), fo)
+    assert torch.equal(l.transpose(1, 2).reshape(b * s_q, h), fl.transpose(1, 2).reshape(-1, h))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_writes_into_given_buffers(device):
     a = decode_case(device, b=2, s_q=2, h=8, topk=64, extra=False, seed=5)
     out = torch.full((2, 2, 8, 512), float("nan"), dtype=torch.bfloat16, device=device)
@@ -162,6 +182,24 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     portable = _run_decode(a, "triton")
     assert split_kernel_name() == "_split_kernel"
     check_decode(ref, portable)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("b,s_q,h,kernel", [(2, 2, 128, "_ws_kernel"), (1, 1, 72, "_ws_kernel"),
+                                            (2, 2, 64, "_split_kernel")])
+def test_tiny_launches_route_by_head_blocks(b, s_q, h, kernel, pdl, monkeypatch):
+    """Batch-2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps the
+    portable output-dim split (the H200 measurements behind SMALL_UNITS); both through the
+    combine kernel launched with and without programmatic dependent launch."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "PDL", pdl)
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True, extra_topk=512,
+                    extra_bs=64, seed=h + s_q)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == kernel and core.LAST_COMBINED
+    check_decode(ref, got)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
