@@ -208,16 +208,19 @@ def _dequant(x, sc64, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _lead(q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
-          scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr,
-          lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr,
-          BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr, MODE: gl.constexpr,
-          FINAL: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr,
-          OUT_SCALE_T: gl.constexpr):
+def _lead(q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full,
+          p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
+          out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale,
+          out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
+          MODE: gl.constexpr, FINAL: gl.constexpr, HAS_SINK: gl.constexpr,
+          HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr, Q_FP8: gl.constexpr):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
     # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
+    # q is loaded here, not before the partitions start, so the producer's first gather does
+    # not wait behind it (H200, one program: docs/PERF.md session 7).
+    _load_q_smem(q_ptr, q_s0, q_s1, q_smem, t, h0, H, Q_FP8)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -283,6 +286,23 @@ def _lead(q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full, p_free,
         gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
         if TRACK_MAX:
             gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
+
+
+@gluon.jit
+def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, t, h0, H, Q_FP8: gl.constexpr):
+    """The program's [64, 512] q rows into shared memory as bf16, in two 256-column halves (a
+    64-register peak; an e4m3 q is decoded here, exactly), visible to this warpgroup's wgmma."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 256, layout=gl.SliceLayout(0, QL))
+    row = q_ptr + t.to(gl.int64) * q_s0 + hq[:, None] * q_s1
+    for j in gl.static_range(2):
+        q = gl.load(row + (256 * j + dq[None, :]), mask=(hq < H)[:, None], other=0)
+        if Q_FP8:
+            q = q.to(gl.float8e4nv, bitcast=True)
+        q_smem.slice(256 * j, 256, dim=1).store(q.to(gl.bfloat16))
+    fence_async_shared()    # generic stores -> this warpgroup's wgmma reads
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -370,14 +390,6 @@ def _ws_kernel(
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
-    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
-    q = gl.load(q_ptr + t.to(gl.int64) * q_s0 + hq[:, None] * q_s1 + dq[None, :],
-                mask=(hq < H)[:, None], other=0)
-    if Q_FP8:   # e4m3 bytes: decoded once here (exact), the dots read bf16 from shared memory
-        q = q.to(gl.float8e4nv, bitcast=True)
-    q_smem.store(q.to(gl.bfloat16))
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], SMEM)
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -399,11 +411,11 @@ def _ws_kernel(
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_lead, (q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full, p_free,
-                 done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
+        (_lead, (q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty,
+                 p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
                  out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
                  out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE, FINAL, HAS_SINK,
-                 HAS_LSE, OUT_SCALE_T)),
+                 HAS_LSE, OUT_SCALE_T, Q_FP8)),
         (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
