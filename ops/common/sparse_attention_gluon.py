@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from sparse_mla.ops.common.sparse_attention_triton import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
-from sparse_mla.ops.common.triton_utils import grid_launch_dependents
+from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -373,7 +373,8 @@ def _ws_kernel(
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
-    if PDL:     # the combine kernel may be launched now; it waits for this grid's writes
+    if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
+        grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
     unit = gl.program_id(0) % N_UNITS
     t = gl.program_id(0) // N_UNITS

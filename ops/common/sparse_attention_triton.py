@@ -56,8 +56,8 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
 # (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2; one head block stays
 # portable: 9.6 vs 12.5 µs at s_q 1).
 SMALL_UNITS = 8
-# Launch the combine kernel with programmatic dependent launch where the GPU has it (sm_90+):
-# it is scheduled while the split kernel runs and waits for its partials in-kernel, so its
+# Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
+# are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (docs/PERF.md session 7).
 PDL = True
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
@@ -290,7 +290,8 @@ def _split_kernel(
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # the combine kernel may be launched now; it waits for this grid's writes
+    if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
+        grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
     # axis 0 = (token, head block, output half) with the head block fastest: the programs that
     # gather the same key rows are launched together, so all but the first read them from L2
@@ -468,7 +469,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        num_warps=4)
+        num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def _tokens_per_length(sources):
@@ -558,7 +559,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         q, q_fp8 = q.to(torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
-    pdl = PDL and not final and pdl_supported(dev)
+    pdl = PDL and pdl_supported(dev)
     global LAST_SPLIT_KERNEL, LAST_COMBINED
     LAST_COMBINED = not final
     if g is not None:
@@ -586,7 +587,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             N_UNITS=n_hb * dvs, SCALE64=scale64,
             SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl,
             num_warps=cfg["num_warps"] // dvs,
-            num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"])
+            num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
+            **({"launch_pdl": True} if pdl else {}))
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,

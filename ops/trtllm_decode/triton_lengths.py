@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common.triton_utils import grid_launch_dependents, pdl_supported
 from sparse_mla.ops.trtllm_decode.ops import SWA_COLS
 
 BLOCK = 128
@@ -24,7 +25,9 @@ BLOCK = 128
 @triton.jit
 def _lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
                     HAS_CU: tl.constexpr, DSV4: tl.constexpr, SWA: tl.constexpr,
-                    BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                    BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # the attention kernel after this one may launch now (it waits for these rows)
+        grid_launch_dependents()
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < T
     if HAS_CU:
@@ -66,7 +69,7 @@ def _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, topk_lens, dsv4):
         _lengths_kernel[(triton.cdiv(T, BLOCK),)](
             seq_lens, cu, topk_lens if topk_lens is not None else seq_lens, a,
             b if dsv4 else a, T, B, Q, K, HAS_CU=cum_seq_lens_q is not None, DSV4=dsv4,
-            SWA=SWA_COLS, BLOCK=BLOCK, CHUNK=64, num_warps=4)
+            SWA=SWA_COLS, BLOCK=BLOCK, CHUNK=64, PDL=pdl_supported(dev), num_warps=4)
     return a, b
 
 
