@@ -125,14 +125,14 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
         else:
             row = cache + blk * s0 + off * s1
             v2 = valid[:, None]
-            y0 = gl.load(row[:, None] + cb[None, :], mask=v2, other=0)
-            y1 = gl.load(row[:, None] + (64 + cb[None, :]), mask=v2, other=0)
-            y2 = gl.load(row[:, None] + (128 + cb[None, :]), mask=v2, other=0)
-            y3 = gl.load(row[:, None] + (192 + cb[None, :]), mask=v2, other=0)
-            y4 = gl.load(row[:, None] + (256 + cb[None, :]), mask=v2, other=0)
-            y5 = gl.load(row[:, None] + (320 + cb[None, :]), mask=v2, other=0)
-            y6 = gl.load(row[:, None] + (384 + cb[None, :]), mask=v2, other=0)
-            y7 = gl.load(row[:, None] + (448 + cb[None, :]), mask=v2, other=0)
+            y0 = _byte_tile(row, 0, v2, cb)
+            y1 = _byte_tile(row, 1, v2, cb)
+            y2 = _byte_tile(row, 2, v2, cb)
+            y3 = _byte_tile(row, 3, v2, cb)
+            y4 = _byte_tile(row, 4, v2, cb)
+            y5 = _byte_tile(row, 5, v2, cb)
+            y6 = _byte_tile(row, 6, v2, cb)
+            y7 = _byte_tile(row, 7, v2, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_e4m3(kb, 0, y0)
             _store_e4m3(kb, 1, y1)
@@ -151,6 +151,13 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
 
 
 @gluon.jit
+def _byte_tile(row, j: gl.constexpr, v2, cb):
+    """Bytes [64 j, 64 j + 64) of each row (zeros where ``v2`` is false): one [BN, 64] tile.
+    Unrolled by the callers: Gluon has no register arrays to loop over."""
+    return gl.load(row[:, None] + (64 * j + cb[None, :]), mask=v2, other=0)
+
+
+@gluon.jit
 def _gather_v4(cache, s0, bs, blk, off, valid, cb):
     """Issue the loads of one tile of V4 rows: seven [BN, 64] e4m3 byte tiles, the [BN, 64]
     bf16 RoPE tile and each row's eight scale bytes as one int64 (rows with an unusable slot
@@ -159,13 +166,13 @@ def _gather_v4(cache, s0, bs, blk, off, valid, cb):
     sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
                  mask=valid, other=0)
     v2 = valid[:, None]
-    x0 = gl.load(rec[:, None] + cb[None, :], mask=v2, other=0)
-    x1 = gl.load(rec[:, None] + (64 + cb[None, :]), mask=v2, other=0)
-    x2 = gl.load(rec[:, None] + (128 + cb[None, :]), mask=v2, other=0)
-    x3 = gl.load(rec[:, None] + (192 + cb[None, :]), mask=v2, other=0)
-    x4 = gl.load(rec[:, None] + (256 + cb[None, :]), mask=v2, other=0)
-    x5 = gl.load(rec[:, None] + (320 + cb[None, :]), mask=v2, other=0)
-    x6 = gl.load(rec[:, None] + (384 + cb[None, :]), mask=v2, other=0)
+    x0 = _byte_tile(rec, 0, v2, cb)
+    x1 = _byte_tile(rec, 1, v2, cb)
+    x2 = _byte_tile(rec, 2, v2, cb)
+    x3 = _byte_tile(rec, 3, v2, cb)
+    x4 = _byte_tile(rec, 4, v2, cb)
+    x5 = _byte_tile(rec, 5, v2, cb)
+    x6 = _byte_tile(rec, 6, v2, cb)
     rope = gl.load((rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
                    mask=v2, other=0.0)
     return x0, x1, x2, x3, x4, x5, x6, rope, sc

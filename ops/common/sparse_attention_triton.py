@@ -469,7 +469,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        num_warps=4, launch_pdl=pdl)
 
 
 def _tokens_per_length(sources):
@@ -588,7 +588,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl,
             num_warps=cfg["num_warps"] // dvs,
             num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
-            **({"launch_pdl": True} if pdl else {}))
+            launch_pdl=pdl)
     _combine_kernel[(T, H)](
         part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
@@ -599,4 +599,4 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         *_scalar_arg(out_scale, 1.0, part_ml), OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}))
+        launch_pdl=pdl)
