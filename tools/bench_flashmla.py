@@ -48,6 +48,7 @@ def _time(fn):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
+    p.add_argument("--only", default="", help="only the cases whose shape contains this text")
     args = p.parse_args(argv)
     copy = harness.copy_bandwidth("cuda")
     mm = harness.matmul_rate("cuda")
@@ -59,6 +60,8 @@ def main(argv=None):
     for case in bench.cases("cuda", False):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
                                                            for b in (2, 64))):
+            continue
+        if args.only not in case.shape:
             continue
         torch.manual_seed(0)
         a = case.make()

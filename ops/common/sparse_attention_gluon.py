@@ -2,14 +2,18 @@
 
 Same contract as ``sparse_attention_triton._split_kernel`` (one program per token × 64-head
 block × split of the token's virtual key list; partial out / lse2 / max written for the
-combine kernel) for 512-dim keys in the V4 584 B cache or a plain bf16 / e4m3 cache, but the
-work is divided between warps instead of serialised in each warp:
+combine kernel) for keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3
+cache of 512- or 576-wide rows, but the work is divided between warps instead of serialised
+in each warp:
 
 * a 4-warp **producer** gathers BLOCK_N key rows into a bf16 [BLOCK_N, 512] tile of a
   two-stage shared-memory ring, then signals an mbarrier. V4 rows: 448 e4m3 bytes, 64 bf16
-  RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once; plain e4m3 rows
-  are converted (their per-tensor scale is folded into the softmax / output scales outside);
-  plain bf16 rows are copied with cp.async, never passing through registers;
+  RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once; V3.2 rows: 512
+  e4m3 bytes times four fp32 scales; plain e4m3 rows are converted (their per-tensor scale is
+  folded into the softmax / output scales outside); plain bf16 rows and V3.2's bf16 RoPE dims
+  are copied with cp.async, never passing through registers. 576-wide keys (V3.2, 576-wide
+  plain rows) put their last 64 dims, which score but are not values, in a [BLOCK_N, 64]
+  stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes;
 * two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring,
   split as FlashMLA's sm_90 decode kernel splits them: ``_lead`` computes the whole score
   tile, the softmax and p·v for output dims [0, 256); ``_follow`` does p·v for [256, 512)
@@ -76,11 +80,11 @@ knobs.runtime.add_stages_inspection_hook = _keep_setmaxnreg_budgets
 
 
 @gluon.jit
-def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
              c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
-             FMT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-             MODE: gl.constexpr):
+             FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+             P_WARPS: gl.constexpr, MODE: gl.constexpr):
     # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     # bf16 [BN, 64] tiles (RoPE dims, plain bf16 rows) use the same layout: 32 bytes per
@@ -112,6 +116,36 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if MODE != 3:
                 _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
+        elif FMT == 1:
+            # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
+            # dims. The RoPE dims need no decoding: copied asynchronously into their own stage
+            # while the 512 latent dims are dequantized (and 16 registers lighter than a load)
+            rec = cache + blk * s0 + off * 656
+            v2 = valid[:, None]
+            x0 = _byte_tile(rec, 0, v2, cb)
+            x1 = _byte_tile(rec, 1, v2, cb)
+            x2 = _byte_tile(rec, 2, v2, cb)
+            x3 = _byte_tile(rec, 3, v2, cb)
+            x4 = _byte_tile(rec, 4, v2, cb)
+            x5 = _byte_tile(rec, 5, v2, cb)
+            x6 = _byte_tile(rec, 6, v2, cb)
+            x7 = _byte_tile(rec, 7, v2, cb)
+            scales = (rec + 512).to(gl.pointer_type(gl.float32))
+            sa = gl.load(scales, mask=valid, other=0.0)
+            sb = gl.load(scales + 1, mask=valid, other=0.0)
+            sc = gl.load(scales + 2, mask=valid, other=0.0)
+            sd = gl.load(scales + 3, mask=valid, other=0.0)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            async_copy.async_copy_global_to_shared(
+                kr_bufs.index(st), (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None]
+                + cb[None, :], mask=v2)
+            async_copy.commit_group()
+            if MODE != 3:
+                _store_v32(kb, 0, x0, x1, sa)
+                _store_v32(kb, 1, x2, x3, sb)
+                _store_v32(kb, 2, x4, x5, sc)
+                _store_v32(kb, 3, x6, x7, sd)
+            async_copy.wait_group(0)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage
             row = cache + blk * s0 + off * s1
@@ -120,6 +154,9 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
             for j in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(
                     kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cb[None, :]), mask=v2)
+            if D576:
+                async_copy.async_copy_global_to_shared(
+                    kr_bufs.index(st), row[:, None] + (512 + cb[None, :]), mask=v2)
             async_copy.commit_group()
             async_copy.wait_group(0)
         else:
@@ -133,7 +170,11 @@ def _produce(k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
             y5 = _byte_tile(row, 5, v2, cb)
             y6 = _byte_tile(row, 6, v2, cb)
             y7 = _byte_tile(row, 7, v2, cb)
+            if D576:
+                y8 = _byte_tile(row, 8, v2, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            if D576:
+                _store_e4m3(kr_bufs.index(st), 0, y8)
             _store_e4m3(kb, 0, y0)
             _store_e4m3(kb, 1, y1)
             _store_e4m3(kb, 2, y2)
@@ -185,7 +226,8 @@ def _store_e4m3(kb, TILE: gl.constexpr, x):
 
 
 @gluon.jit
-def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr, layout: gl.constexpr):
+def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr,
+           layout: gl.constexpr):
     """Slot ids of virtual columns [c, c + BN) (-1 where unusable or at/after ``hi``), in
     ``layout`` (the portable kernel's ``_tile_slots`` with an explicit layout)."""
     row, col, n = slot_row(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0)
@@ -207,6 +249,16 @@ def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc):
 
 
 @gluon.jit
+def _store_v32(kb, PAIR: gl.constexpr, xa, xb, scale):
+    """Dims [128 PAIR, 128 PAIR + 128) of V3.2 rows (two byte tiles sharing one fp32 scale):
+    the fp32 product rounded to bf16, as the reference and FlashMLA's V3.2 kernel round it."""
+    kb.slice(128 * PAIR, 64, dim=1).store(
+        (xa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+    kb.slice(128 * PAIR + 64, 64, dim=1).store(
+        (xb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+
+
+@gluon.jit
 def _dequant(x, sc64, TILE: gl.constexpr):
     """e4m3 bytes × 2^(scale byte - 127) as bf16: exact (e4m3 × 2^k fits bf16)."""
     sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
@@ -215,19 +267,20 @@ def _dequant(x, sc64, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _lead(q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty, p_full,
-          p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
-          out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale,
-          out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
-          MODE: gl.constexpr, FINAL: gl.constexpr, HAS_SINK: gl.constexpr,
-          HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr, Q_FP8: gl.constexpr):
+def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready,
+          empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp,
+          n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1,
+          sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
+          TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
+          HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
+          Q_FP8: gl.constexpr, D576: gl.constexpr):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
     # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
     # q is loaded here, not before the partitions start, so the producer's first gather does
     # not wait behind it (H200, one program: docs/PERF.md session 7).
-    _load_q_smem(q_ptr, q_s0, q_s1, q_smem, t, h0, H, Q_FP8)
+    _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -246,6 +299,8 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, emp
         kb = k_bufs.index(st)
         if MODE != 2:   # MODE 2, a timing experiment: the producer alone
             s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            if D576:    # the 64 RoPE dims of 576-wide keys score too (they are not values)
+                s = warpgroup_mma(qr_smem, kr_bufs.index(st).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             bias = bias_bufs.index(st).load(gl.SliceLayout(0, S_L))
             s = s * scale2 + bias[None, :]
@@ -296,9 +351,11 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, emp
 
 
 @gluon.jit
-def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, t, h0, H, Q_FP8: gl.constexpr):
+def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constexpr,
+                 D576: gl.constexpr):
     """The program's [64, 512] q rows into shared memory as bf16, in two 256-column halves (a
-    64-register peak; an e4m3 q is decoded here, exactly), visible to this warpgroup's wgmma."""
+    64-register peak; an e4m3 q is decoded here, exactly), and for 576-wide rows their 64
+    RoPE dims into ``qr_smem``; visible to this warpgroup's wgmma."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, 256, layout=gl.SliceLayout(0, QL))
@@ -308,6 +365,12 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, t, h0, H, Q_FP8: gl.constexpr):
         if Q_FP8:
             q = q.to(gl.float8e4nv, bitcast=True)
         q_smem.slice(256 * j, 256, dim=1).store(q.to(gl.bfloat16))
+    if D576:
+        q = gl.load(row + (512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :]),
+                    mask=(hq < H)[:, None], other=0)
+        if Q_FP8:
+            q = q.to(gl.float8e4nv, bitcast=True)
+        qr_smem.store(q.to(gl.bfloat16))
     fence_async_shared()    # generic stores -> this warpgroup's wgmma reads
     gl.thread_barrier()
 
@@ -378,7 +441,7 @@ def _ws_kernel(
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-        F_REGS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+        F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
@@ -399,6 +462,12 @@ def _ws_kernel(
                                               rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], SMEM)
+    if D576:    # the RoPE dims of q and of each stage's keys (24 KB more: 231,272 B of 232,448)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 64], SMEM)
+        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], SMEM)
+    else:       # never read
+        qr_smem = q_smem
+        kr_bufs = k_bufs
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -419,16 +488,16 @@ def _ws_kernel(
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_lead, (q_ptr, q_s0, q_s1, q_smem, k_bufs, bias_bufs, p_smem, rows, ready, empty,
-                 p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp, n_splits, out_ptr,
-                 out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
-                 out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE, FINAL, HAS_SINK,
-                 HAS_LSE, OUT_SCALE_T, Q_FP8)),
+        (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
+                 ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
+                 H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
+                 mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
+                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
         (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
-        (_produce, (k_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+        (_produce, (k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
                     c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
-                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, BN, STAGES,
-                    P_WARPS, MODE)),
+                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
+                    STAGES, P_WARPS, MODE)),
     ], [4, P_WARPS], [F_REGS, P_REGS])

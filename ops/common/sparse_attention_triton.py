@@ -12,8 +12,9 @@ sink and writes out / lse / max logits. Tiny launches also split the 512 output 
 4-warp programs (``DV`` = 2), which then both compute q·k.
 
 On sm_90 the split kernel is replaced by ``sparse_attention_gluon._ws_kernel`` (warp-specialized:
-producer warps gather and dequantize, consumer warpgroups run the dots) for V4 and plain
-512-dim caches unless the launch is tiny and has one head block; the combine kernel is shared
+producer warps gather and dequantize, consumer warpgroups run the dots) for every cache
+format (V4, V3.2, plain 512- or 576-wide rows) unless the launch is tiny and has one head
+block; the combine kernel is shared
 (launched with programmatic dependent launch on sm_90+), and when a launch has one split per
 token the Gluon kernel writes out / lse / max logits itself.
 
@@ -428,16 +429,21 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
-def _gluon_module(q, src0, scale64, d576):
+def _gluon_module(q, sources, scale64):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
-    Gluon importable, 512-dim keys in the V4 cache (8-byte-aligned blocks) or a plain bf16 /
-    e4m3 cache (``run`` still keeps tiny launches that ``launch_config`` gives the output-dim
-    split on the portable kernel). ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs, bisecting)."""
+    Gluon importable, keys in the V4 cache (8-byte-aligned blocks), the V3.2 cache (16-byte-
+    aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
+    cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
+    gives the output-dim split on the portable kernel). ``SPARSE_MLA_GLUON=0`` turns it off
+    (A/B runs, bisecting)."""
     if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting():
         return None
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
-    if d576 or src0.fmt == "v32" or (src0.fmt == "v4" and not scale64):
+    fmt = sources[0].fmt
+    if fmt == "v4" and not scale64:
+        return None
+    if fmt == "v32" and not all(_blocks_aligned(*_source_args(s)[:2], 16) for s in sources):
         return None
     try:
         from sparse_mla.ops.common import sparse_attention_gluon
@@ -448,7 +454,7 @@ def _gluon_module(q, src0, scale64, d576):
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, len_div, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl):
+                  out_scale, pdl, d576):
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
@@ -469,7 +475,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        num_warps=4, launch_pdl=pdl)
+        D576=d576, num_warps=4, launch_pdl=pdl)
 
 
 def _tokens_per_length(sources):
@@ -488,13 +494,14 @@ def _scalar_arg(value, factor, dummy):
     return float(value) * factor, dummy
 
 
-def _blocks_aligned8(cache, stride0):
-    return stride0 % 8 == 0 and cache.data_ptr() % 8 == 0
+def _blocks_aligned(cache, stride0, n=8):
+    """Every block of ``cache`` (a uint8 view) starts at a multiple of ``n`` bytes."""
+    return stride0 % n == 0 and cache.data_ptr() % n == 0
 
 
 def _scales_aligned(src):
     """V4 scale bytes of every row can be read as one int64 (block starts 8-byte aligned)."""
-    return src.fmt == "v4" and _blocks_aligned8(*_source_args(src)[:2])
+    return src.fmt == "v4" and _blocks_aligned(*_source_args(src)[:2])
 
 
 def _source_args(src):
@@ -525,10 +532,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         c1, c1s0, c1s1 = _source_args(src1)
     else:
         c1, c1s0, c1s1 = c0, 0, 0
-    scale64 = src0.fmt == "v4" and _blocks_aligned8(c0, c0s0) and (
-        src1 is None or _blocks_aligned8(c1, c1s0))
+    scale64 = src0.fmt == "v4" and _blocks_aligned(c0, c0s0) and (
+        src1 is None or _blocks_aligned(c1, c1s0))
     d576 = head_dims(sources) == 576
-    g = _gluon_module(q, src0, scale64, d576)
+    g = _gluon_module(q, sources, scale64)
     cfg = launch_config(T, n_hb, warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
@@ -567,7 +574,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                                           i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy,
                                           len_div, scale,
                                           part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
-                                          final, sink, out, lse, out_scale, pdl)
+                                          final, sink, out, lse, out_scale, pdl, d576)
         if final:
             return
     else:

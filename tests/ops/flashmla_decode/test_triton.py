@@ -158,19 +158,24 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned):
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("b,s_q,h,bs,topk,etopk,n_splits", [
-    (3, 2, 24, 53, 150, 70, 1), (3, 2, 24, 53, 150, 70, 3), (2, 1, 128, 61, 256, 512, 7),
-    (5, 3, 1, 2, 64, 0, 2), (4, 1, 64, 64, 128, 1024, None), (80, 2, 64, 256, 128, 512, None)])
-def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits,
+@pytest.mark.parametrize("b,s_q,h,bs,topk,etopk,n_splits,fmt", [
+    (3, 2, 24, 53, 150, 70, 1, "v4"), (3, 2, 24, 53, 150, 70, 3, "v4"),
+    (2, 1, 128, 61, 256, 512, 7, "v4"), (5, 3, 1, 2, 64, 0, 2, "v4"),
+    (4, 1, 64, 64, 128, 1024, None, "v4"), (80, 2, 64, 256, 128, 512, None, "v4"),
+    (3, 2, 24, 53, 150, 70, 1, "v32"), (3, 2, 24, 53, 150, 70, 3, "v32"),
+    (2, 1, 128, 61, 256, 512, 7, "v32"), (5, 3, 1, 2, 64, 0, 2, "v32"),
+    (4, 2, 128, 64, 2048, 0, None, "v32")])
+def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits, fmt,
                                                    monkeypatch):
-    """The sm_90 Gluon kernel (V4 cache) on poisoned caches, ragged lengths, ±inf sinks,
-    forced and modelled split counts (some splits empty), every head count class, one and
-    two sources; it must be what ran, and agree with the reference and the portable kernel."""
+    """The sm_90 Gluon kernel (V4 and V3.2 caches) on poisoned caches, ragged lengths, ±inf
+    sinks, forced and modelled split counts (some splits empty), every head count class, one
+    and two sources; it must be what ran, and agree with the reference and the portable
+    kernel."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "SMALL_UNITS", -1)
     if n_splits is not None:
         monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
-    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=bs, topk=topk, extra=bool(etopk),
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
@@ -182,6 +187,23 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     portable = _run_decode(a, "triton")
     assert split_kernel_name() == "_split_kernel"
     check_decode(ref, portable)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("pad_bytes,kernel", [(0, "_ws_kernel"), (16, "_ws_kernel"),
+                                              (4, "_split_kernel"), (8, "_split_kernel")])
+def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
+    """The sm_90 kernel copies V3.2's RoPE dims with 16-byte cp.async, so it serves only caches
+    whose blocks all start 16-byte aligned; 4- and 8-byte-aligned paddings take the portable
+    kernel. Both read through the padded strides (the poisoned padding is never read)."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    a = decode_case("cuda", b=3, s_q=2, h=64, fmt="v32", bs=53, topk=96, extra_bs=61,
+                    extra_topk=40, seed=7, pad_bytes=pad_bytes)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == kernel
+    check_decode(ref, got)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")

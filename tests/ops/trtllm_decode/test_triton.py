@@ -91,26 +91,51 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
-@pytest.mark.parametrize("device", triton_params())
-def test_v32_triton_matches_reference(device):
-    g = seeded(99)
-    cache = poisoned_pool(4, 32, 576)
-    T, K, H = 5, 16, 16
-    bt = torch.randint(0, 128, (T, K), generator=g, dtype=I32)
+def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None):
+    """Reference and Triton outputs of the V3.2 op on one poisoned pool; ``check`` runs right
+    after the Triton launch (which kernel ran)."""
+    g = seeded(99 + H)
+    cache = poisoned_pool(pages, 32, 576)
+    bt = torch.randint(0, pages * 32, (T, K), generator=g, dtype=I32)
     bt[bt % 7 == 0] = -1
-    counts = torch.tensor([16, 3, 0, 9, 20], dtype=I32)
+    counts = torch.randint(0, K + 5, (T,), generator=g, dtype=I32)
+    counts[:3] = torch.tensor([K, 3, 0])
     used = {int(s) for t in range(T) for s in bt[t, :min(int(counts[t]), K)] if s >= 0}
-    fill(cache, sorted(used), g)
-    q = torch.randn(T, H, 576, generator=g).to(BF16)
+    fill(cache, sorted(used), g, dtype)
+    q = torch.randn(T, H, 576, generator=g).to(dtype)
     outs = []
     for dev, impl in (("cpu", "reference"), (device, "triton")):
         out = torch.full((T, H, 512), float("nan"), dtype=BF16, device=dev)
         td.trtllm_batch_decode_with_kv_cache_mla(
-            q.to(dev), cache.to(BF16).to(dev), None, 128, 512, 64, bt.to(dev), counts.to(dev),
-            K, K, out=out, bmm1_scale=576 ** -0.5, impl=impl)
+            q.to(dev), cache.to(dtype).to(dev), None, 128, 512, 64, bt.to(dev),
+            counts.to(dev), K, K, out=out, bmm1_scale=576 ** -0.5, impl=impl)
+        if impl == "triton" and check is not None:
+            check()
         outs.append(out.cpu().float())
     assert torch.isfinite(outs[0]).all()
-    torch.testing.assert_close(outs[1], outs[0], **TOL)
+    return outs
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_v32_triton_matches_reference(device):
+    ref, tri = _v32_outputs(device, 16, BF16)
+    torch.testing.assert_close(tri, ref, **TOL)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("H", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch):
+    """576-wide plain rows through the sm_90 kernel (the 64 RoPE dims scored from their own
+    shared-memory stage, not used as values), bf16 and e4m3 pools and queries, more tokens
+    than one split's worth of keys, a token with no keys."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    ran = []
+    ref, tri = _v32_outputs("cuda", H, dtype, T=9, K=200, pages=16,
+                            check=lambda: ran.append(split_kernel_name()))
+    assert ran == ["_ws_kernel"]
+    torch.testing.assert_close(tri, ref, **TOL)
 
 
 def _run_scales(x, device, impl, b1, b2, out=None):
