@@ -22,7 +22,10 @@ in each warp:
   partition — read q from shared memory twice per tile and reduced every row across both
   warpgroups: 5-15 % slower, docs/PERF.md session 6.)
 
-An e4m3 q is decoded to bf16 once, into shared memory, in the prologue. Only used on sm_90
+An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 when the keys
+are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
+is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
+the V4 producer, at two per pair, is not: docs/PERF.md session 8). Only used on sm_90
 with Gluon available (triton >= 3.5); ``sparse_attention_triton.run`` falls back to the
 portable kernel everywhere else and for tiny launches of one head block. docs/PERF.md has the
 measurements (including what was tried and dropped: a software-pipelined producer, integer
@@ -51,6 +54,9 @@ PRODUCER_WARPS = 4
 PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
+# Plain e4m3 keys with an e4m3 q (the TRTLLM fp8 path) run the dots on fp16 operands: exact,
+# and one conversion per two key bytes instead of three (H200: 1.32-1.38x faster, PERF.md)
+FP16_FOR_E4M3 = True
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 
 
@@ -221,8 +227,9 @@ def _gather_v4(cache, s0, bs, blk, off, valid, cb):
 
 @gluon.jit
 def _store_e4m3(kb, TILE: gl.constexpr, x):
-    """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as bf16: exact."""
-    kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16))
+    """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as the stage's bf16 or
+    fp16: exact either way (fp16 takes one conversion per two bytes, bf16 three)."""
+    kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(kb.dtype))
 
 
 @gluon.jit
@@ -307,7 +314,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
             p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
             if TRACK_MAX:
                 mx = gl.maximum(mx, m_tile)
-            p16 = p.to(gl.bfloat16)
+            p16 = p.to(p_smem.dtype)
             mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
             p_smem.store(p16)
             rows.index(0).store(alpha)
@@ -364,13 +371,13 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constex
         q = gl.load(row + (256 * j + dq[None, :]), mask=(hq < H)[:, None], other=0)
         if Q_FP8:
             q = q.to(gl.float8e4nv, bitcast=True)
-        q_smem.slice(256 * j, 256, dim=1).store(q.to(gl.bfloat16))
+        q_smem.slice(256 * j, 256, dim=1).store(q.to(q_smem.dtype))
     if D576:
         q = gl.load(row + (512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :]),
                     mask=(hq < H)[:, None], other=0)
         if Q_FP8:
             q = q.to(gl.float8e4nv, bitcast=True)
-        qr_smem.store(q.to(gl.bfloat16))
+        qr_smem.store(q.to(qr_smem.dtype))
     fence_async_shared()    # generic stores -> this warpgroup's wgmma reads
     gl.thread_barrier()
 
@@ -441,8 +448,10 @@ def _ws_kernel(
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-        F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, num_warps: gl.constexpr):
+        F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
+        num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
+    gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -460,11 +469,14 @@ def _ws_kernel(
 
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], SMEM)
+    # e4m3 keys and queries are exact in fp16 as in bf16, and their conversion to fp16 is one
+    # instruction per two values (to bf16: three); p in fp16 is finer than in bf16 on [2^-14, 1]
+    KT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    q_smem = gl.allocate_shared_memory(KT, [HEADS, 512], SMEM)
+    k_bufs = gl.allocate_shared_memory(KT, [STAGES, BN, 512], SMEM)
     if D576:    # the RoPE dims of q and of each stage's keys (24 KB more: 231,272 B of 232,448)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 64], SMEM)
-        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], SMEM)
+        qr_smem = gl.allocate_shared_memory(KT, [HEADS, 64], SMEM)
+        kr_bufs = gl.allocate_shared_memory(KT, [STAGES, BN, 64], SMEM)
     else:       # never read
         qr_smem = q_smem
         kr_bufs = k_bufs
@@ -472,7 +484,7 @@ def _ws_kernel(
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, BN], SMEM)
+    p_smem = gl.allocate_shared_memory(KT, [HEADS, BN], SMEM)
     # per-row factors from _lead to _follow: 0 the tile's rescale, 1-3 the epilogue's
     rows = gl.allocate_shared_memory(gl.float32, [4, HEADS],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))

@@ -475,7 +475,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        D576=d576, num_warps=4, launch_pdl=pdl)
+        D576=d576, F16=g.FP16_FOR_E4M3 and src0.fmt == "plain_fp8" and q_fp8, num_warps=4,
+        launch_pdl=pdl)
 
 
 def _tokens_per_length(sources):
