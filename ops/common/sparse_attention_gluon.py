@@ -54,9 +54,6 @@ PRODUCER_WARPS = 4
 PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
-# Plain e4m3 keys with an e4m3 q (the TRTLLM fp8 path) run the dots on fp16 operands: exact,
-# and one conversion per two key bytes instead of three (H200: 1.32-1.38x faster, PERF.md)
-FP16_FOR_E4M3 = True
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 
 

@@ -19,7 +19,8 @@ block; the combine kernel is shared
 token the Gluon kernel writes out / lse / max logits itself.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
-interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16.
+interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16, or
+fp16 for plain e4m3 keys with an e4m3 q (``F16``, exact).
 """
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ SMALL_UNITS = 8
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (docs/PERF.md session 7).
 PDL = True
+# Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
+# values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
+# bytes where -> bf16 is three (H200, sm_90 kernel: the fp8 path 1.32-1.38x faster, docs/PERF.md session 8)
+FP16_FOR_E4M3 = True
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
 
 
@@ -103,23 +108,29 @@ def _load_values(ptrs, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _dot_operand(x, DOT_F32: tl.constexpr):
-    """fp32 values as a tl.dot operand: bf16, or fp32 under the interpreter (see module doc)."""
-    if DOT_F32:
-        return x
-    return x.to(tl.bfloat16)
+def _dot_operand(x, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
+    """fp32 values as a tl.dot operand: bf16 (fp16 where ``F16``: e4m3 keys and queries), or
+    fp32 under the interpreter (see module doc)."""
+    if DOT_F32:      # one return per static branch: Triton type-checks every return it sees
+        y = x
+    elif F16:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
 
 
 @triton.jit
-def _load_operand(ptrs, mask, FP8: tl.constexpr, DOT_F32: tl.constexpr):
-    """bf16 values, or e4m3 bytes decoded, at ``ptrs`` straight into a dot operand (no fp32
-    copy: a [64, 512] fp32 q staged on its way to bf16 is what made the fp8 path spill)."""
+def _load_operand(ptrs, mask, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+                  F16: tl.constexpr = False):
+    """bf16 / fp16 values, or e4m3 bytes decoded, at ``ptrs`` straight into a dot operand (no
+    fp32 copy: a [64, 512] fp32 q staged on its way to bf16 is what made the fp8 path spill).
+    ``F16``: the operand is fp16 (e4m3 is exact in it, and converts to it in one instruction
+    per two bytes: three to bf16)."""
     x = tl.load(ptrs, mask=mask, other=0)
     if FP8:
         x = x.to(tl.float8e4nv, bitcast=True)
-    if DOT_F32:
-        return x.to(tl.float32)
-    return x.to(tl.bfloat16)
+    return _dot_operand(x.to(tl.float32) if DOT_F32 else x, DOT_F32, F16)
 
 
 @triton.jit
@@ -137,7 +148,7 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
 
 @triton.jit
 def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT: tl.constexpr,
-              SCALE64: tl.constexpr, DOT_F32: tl.constexpr):
+              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
     """Dims [64·TILE, 64·TILE + 64) of key rows (blk, off) as a [BN, 64] dot operand; rows
     with ``v`` False are zeros. TILE 8 is the 64-dim RoPE tail of 576-wide rows. V4: e4m3 × 2^k
     is exact in bf16 (one UE8M0 scale per row and tile), dims 448..511 are the bf16 RoPE part;
@@ -168,7 +179,8 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
             k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
                               DOT_F32)
     else:
-        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32)
+        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32,
+                          F16)
     return k
 
 
@@ -181,13 +193,13 @@ def _cat(a, b):
 
 @triton.jit
 def _key_half(cache_ptr, s0, s1, BS, blk, off, v, sc64, HALF: tl.constexpr, FMT: tl.constexpr,
-              SCALE64: tl.constexpr, DOT_F32: tl.constexpr):
+              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
     """Dims [256·HALF, 256·HALF + 256) of the key rows: four ``_key_tile``s joined."""
     T0: tl.constexpr = 4 * HALF
-    a = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0, FMT, SCALE64, DOT_F32)
-    b = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 1, FMT, SCALE64, DOT_F32)
-    c = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 2, FMT, SCALE64, DOT_F32)
-    d = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 3, FMT, SCALE64, DOT_F32)
+    a = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0, FMT, SCALE64, DOT_F32, F16)
+    b = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 1, FMT, SCALE64, DOT_F32, F16)
+    c = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 2, FMT, SCALE64, DOT_F32, F16)
+    d = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 3, FMT, SCALE64, DOT_F32, F16)
     return _cat(_cat(a, b), _cat(c, d))
 
 
@@ -274,10 +286,10 @@ def key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0: tl.constex
 
 @triton.jit
 def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
-            DOT_F32: tl.constexpr):
+            DOT_F32: tl.constexpr, F16: tl.constexpr):
     """Dims [COL0, COL0 + NC) of the head block's q rows as a dot operand."""
     return _load_operand(q_row + COL0 + tl.arange(0, NC)[None, :], hmask[:, None], Q_FP8,
-                         DOT_F32)
+                         DOT_F32, F16)
 
 
 @triton.jit
@@ -290,7 +302,7 @@ def _split_kernel(
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
-        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -308,13 +320,13 @@ def _split_kernel(
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
     if DV == 1:
-        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32)
+        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32, F16)
         q_hi = q_lo
     else:
-        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32)
-        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32)
+        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32, F16)
+        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32, F16)
     if D576:
-        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32)
+        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32, F16)
     else:
         q_rope = q_lo
     acc = tl.zeros((HB, NV), tl.float32)
@@ -351,8 +363,8 @@ def _split_kernel(
                 k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
         else:
             sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
-            k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32)
-            k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32)
+            k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32, F16)
+            k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32, F16)
             if DV == 1:
                 k = _cat(k_lo, k_hi)
         if DV == 1:
@@ -361,13 +373,13 @@ def _split_kernel(
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
         if D576:
-            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, off, 8, FMT, False, DOT_F32)
+            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, off, 8, FMT, False, DOT_F32, F16)
             s = tl.dot(q_rope, tl.trans(k_rope), s)
         s = tl.where(valid[None, :], s * scale2, float("-inf"))
         p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
         if TRACK_MAX:
             mx = tl.maximum(mx, m_tile)
-        p = _dot_operand(p, DOT_F32)
+        p = _dot_operand(p, DOT_F32, F16)
         acc = acc * alpha[:, None]
         if DV == 1:
             acc = tl.dot(p, k, acc)
@@ -454,7 +466,7 @@ def _gluon_module(q, sources, scale64):
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, len_div, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576):
+                  out_scale, pdl, d576, f16):
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
@@ -475,8 +487,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        D576=d576, F16=g.FP16_FOR_E4M3 and src0.fmt == "plain_fp8" and q_fp8, num_warps=4,
-        launch_pdl=pdl)
+        D576=d576, F16=f16, num_warps=4, launch_pdl=pdl)
 
 
 def _tokens_per_length(sources):
@@ -549,6 +560,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                              cfg["split_overhead"])
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
+    # e4m3 keys and q: the dots run on fp16 operands (exact; one conversion per two bytes)
+    f16 = src0.fmt == "plain_fp8" and q_fp8 and FP16_FOR_E4M3 and not triton_interpreting()
     # one split per token: the Gluon kernel finishes the rows itself (no partials, no combine)
     final = g is not None and n_splits == 1
     n_part = 0 if final else T * H * n_splits
@@ -564,7 +577,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         # launches (one or two tiles per program) decode in the kernel: the extra launch
         # would cost them more (H200 batch 1: 15.8 vs 11.8 µs). The Gluon kernel decodes q
         # into shared memory itself.
-        q, q_fp8 = q.to(torch.bfloat16), False
+        q, q_fp8 = q.to(torch.float16 if f16 else torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
     pdl = PDL and pdl_supported(dev)
@@ -575,7 +588,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                                           i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy,
                                           len_div, scale,
                                           part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
-                                          final, sink, out, lse, out_scale, pdl, d576)
+                                          final, sink, out, lse, out_scale, pdl, d576, f16)
         if final:
             return
     else:
@@ -593,7 +606,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
             TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
             N_UNITS=n_hb * dvs, SCALE64=scale64,
-            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl,
+            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
             num_warps=cfg["num_warps"] // dvs,
             num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
             launch_pdl=pdl)

@@ -164,20 +164,26 @@ def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
     torch.testing.assert_close(tri.float(), floats.float(), atol=1e-3, rtol=2 / 256)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
 @pytest.mark.parametrize("fp16", [True, False], ids=["fp16-dots", "bf16-dots"])
-def test_dsv4_fp8_dot_operand_type(fp16, monkeypatch):
-    """e4m3 pools and queries: the sm_90 kernel runs its dots on fp16 operands (e4m3 is exact
-    in fp16 too, and converts in one instruction per two bytes) or, switched off, on bf16;
-    the compiled kernel must be the one asked for, and both must agree with the reference."""
-    from sparse_mla.ops.common import sparse_attention_gluon as g
+@pytest.mark.parametrize("launch", ["warp-specialized", "portable", "portable-tiny"])
+def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
+    """e4m3 pools and queries: both kernels run their dots on fp16 operands (e4m3 is exact in
+    fp16 too, and converts in one instruction per two bytes) or, switched off, on bf16 (the
+    tiny launch decodes q in the kernel, the others before it); the compiled kernel must be
+    the one asked for, and both must agree with the reference."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
-    monkeypatch.setattr(g, "FP16_FOR_E4M3", fp16)
+    if launch == "warp-specialized" and not hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel is sm_90 only")
+    if launch != "warp-specialized":
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if launch == "portable-tiny" else -1)
+    monkeypatch.setattr(core, "FP16_FOR_E4M3", fp16)
     x = _batch(31, 128, E4M3)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, "cuda", "triton")
-    assert split_kernel_name() == "_ws_kernel"
+    assert split_kernel_name() == ("_ws_kernel" if launch == "warp-specialized"
+                                   else "_split_kernel")
     ptx = core.LAST_SPLIT_KERNEL.asm["ptx"]
     assert ("f32.f16.f16" in ptx) == fp16 and ("f32.bf16.bf16" in ptx) == (not fp16)
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
