@@ -255,7 +255,8 @@ def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc):
 @gluon.jit
 def _store_v32(kb, PAIR: gl.constexpr, xa, xb, scale):
     """Dims [128 PAIR, 128 PAIR + 128) of V3.2 rows (two byte tiles sharing one fp32 scale):
-    the fp32 product rounded to bf16, as the reference and FlashMLA's V3.2 kernel round it."""
+    the fp32 product rounded to bf16, as the reference rounds it (FlashMLA's sm_90 kernel
+    rounds the scale to bf16 first, SPEC §2.1: within tolerance of this, not bit-equal)."""
     kb.slice(128 * PAIR, 64, dim=1).store(
         (xa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16))
     kb.slice(128 * PAIR + 64, 64, dim=1).store(
