@@ -125,14 +125,7 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
             # while the 512 latent dims are dequantized (and 16 registers lighter than a load)
             rec = cache + blk * s0 + off * 656
             v2 = valid[:, None]
-            x0 = _byte_tile(rec, 0, v2, cb)
-            x1 = _byte_tile(rec, 1, v2, cb)
-            x2 = _byte_tile(rec, 2, v2, cb)
-            x3 = _byte_tile(rec, 3, v2, cb)
-            x4 = _byte_tile(rec, 4, v2, cb)
-            x5 = _byte_tile(rec, 5, v2, cb)
-            x6 = _byte_tile(rec, 6, v2, cb)
-            x7 = _byte_tile(rec, 7, v2, cb)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, v2, cb)
             scales = (rec + 512).to(gl.pointer_type(gl.float32))
             sa = gl.load(scales, mask=valid, other=0.0)
             sb = gl.load(scales + 1, mask=valid, other=0.0)
@@ -165,14 +158,7 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
         else:
             row = cache + blk * s0 + off * s1
             v2 = valid[:, None]
-            y0 = _byte_tile(row, 0, v2, cb)
-            y1 = _byte_tile(row, 1, v2, cb)
-            y2 = _byte_tile(row, 2, v2, cb)
-            y3 = _byte_tile(row, 3, v2, cb)
-            y4 = _byte_tile(row, 4, v2, cb)
-            y5 = _byte_tile(row, 5, v2, cb)
-            y6 = _byte_tile(row, 6, v2, cb)
-            y7 = _byte_tile(row, 7, v2, cb)
+            y0, y1, y2, y3, y4, y5, y6, y7 = _byte_tiles8(row, v2, cb)
             if D576:
                 y8 = _byte_tile(row, 8, v2, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
@@ -199,6 +185,15 @@ def _byte_tile(row, j: gl.constexpr, v2, cb):
     """Bytes [64 j, 64 j + 64) of each row (zeros where ``v2`` is false): one [BN, 64] tile.
     Unrolled by the callers: Gluon has no register arrays to loop over."""
     return gl.load(row[:, None] + (64 * j + cb[None, :]), mask=v2, other=0)
+
+
+@gluon.jit
+def _byte_tiles8(row, v2, cb):
+    """Bytes [0, 512) of each row as eight [BN, 64] tiles (the e4m3 part of V3.2 records and
+    of plain e4m3 rows), all loads issued before any is used."""
+    return (_byte_tile(row, 0, v2, cb), _byte_tile(row, 1, v2, cb), _byte_tile(row, 2, v2, cb),
+            _byte_tile(row, 3, v2, cb), _byte_tile(row, 4, v2, cb), _byte_tile(row, 5, v2, cb),
+            _byte_tile(row, 6, v2, cb), _byte_tile(row, 7, v2, cb))
 
 
 @gluon.jit
@@ -257,18 +252,21 @@ def _store_v32(kb, PAIR: gl.constexpr, xa, xb, scale):
     """Dims [128 PAIR, 128 PAIR + 128) of V3.2 rows (two byte tiles sharing one fp32 scale):
     the fp32 product rounded to bf16, as the reference rounds it (FlashMLA's sm_90 kernel
     rounds the scale to bf16 first, SPEC §2.1: within tolerance of this, not bit-equal)."""
-    kb.slice(128 * PAIR, 64, dim=1).store(
-        (xa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16))
-    kb.slice(128 * PAIR + 64, 64, dim=1).store(
-        (xb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+    kb.slice(128 * PAIR, 64, dim=1).store(_scaled(xa, scale[:, None]))
+    kb.slice(128 * PAIR + 64, 64, dim=1).store(_scaled(xb, scale[:, None]))
+
+
+@gluon.jit
+def _scaled(x, scale):
+    """e4m3 bytes × an fp32 scale (per row, broadcast), the product rounded to bf16."""
+    return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
 
 
 @gluon.jit
 def _dequant(x, sc64, TILE: gl.constexpr):
     """e4m3 bytes × 2^(scale byte - 127) as bf16: exact (e4m3 × 2^k fits bf16)."""
     sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
-    scale = (sb << 23).to(gl.float32, bitcast=True)
-    return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+    return _scaled(x, (sb << 23).to(gl.float32, bitcast=True)[:, None])
 
 
 @gluon.jit

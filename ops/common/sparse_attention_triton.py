@@ -441,21 +441,20 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
-def _gluon_module(q, sources, scale64):
+def _gluon_module(q, fmt, blocks):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
     Gluon importable, keys in the V4 cache (8-byte-aligned blocks), the V3.2 cache (16-byte-
     aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
     cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
-    gives the output-dim split on the portable kernel). ``SPARSE_MLA_GLUON=0`` turns it off
-    (A/B runs, bisecting)."""
+    gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
+    block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs,
+    bisecting)."""
     if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting():
         return None
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
-    fmt = sources[0].fmt
-    if fmt == "v4" and not scale64:
-        return None
-    if fmt == "v32" and not all(_blocks_aligned(*_source_args(s)[:2], 16) for s in sources):
+    need = {"v4": 8, "v32": 16}.get(fmt)
+    if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
         return None
     try:
         from sparse_mla.ops.common import sparse_attention_gluon
@@ -544,10 +543,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         c1, c1s0, c1s1 = _source_args(src1)
     else:
         c1, c1s0, c1s1 = c0, 0, 0
-    scale64 = src0.fmt == "v4" and _blocks_aligned(c0, c0s0) and (
-        src1 is None or _blocks_aligned(c1, c1s0))
+    blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
+    scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
-    g = _gluon_module(q, sources, scale64)
+    g = _gluon_module(q, src0.fmt, blocks)
     cfg = launch_config(T, n_hb, warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
