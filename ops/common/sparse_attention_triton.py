@@ -64,7 +64,8 @@ SMALL_UNITS = 8
 PDL = True
 # Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
 # values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
-# bytes where -> bf16 is three (H200, sm_90 kernel: the fp8 path 1.32-1.38x faster, docs/PERF.md session 8)
+# bytes where -> bf16 is three (H200: the fp8 path 1.32-1.38x faster on the sm_90 kernel,
+# 1.10-1.14x on the portable one, docs/PERF.md session 8)
 FP16_FOR_E4M3 = True
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
 
