@@ -39,6 +39,13 @@ class KeySource:
     tokens_per_length: tokens sharing one ``lengths`` entry (FlashMLA's lengths are per batch
         row of s_q tokens). Kernels index ``lengths[t // tokens_per_length]``, so no per-token
         copy (a kernel launch per call) is made.
+    length_offset: subtracted from every ``lengths`` entry (TRTLLM-gen's compressed columns:
+        ``sparse_topk_lens`` counts the 128 window columns before them).
+    causal: token i of each group of ``tokens_per_length`` (consecutive query positions of
+        one request) uses ``tokens_per_length - 1 - i`` fewer columns, so only the last uses
+        the whole entry (TRTLLM-gen's window: ``seq_len - q_len + i + 1``).
+    Token t's usable count is ``lengths[t // tpl] - length_offset - lag`` (lag 0 unless
+    ``causal``), clamped to [0, K].
     kv_scale: plain fp8 only: the per-tensor dequantization scale folded into the caller's
         scales (the kernel reads e4m3 values as they are), so it is not stored here.
     """
@@ -49,10 +56,21 @@ class KeySource:
     indices: torch.Tensor
     lengths: Optional[torch.Tensor] = None
     tokens_per_length: int = 1
+    length_offset: int = 0
+    causal: bool = False
 
     @property
     def capacity(self) -> int:
         return self.cache.shape[0] * self.block_size
+
+    def usable(self, t: int) -> int:
+        """Leading columns token ``t`` may use (before slot-id validity), in [0, K]."""
+        k = self.indices.shape[1]
+        if self.lengths is None:
+            return k
+        tpl = self.tokens_per_length
+        lag = tpl - 1 - t % tpl if self.causal else 0
+        return max(0, min(k, int(self.lengths[t // tpl]) - self.length_offset - lag))
 
 
 def head_dims(sources: Sequence[KeySource]) -> int:
@@ -93,9 +111,7 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
         for src in sources:
             idx = src.indices[t].long()
             cols = torch.arange(idx.shape[0], device=idx.device)
-            n = (idx.shape[0] if src.lengths is None
-                 else int(src.lengths[t // src.tokens_per_length]))
-            ok = (cols < n) & (idx >= 0) & (idx < src.capacity)
+            ok = (cols < src.usable(t)) & (idx >= 0) & (idx < src.capacity)
             if ok.any():
                 keys.append(gather_rows(src, idx[ok]))
         if not keys:

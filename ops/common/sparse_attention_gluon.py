@@ -434,8 +434,8 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, h0, H, sp, n_splits,
 @gluon.jit
 def _ws_kernel(
         q_ptr, q_s0, q_s1, H,
-        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, len_div,
+        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
+        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
         scale2, scale_ptr, part_o, part_ml, n_splits,
         out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
         out_scale, out_scale_ptr, FMT: gl.constexpr,
@@ -459,8 +459,9 @@ def _ws_kernel(
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     # the token's virtual key list, cut into n_splits runs of whole tiles (as the portable
     # kernel does: source 0's usable columns padded to BN, then source 1's)
-    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0,
-                                  HAS_L1, HAS_SRC1, BN)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
+                                  l1_lag, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1, HAS_SRC1,
+                                  BN)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BN)
 
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,

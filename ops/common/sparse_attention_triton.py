@@ -236,12 +236,15 @@ def _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: tl.cons
 
 
 @triton.jit
-def _source_length(len_ptr, t, len_div, K, HAS_LEN: tl.constexpr):
-    """Usable leading columns of a source for token ``t``: min(lengths[t // len_div], K), at
-    least 0 (``len_div`` tokens share one entry: FlashMLA's per-batch-row lengths)."""
+def _source_length(len_ptr, t, div, off, lag, K, HAS_LEN: tl.constexpr):
+    """Usable leading columns of a source for token ``t`` (``KeySource.usable``):
+    lengths[t // div] - off - lag·(div - 1 - t % div), clamped to [0, K]. ``div`` tokens share
+    one entry (FlashMLA's per-batch-row lengths); ``lag`` (0 / 1) gives the earlier query
+    positions of a request fewer columns (TRTLLM-gen's window)."""
     n = K
     if HAS_LEN:
-        n = tl.maximum(tl.minimum(tl.load(len_ptr + t // len_div), K), 0)
+        n = tl.load(len_ptr + t // div) - off - lag * (div - 1 - t % div)
+        n = tl.maximum(tl.minimum(n, K), 0)
     return n
 
 
@@ -268,15 +271,16 @@ def sink_gate(lse, sink, empty):
 
 
 @triton.jit
-def key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0: tl.constexpr,
-            HAS_L1: tl.constexpr, HAS_SRC1: tl.constexpr, BN: tl.constexpr):
+def key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off, l1_lag, t, K0, K1, sp,
+            n_splits, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr, HAS_SRC1: tl.constexpr,
+            BN: tl.constexpr):
     """Token ``t``'s usable lengths (n0, n1), source 0's padded length n0p, and split ``sp``'s
     run [lo, hi) of its virtual key list: source 0's usable columns padded to BN, then source
     1's, cut into ``n_splits`` runs of whole tiles. Scalar code: the Gluon kernel calls it too."""
-    n0 = _source_length(l0_ptr, t, len_div, K0, HAS_L0)
+    n0 = _source_length(l0_ptr, t, l0_div, l0_off, l0_lag, K0, HAS_L0)
     n1 = 0
     if HAS_SRC1:
-        n1 = _source_length(l1_ptr, t, len_div, K1, HAS_L1)
+        n1 = _source_length(l1_ptr, t, l1_div, l1_off, l1_lag, K1, HAS_L1)
     n0p = tl.cdiv(n0, BN) * BN
     total = n0p + n1
     per_split = tl.cdiv(tl.cdiv(total, BN), n_splits) * BN
@@ -296,8 +300,8 @@ def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.conste
 @triton.jit
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
-        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, len_div,
+        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
+        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
         scale2, scale_ptr, part_o, part_ml, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
@@ -337,8 +341,9 @@ def _split_kernel(
     # This token's virtual key list: source 0's usable columns padded to BN, then source 1's,
     # cut into n_splits runs of whole tiles. One loop over both sources (the source picked per
     # tile by scalar selects) keeps one copy of the tile code live; two loops spilled.
-    n0, n1, n0p, lo, hi = key_run(l0_ptr, l1_ptr, len_div, t, K0, K1, sp, n_splits, HAS_L0,
-                                  HAS_L1, HAS_SRC1, BN)
+    n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
+                                  l1_lag, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1, HAS_SRC1,
+                                  BN)
     # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits on
     # its ids, and that load's latency is otherwise paid in full every iteration
     idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
@@ -464,7 +469,7 @@ def _gluon_module(q, fmt, blocks):
     return sparse_attention_gluon
 
 
-def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, len_div, scale,
+def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
                   out_scale, pdl, d576, f16):
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
@@ -472,11 +477,9 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
                if max_logits is not None else (part_ml, 0, 0))
     return g._ws_kernel[grid](
         q, q.stride(0), q.stride(1), q.shape[1],
-        *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
-        src0.lengths if src0.lengths is not None else dummy,
+        *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0, *len0,
         *args1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-        i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
-        else dummy, len_div,
+        i1.stride(0), k1, *len1,
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml),
@@ -490,12 +493,12 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, args1, src1, i1, k1, dummy, l
         D576=d576, F16=f16, num_warps=4, launch_pdl=pdl)
 
 
-def _tokens_per_length(sources):
-    """The one ``tokens_per_length`` of the sources that have lengths (the kernels take one)."""
-    divs = {src.tokens_per_length for src in sources if src.lengths is not None}
-    if len(divs) > 1:
-        raise ValueError(f"sources with lengths must share tokens_per_length, got {sorted(divs)}")
-    return divs.pop() if divs else 1
+def _length_args(src, dummy):
+    """(lengths, div, offset, lag) kernel arguments of a source's usable-column count
+    (``KeySource.usable``); ``dummy`` stands in for absent lengths (never read)."""
+    if src is None or src.lengths is None:
+        return dummy, 1, 0, 0
+    return src.lengths, src.tokens_per_length, src.length_offset, int(src.causal)
 
 
 def _scalar_arg(value, factor, dummy):
@@ -538,7 +541,6 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     k1 = src1.indices.shape[1] if src1 is not None else 0
     if src1 is not None and src1.fmt != src0.fmt:
         raise ValueError(f"sources must share one cache format, got {src0.fmt} and {src1.fmt}")
-    len_div = _tokens_per_length(sources)
     c0, c0s0, c0s1 = _source_args(src0)
     if src1 is not None:
         c1, c1s0, c1s1 = _source_args(src1)
@@ -585,8 +587,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     LAST_COMBINED = not final
     if g is not None:
         LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0,
-                                          i0, k0, (c1, c1s0, c1s1), src1, i1, k1, dummy,
-                                          len_div, scale,
+                                          i0, k0, _length_args(src0, dummy), (c1, c1s0, c1s1),
+                                          src1, i1, k1, _length_args(src1, dummy), scale,
                                           part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
                                           final, sink, out, lse, out_scale, pdl, d576, f16)
         if final:
@@ -595,10 +597,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
             qq, q.stride(0), q.stride(1), H,
             c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
-            src0.lengths if src0.lengths is not None else dummy,
+            *_length_args(src0, dummy),
             c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-            i1.stride(0), k1, src1.lengths if (src1 is not None and src1.lengths is not None)
-            else dummy, len_div,
+            i1.stride(0), k1, *_length_args(src1, dummy),
             *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
             FMT=FMT_CODES[src0.fmt],
             HAS_L0=src0.lengths is not None,

@@ -20,8 +20,10 @@ Addressing: FlashInfer's TRTLLM-gen kernels see a pool as flat token rows (page 
 ``page_size`` rows, SPEC §2.3) callers must already have remapped slots to the page span, and
 this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
 
-No host syncs on the hot path: per-token lengths are computed with tensor ops, ``max_q_len``
-arrives as a Python int. Value checks (lens range, seq_len >= q_len, slots in range) run for
+No host syncs on the hot path. Per-token column counts: a dense batch (one query length)
+hands ``seq_lens`` / ``sparse_topk_lens`` to the kernels as they are (``KeySource.causal`` /
+``length_offset``); a varlen batch's counts are computed with tensor ops (one Triton launch on
+the Triton path). ``max_q_len`` arrives as a Python int. Value checks (lens range, seq_len >= q_len, slots in range) run for
 CPU tensors, or with ``SPARSE_MLA_CHECK_VALUES=1`` (ops/common/checks.py). Tensor-form
 ``bmm1_scale`` / ``bmm2_scale`` are read on the host (``float()``, a sync) by the reference and
 Triton paths, because the shared layer takes Python floats; pass floats to keep the Triton path
@@ -371,7 +373,7 @@ def _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
 def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
                   seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len, lengths=None):
     """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer; ``lengths``
-    computes the per-token column counts (default: the PyTorch definition)."""
+    computes a varlen batch's per-token column counts (default: the PyTorch definition)."""
     H = query.shape[-2]
     q = query.reshape(-1, H, DSV4_DIM)
     T = q.shape[0]
@@ -381,12 +383,20 @@ def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spar
     cmp = _flat_rows(_pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout,
                                 DSV4_DIM))
     topk = sparse_indices.shape[1]
-    swa_len, cmp_len = (lengths or _dsv4_lengths)(T, B, Q, sparse_topk_lens, seq_lens,
-                                                   cum_seq_lens_q, topk)
     fmt = _fmt(query.dtype)
-    sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], swa_len)]
+    if cum_seq_lens_q is None:
+        # One query length Q: the kernels derive each token's counts from seq_lens and
+        # sparse_topk_lens themselves (no lengths launch: ~1 µs of a batch-1 step on an H200)
+        sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], seq_lens, Q,
+                             causal=True)]
+        cmp_args = (sparse_topk_lens, 1, SWA_COLS)
+    else:
+        swa_len, cmp_len = (lengths or _dsv4_lengths)(T, B, Q, sparse_topk_lens, seq_lens,
+                                                       cum_seq_lens_q, topk)
+        sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], swa_len)]
+        cmp_args = (cmp_len,)
     if topk > SWA_COLS:
-        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], cmp_len))
+        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], *cmp_args))
     return q, sources, out.view(T, H, V_DIM)
 
 
@@ -634,8 +644,11 @@ def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, m
     Q = query.shape[1] if query.dim() == 4 else (1 if cum_seq_lens_q is None else max_q_len)
     idx = block_tables.reshape(T, -1)
     rows = _flat_rows(_pool_view("kv_cache", kv_cache, "HND", V32_DIM))
-    n = (lengths or _v32_lengths)(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1])
-    return q, [KeySource(rows, _fmt(query.dtype), 1, idx, n)], out.view(T, H, V_DIM)
+    if cum_seq_lens_q is None:      # one query length: the kernels read seq_lens[t // Q]
+        n, per = seq_lens, Q
+    else:
+        n, per = (lengths or _v32_lengths)(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1]), 1
+    return q, [KeySource(rows, _fmt(query.dtype), 1, idx, n, per)], out.view(T, H, V_DIM)
 
 
 def _v32_reference(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,

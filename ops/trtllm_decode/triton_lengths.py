@@ -1,4 +1,5 @@
-"""Per-token usable-column counts of the TRTLLM-gen ops in one Triton launch.
+"""Per-token usable-column counts of the TRTLLM-gen ops in one Triton launch (varlen batches:
+a dense batch's counts are derived inside the attention kernels, see ``ops._dsv4_problem``).
 
 The PyTorch formulation (``ops._dsv4_lengths`` / ``ops._v32_lengths``, kept as the readable
 definition and used by the reference path) costs about ten tiny kernels: most of a batch-1

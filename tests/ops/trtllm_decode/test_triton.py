@@ -25,10 +25,9 @@ if INTERPRETING:
     HEADS = [8, 16]      # the interpreter is slow; the GPU run covers every head count
 
 
-def _batch(seed, H, dtype, topk=136, page=16):
+def _batch(seed, H, dtype, topk=136, page=16, q_lens=(3, 1, 2, 1), seq=(5, 200, 129, 1)):
+    """A varlen batch; default windows: partial, full, edge, first-token."""
     g = seeded(seed)
-    q_lens = [3, 1, 2, 1]
-    seq = [5, 200, 129, 1]                        # partial, full, edge, first-token windows
     cu = [0]
     for ql in q_lens:
         cu.append(cu[-1] + ql)
@@ -61,10 +60,18 @@ def _batch(seed, H, dtype, topk=136, page=16):
     return x
 
 
+def _dense(x, B, Q):
+    """The same tokens as a dense [B, Q, H, 512] batch (no cum_seq_lens_q)."""
+    x = dict(x)
+    del x["cum_seq_lens_q"], x["max_q_len"]
+    x["query"] = x["query"].reshape(B, Q, *x["query"].shape[1:])
+    return x
+
+
 def _run(x, device, impl):
     y = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     q, swa = y.pop("query"), y.pop("swa_kv_cache")
-    out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=BF16, device=device)
+    out = torch.full((*q.shape[:-1], 512), float("nan"), dtype=BF16, device=device)
     td.trtllm_batch_decode_sparse_mla_dsv4(q, swa, None, out=out, bmm1_scale=512 ** -0.5,
                                            bmm2_scale=0.75, impl=impl, **y)
     assert last_choice("trtllm_decode_dsv4").impl == impl
@@ -87,6 +94,28 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
     tri = _run(x, device, "triton")
     if device == "cuda" and not tiny and hopper_with_gluon():
         assert split_kernel_name() == "_ws_kernel"
+    assert torch.isfinite(ref.float()).all()
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("H", [16] if INTERPRETING else [16, 128])
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
+def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
+    """A dense batch (one query length) hands seq_lens / sparse_topk_lens to the kernels as
+    they are: each token's window (seq_len - Q + i + 1, partial for the first request) and
+    compressed count are derived in-kernel, with no lengths launch."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.trtllm_decode import triton_lengths
+
+    def no_launch(*args):
+        raise AssertionError("a dense batch must not launch the lengths kernel")
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    monkeypatch.setattr(triton_lengths, "dsv4_lengths", no_launch)
+    x = _dense(_batch(H + 1, H, dtype, q_lens=(3, 3, 3), seq=(3, 130, 200)), 3, 3)
+    ref = _run(x, "cpu", "reference")
+    tri = _run(x, device, "triton")
     assert torch.isfinite(ref.float()).all()
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
