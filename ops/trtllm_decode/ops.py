@@ -25,9 +25,8 @@ hands ``seq_lens`` / ``sparse_topk_lens`` to the kernels as they are (``KeySourc
 ``length_offset``); a varlen batch's counts are computed with tensor ops (one Triton launch on
 the Triton path). ``max_q_len`` arrives as a Python int. Value checks (lens range, seq_len >= q_len, slots in range) run for
 CPU tensors, or with ``SPARSE_MLA_CHECK_VALUES=1`` (ops/common/checks.py). Tensor-form
-``bmm1_scale`` / ``bmm2_scale`` are read on the host (``float()``, a sync) by the reference and
-Triton paths, because the shared layer takes Python floats; pass floats to keep the Triton path
-capturable.
+``bmm1_scale`` / ``bmm2_scale`` are read on the device by the Triton path (no sync: a CUDA
+graph replay sees their current values) and on the host by the reference.
 """
 from __future__ import annotations
 
