@@ -23,10 +23,11 @@ this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are ski
 No host syncs on the hot path. Per-token column counts: a dense batch (one query length)
 hands ``seq_lens`` / ``sparse_topk_lens`` to the kernels as they are (``KeySource.causal`` /
 ``length_offset``); a varlen batch's counts are computed with tensor ops (one Triton launch on
-the Triton path). ``max_q_len`` arrives as a Python int. Value checks (lens range, seq_len >= q_len, slots in range) run for
-CPU tensors, or with ``SPARSE_MLA_CHECK_VALUES=1`` (ops/common/checks.py). Tensor-form
-``bmm1_scale`` / ``bmm2_scale`` are read on the device by the Triton path (no sync: a CUDA
-graph replay sees their current values) and on the host by the reference.
+the Triton path). ``max_q_len`` arrives as a Python int. Value checks (lens range, seq_len >=
+q_len, slots in range) run for CPU tensors, or with ``SPARSE_MLA_CHECK_VALUES=1``
+(ops/common/checks.py). Tensor-form ``bmm1_scale`` / ``bmm2_scale`` are read on the device by
+the Triton path (no sync: a CUDA graph replay sees their current values) and on the host by
+the reference.
 """
 from __future__ import annotations
 
@@ -386,16 +387,15 @@ def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spar
     if cum_seq_lens_q is None:
         # One query length Q: the kernels derive each token's counts from seq_lens and
         # sparse_topk_lens themselves (no lengths launch: ~1 µs of a batch-1 step on an H200)
-        sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], seq_lens, Q,
-                             causal=True)]
-        cmp_args = (sparse_topk_lens, 1, SWA_COLS)
+        swa_counts = dict(lengths=seq_lens, tokens_per_length=Q, causal=True)
+        cmp_counts = dict(lengths=sparse_topk_lens, length_offset=SWA_COLS)
     else:
         swa_len, cmp_len = (lengths or _dsv4_lengths)(T, B, Q, sparse_topk_lens, seq_lens,
                                                        cum_seq_lens_q, topk)
-        sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], swa_len)]
-        cmp_args = (cmp_len,)
+        swa_counts, cmp_counts = dict(lengths=swa_len), dict(lengths=cmp_len)
+    sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], **swa_counts)]
     if topk > SWA_COLS:
-        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], *cmp_args))
+        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], **cmp_counts))
     return q, sources, out.view(T, H, V_DIM)
 
 
