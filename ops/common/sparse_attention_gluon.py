@@ -8,7 +8,10 @@ in each warp:
 
 * a 4-warp **producer** gathers BLOCK_N key rows into a bf16 [BLOCK_N, 512] tile of a
   two-stage shared-memory ring, then signals an mbarrier. V4 rows: 448 e4m3 bytes, 64 bf16
-  RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once; V3.2 rows: 512
+  RoPE dims and the eight UE8M0 scale bytes as one int64, dequantized once (``_produce_v4``:
+  where every block starts 16-byte aligned the raw records go through an 18 KB staging
+  buffer by cp.async, SUB_N rows at a time, one chunk ahead of the dequantization;
+  otherwise they are loaded into registers a tile at a time); V3.2 rows: 512
   e4m3 bytes times four fp32 scales; plain e4m3 rows are converted (their per-tensor scale is
   folded into the softmax / output scales outside); plain bf16 rows and V3.2's bf16 RoPE dims
   are copied with cp.async, never passing through registers. 576-wide keys (V3.2, 576-wide
@@ -49,6 +52,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of each warpgroup
 BLOCK_N = 64         # keys per ring stage (64 KB of bf16)
+SUB_N = 32           # V4 rows per staged gather chunk (18 KB of staging)
+STAGE_V4 = True      # V4 rows gathered through the staging buffer (16-byte-aligned blocks)
 STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
@@ -179,6 +184,115 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
         mbarrier.arrive(ready.index(st))
         idx = idx_next
 
+@gluon.jit
+def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi, n_tiles,
+                n0p, n0, n1, c0_ptr, c0_s0, c0_bs, c0_cap, i0_ptr, i0_s0,
+                c1_ptr, c1_s0, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
+                SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
+                MODE: gl.constexpr):
+    # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
+    # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
+    # (gathering a whole tile into registers left the producer waiting on its loads:
+    # PERF.md sessions 6 and 10). Each thread reads back exactly the bytes its own cp.async
+    # wrote (one layout for both), so its wait_group is all the staging buffer needs.
+    LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
+    rows_b: gl.constexpr = gl.SliceLayout(1, LB)
+    cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    CH: gl.constexpr = BN // SUB
+    idx = _slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    v, sc = _issue_v4(stage_raw, stage_rope, idx, lo < n0p, c0_ptr, c0_s0, c0_bs, c0_cap,
+                      c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB, MODE)
+    idx = _slots(lo + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    for i in range(n_tiles):
+        st = i % STAGES
+        for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
+            async_copy.wait_group(0)
+            x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
+            x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
+            x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
+            x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
+            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
+            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
+            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+            rope = stage_rope.load(LB)
+            v_c = v
+            sc_c = sc
+            c = lo + i * BN + (h + 1) * SUB
+            v, sc = _issue_v4(stage_raw, stage_rope, idx, c < n0p, c0_ptr, c0_s0, c0_bs,
+                              c0_cap, c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB, MODE)
+            idx = _slots(c + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                         rows_b)
+            if h == 0:
+                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            if MODE != 3:
+                _store_v4(k_bufs.index(st).slice(h * SUB, SUB), x0, x1, x2, x3, x4, x5, x6,
+                          rope, sc_c)
+            bias_bufs.index(st).slice(h * SUB, SUB).store(gl.where(v_c, 0.0, float("-inf")))
+        # generic-proxy stores -> the wgmma (async proxy) reads; all producer warps first
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(st))
+    async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
+
+
+@gluon.jit
+def _dequant_bf16(x, sb):
+    """e4m3 bytes × 2^(sb - 127) as bf16, the multiply in bf16x2: each byte pair is converted
+    exactly (e4m3x2 -> f16x2 -> two f32 -> bf16x2) and scaled by one mul.rn.bf16x2, which
+    rounds like the fp32 product's rounding to bf16 (the reference's), NaN bytes stay NaN.
+    One instruction a pair fewer than two fp32 multiplies."""
+    f = gl.where(sb == 0, 0x40, sb << 7)        # 2^(sb - 127) as bf16 bits (sb 0: subnormal)
+    f = gl.broadcast(f | (f << 16), x.to(gl.int32))[0]
+    return gl.inline_asm_elementwise("""{
+    .reg .b16 p0, p1, h0, h1;
+    .reg .b32 w;
+    .reg .f32 a, b;
+    mov.b32 {p0, p1}, $2;
+    cvt.rn.f16x2.e4m3x2 w, p0;
+    mov.b32 {h0, h1}, w;
+    cvt.f32.f16 a, h0;
+    cvt.f32.f16 b, h1;
+    cvt.rn.bf16x2.f32 w, b, a;
+    mul.rn.bf16x2 $0, w, $3;
+    cvt.rn.f16x2.e4m3x2 w, p1;
+    mov.b32 {h0, h1}, w;
+    cvt.f32.f16 a, h0;
+    cvt.f32.f16 b, h1;
+    cvt.rn.bf16x2.f32 w, b, a;
+    mul.rn.bf16x2 $1, w, $3;
+    }""", "=r,=r,r,r,r,r,r", [x, f], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _issue_v4(stage_raw, stage_rope, idx, first, c0_ptr, c0_s0, c0_bs, c0_cap,
+              c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB: gl.constexpr, MODE: gl.constexpr):
+    """Start the gather of one chunk of V4 rows into the staging buffer: the 448 e4m3 bytes
+    as seven [SUB, 64] byte tiles and the 64 bf16 RoPE dims by cp.async (rows with an
+    unusable slot id are zero-filled), one commit group; the rows' eight UE8M0 scale bytes
+    (one int64) by an ordinary load, used a chunk later. Returns (valid, scales)."""
+    cache = gl.where(first, c0_ptr, c1_ptr)
+    s0 = gl.where(first, c0_s0, c1_s0)
+    bs = gl.where(first, c0_bs, c1_bs)
+    cap = gl.where(first, c0_cap, c1_cap)
+    if MODE == 3:   # timing experiment: the consumers alone
+        valid = idx < -1
+    else:
+        valid = (idx >= 0) & (idx < cap)
+    blk = (idx // bs).to(gl.int64)
+    off = (idx % bs).to(gl.int64)
+    rec = cache + blk * s0 + off * 576
+    sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
+                 mask=valid, other=0)
+    v2 = valid[:, None]
+    for k in gl.static_range(7):
+        async_copy.async_copy_global_to_shared(stage_raw.slice(k * SUB, SUB),
+                                               rec[:, None] + (64 * k + cb[None, :]), mask=v2)
+    async_copy.async_copy_global_to_shared(
+        stage_rope, (rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
+        mask=v2)
+    async_copy.commit_group()
+    return valid, sc
+
 
 @gluon.jit
 def _byte_tile(row, j: gl.constexpr, v2, cb):
@@ -264,9 +378,10 @@ def _scaled(x, scale):
 
 @gluon.jit
 def _dequant(x, sc64, TILE: gl.constexpr):
-    """e4m3 bytes × 2^(scale byte - 127) as bf16: exact (e4m3 × 2^k fits bf16)."""
+    """e4m3 bytes × 2^(scale byte - 127) as bf16 (exact unless the product leaves bf16's
+    range, then rounded as the reference rounds its fp32 product)."""
     sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
-    return _scaled(x, (sb << 23).to(gl.float32, bitcast=True)[:, None])
+    return _dequant_bf16(x, sb[:, None])
 
 
 @gluon.jit
@@ -445,9 +560,10 @@ def _ws_kernel(
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
-        num_warps: gl.constexpr):
+        SUB: gl.constexpr, STAGED: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
+    gl.static_assert(not STAGED or FMT == 0)
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -477,6 +593,13 @@ def _ws_kernel(
     else:       # never read
         qr_smem = q_smem
         kr_bufs = k_bufs
+    if STAGED:      # V4 rows' staging buffer (one chunk of raw records; _produce_v4)
+        # seven [SUB, 64] byte tiles stacked (and an unused eighth: shapes are powers of
+        # two); a warp's eight-lane phase reads two adjacent rows, 128 contiguous bytes
+        stage_raw = gl.allocate_shared_memory(gl.uint8, [8 * SUB, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        stage_rope = gl.allocate_shared_memory(gl.bfloat16, [SUB, 64],
+                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -496,17 +619,34 @@ def _ws_kernel(
         mbarrier.init(empty.index(s), count=2)       # _lead and _follow
     fence_async_shared()
     gl.thread_barrier()
-    gl.warp_specialize([
+    # (Gluon cannot name a partition tuple in a variable, so both calls spell out all three)
+    if STAGED:
+        gl.warp_specialize([
         (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
-                 ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
-                 H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
-                 mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
-                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
-        (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
-                   part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
-        (_produce, (k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
-                    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
-                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, MODE)),
-    ], [4, P_WARPS], [F_REGS, P_REGS])
+                     ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
+                     H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
+                     mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
+                     FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
+            (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                       part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                       out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
+            (_produce_v4, (k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
+                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_bs, c0_cap, i0_ptr, i0_s0,
+                           c1_ptr, c1_s0, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
+                           P_WARPS, MODE)),
+        ], [4, P_WARPS], [F_REGS, P_REGS])
+    else:
+        gl.warp_specialize([
+        (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
+                     ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
+                     H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
+                     mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
+                     FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
+            (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                       part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                       out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
+            (_produce, (k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0,
+                        n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
+                        STAGES, P_WARPS, MODE)),
+        ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -68,12 +68,19 @@ PDL = True
 # 1.10-1.14x on the portable one, docs/PERF.md session 8)
 FP16_FOR_E4M3 = True
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
+# The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
+# partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
+# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
+# 10). The portable kernel keeps 3 (not re-measured).
+WS_CONFIG = {"split_overhead": 5}
 
 
 def launch_config(T, n_hb, warp_specialized=False):
     cfg = dict(CONFIG)
     if T * n_hb <= SMALL_UNITS and not (warp_specialized and n_hb > 1):
         cfg.update(SMALL_CONFIG)
+    elif warp_specialized:
+        cfg.update(WS_CONFIG)
     return cfg
 
 
@@ -449,7 +456,8 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
 
 def _gluon_module(q, fmt, blocks):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
-    Gluon importable, keys in the V4 cache (8-byte-aligned blocks), the V3.2 cache (16-byte-
+    Gluon importable, keys in the V4 cache (8-byte-aligned blocks; 16-byte-aligned ones are
+    gathered by cp.async through a staging buffer), the V3.2 cache (16-byte-
     aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
     cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
     gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
@@ -471,7 +479,7 @@ def _gluon_module(q, fmt, blocks):
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16):
+                  out_scale, pdl, d576, f16, staged):
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
@@ -490,7 +498,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        D576=d576, F16=f16, num_warps=4, launch_pdl=pdl)
+        D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, num_warps=4, launch_pdl=pdl)
 
 
 def _length_args(src, dummy):
@@ -550,6 +558,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
     g = _gluon_module(q, src0.fmt, blocks)
+    # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
+    staged = (g is not None and src0.fmt == "v4" and g.STAGE_V4
+              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     cfg = launch_config(T, n_hb, warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
@@ -590,7 +601,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                                           i0, k0, _length_args(src0, dummy), (c1, c1s0, c1s1),
                                           src1, i1, k1, _length_args(src1, dummy), scale,
                                           part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
-                                          final, sink, out, lse, out_scale, pdl, d576, f16)
+                                          final, sink, out, lse, out_scale, pdl, d576, f16,
+                                          staged)
         if final:
             return
     else:

@@ -54,7 +54,9 @@ def lengths(b, width, g):
 
 def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, extra_bs=2,
                 extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False,
-                pad_bytes=0):
+                pad_bytes=0, extra_pad_bytes=None):
+    """``pad_bytes`` pads the pages of both caches, ``extra_pad_bytes`` (if given) the extra
+    cache's instead."""
     g = torch.Generator().manual_seed(seed)
     d = 512 if fmt == "v4" else 576
     n_main = max(3 * topk // 2, 8)
@@ -68,7 +70,9 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
         a["topk_length"] = lengths(b, topk, g).to(device)
     if extra:
         n_extra = max(extra_topk + 5, 8)
-        a["extra_k_cache"] = paged_cache(fmt, n_extra, extra_bs, device, g, pad_bytes=pad_bytes)
+        a["extra_k_cache"] = paged_cache(
+            fmt, n_extra, extra_bs, device, g,
+            pad_bytes=pad_bytes if extra_pad_bytes is None else extra_pad_bytes)
         a["extra_indices_in_kvcache"] = index_rows(b, s_q, extra_topk, n_extra, g).to(device)
         if use_lengths:
             a["extra_topk_length"] = lengths(b, extra_topk, g).to(device)

@@ -207,6 +207,28 @@ def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("bs,pad_bytes,extra_pad_bytes,staged", [
+    (64, 0, 0, True), (53, 0, 0, True), (64, 16, 16, True), (64, 8, 8, False),
+    (53, 8, 8, False), (64, 0, 8, False)])
+def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, staged,
+                                               monkeypatch):
+    """The sm_90 kernel gathers V4 rows by 16-byte cp.async through a staging buffer when
+    every block of both caches starts 16-byte aligned (vLLM's pages are multiples of 576
+    bytes), and by register loads when some block is only 8-byte aligned (8-byte paddings,
+    one cache enough). Both producers must agree with the reference on poisoned, padded
+    caches."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    a = decode_case("cuda", b=3, s_q=2, h=64, bs=bs, topk=96, extra_bs=61, extra_topk=40,
+                    seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == "_ws_kernel"
+    assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == staged
+    check_decode(ref, got)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("b,s_q,h,kernel", [(2, 2, 128, "_ws_kernel"), (1, 1, 72, "_ws_kernel"),
                                             (2, 2, 64, "_split_kernel")])
