@@ -184,6 +184,7 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
         mbarrier.arrive(ready.index(st))
         idx = idx_next
 
+
 @gluon.jit
 def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi, n_tiles,
                 n0p, n0, n1, c0_ptr, c0_s0, c0_bs, c0_cap, i0_ptr, i0_s0,
@@ -378,8 +379,8 @@ def _scaled(x, scale):
 
 @gluon.jit
 def _dequant(x, sc64, TILE: gl.constexpr):
-    """e4m3 bytes × 2^(scale byte - 127) as bf16 (exact unless the product leaves bf16's
-    range, then rounded as the reference rounds its fp32 product)."""
+    """e4m3 bytes × 2^(scale byte - 127) as bf16: exact where the product fits bf16, else
+    rounded (or overflowed) as the reference rounds its fp32 product."""
     sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
     return _dequant_bf16(x, sb[:, None])
 
