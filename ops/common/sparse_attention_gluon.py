@@ -88,11 +88,32 @@ knobs.runtime.add_stages_inspection_hook = _keep_setmaxnreg_budgets
 
 
 @gluon.jit
-def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
-             c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
+             n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-             P_WARPS: gl.constexpr, MODE: gl.constexpr):
+             P_WARPS: gl.constexpr, MODE: gl.constexpr, STAGED: gl.constexpr,
+             SUB: gl.constexpr):
+    """The producer partition: V4 rows through the staging buffer where ``STAGED``, else
+    a tile at a time (``_produce_tiles``)."""
+    if STAGED:
+        _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
+                    n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
+                    P_WARPS, MODE)
+    else:
+        _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0,
+                       n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                       c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
+                       STAGES, P_WARPS, MODE)
+
+
+@gluon.jit
+def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+                   c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                   c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
+                   FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
+                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr):
     # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     # bf16 [BN, 64] tiles (RoPE dims, plain bf16 rows) use the same layout: 32 bytes per
@@ -111,16 +132,12 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
         idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        if MODE == 3:   # timing experiment: the consumers alone
-            valid = idx < -1
-        else:
-            valid = (idx >= 0) & (idx < cap)
+        valid = _usable(idx, cap, MODE)
         blk = (idx // bs).to(gl.int64)
         off = (idx % bs).to(gl.int64)
         kb = k_bufs.index(st)
         if FMT == 0:
-            x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, blk, off, valid,
-                                                             cb)
+            x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if MODE != 3:
                 _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
@@ -187,8 +204,8 @@ def _produce(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, 
 
 @gluon.jit
 def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi, n_tiles,
-                n0p, n0, n1, c0_ptr, c0_s0, c0_bs, c0_cap, i0_ptr, i0_s0,
-                c1_ptr, c1_s0, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
+                n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
                 MODE: gl.constexpr):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
@@ -201,8 +218,9 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, h
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
     CH: gl.constexpr = BN // SUB
     idx = _slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
-    v, sc = _issue_v4(stage_raw, stage_rope, idx, lo < n0p, c0_ptr, c0_s0, c0_bs, c0_cap,
-                      c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB, MODE)
+    v, sc = _issue_v4(stage_raw, stage_rope, idx,
+                      tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                  c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
     idx = _slots(lo + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     for i in range(n_tiles):
         st = i % STAGES
@@ -219,8 +237,9 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, h
             v_c = v
             sc_c = sc
             c = lo + i * BN + (h + 1) * SUB
-            v, sc = _issue_v4(stage_raw, stage_rope, idx, c < n0p, c0_ptr, c0_s0, c0_bs,
-                              c0_cap, c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB, MODE)
+            v, sc = _issue_v4(stage_raw, stage_rope, idx,
+                              tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
             idx = _slots(c + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
             if h == 0:
@@ -265,25 +284,15 @@ def _dequant_bf16(x, sb):
 
 
 @gluon.jit
-def _issue_v4(stage_raw, stage_rope, idx, first, c0_ptr, c0_s0, c0_bs, c0_cap,
-              c1_ptr, c1_s0, c1_bs, c1_cap, cb, SUB: gl.constexpr, MODE: gl.constexpr):
-    """Start the gather of one chunk of V4 rows into the staging buffer: the 448 e4m3 bytes
-    as seven [SUB, 64] byte tiles and the 64 bf16 RoPE dims by cp.async (rows with an
-    unusable slot id are zero-filled), one commit group; the rows' eight UE8M0 scale bytes
-    (one int64) by an ordinary load, used a chunk later. Returns (valid, scales)."""
-    cache = gl.where(first, c0_ptr, c1_ptr)
-    s0 = gl.where(first, c0_s0, c1_s0)
-    bs = gl.where(first, c0_bs, c1_bs)
-    cap = gl.where(first, c0_cap, c1_cap)
-    if MODE == 3:   # timing experiment: the consumers alone
-        valid = idx < -1
-    else:
-        valid = (idx >= 0) & (idx < cap)
-    blk = (idx // bs).to(gl.int64)
-    off = (idx % bs).to(gl.int64)
-    rec = cache + blk * s0 + off * 576
-    sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
-                 mask=valid, other=0)
+def _issue_v4(stage_raw, stage_rope, idx, source, cb, SUB: gl.constexpr, MODE: gl.constexpr):
+    """Start the gather of one chunk of V4 rows (``source``: ``tile_source``'s cache
+    arguments) into the staging buffer: the 448 e4m3 bytes as seven [SUB, 64] byte tiles and
+    the 64 bf16 RoPE dims by cp.async (rows with an unusable slot id are zero-filled), one
+    commit group; the rows' eight UE8M0 scale bytes (one int64) by an ordinary load, used a
+    chunk later. Returns (valid, scales)."""
+    cache, s0, s1, bs, cap = source
+    valid = _usable(idx, cap, MODE)
+    rec, sc = _v4_records(cache, s0, bs, idx, valid)
     v2 = valid[:, None]
     for k in gl.static_range(7):
         async_copy.async_copy_global_to_shared(stage_raw.slice(k * SUB, SUB),
@@ -312,13 +321,32 @@ def _byte_tiles8(row, v2, cb):
 
 
 @gluon.jit
-def _gather_v4(cache, s0, bs, blk, off, valid, cb):
-    """Issue the loads of one tile of V4 rows: seven [BN, 64] e4m3 byte tiles, the [BN, 64]
-    bf16 RoPE tile and each row's eight scale bytes as one int64 (rows with an unusable slot
-    id load nothing and read as zeros)."""
+def _usable(idx, cap, MODE: gl.constexpr):
+    """Slot ids that address a cache row (MODE 3, a timing experiment: none)."""
+    if MODE == 3:
+        return idx < -1
+    return (idx >= 0) & (idx < cap)
+
+
+@gluon.jit
+def _v4_records(cache, s0, bs, idx, valid):
+    """Byte address of each slot's 576-byte V4 record (e4m3 dims, then RoPE dims) and its
+    eight UE8M0 scale bytes, loaded as one int64 (0 where not ``valid``); a block holds
+    ``bs`` records, then their scales."""
+    blk = (idx // bs).to(gl.int64)
+    off = (idx % bs).to(gl.int64)
     rec = cache + blk * s0 + off * 576
     sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
                  mask=valid, other=0)
+    return rec, sc
+
+
+@gluon.jit
+def _gather_v4(cache, s0, bs, idx, valid, cb):
+    """Issue the loads of one tile of V4 rows: seven [BN, 64] e4m3 byte tiles, the [BN, 64]
+    bf16 RoPE tile and each row's eight scale bytes as one int64 (rows with an unusable slot
+    id load nothing and read as zeros)."""
+    rec, sc = _v4_records(cache, s0, bs, idx, valid)
     v2 = valid[:, None]
     x0 = _byte_tile(rec, 0, v2, cb)
     x1 = _byte_tile(rec, 1, v2, cb)
@@ -601,6 +629,9 @@ def _ws_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         stage_rope = gl.allocate_shared_memory(gl.bfloat16, [SUB, 64],
                                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:           # never read
+        stage_raw = k_bufs
+        stage_rope = k_bufs
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -620,34 +651,17 @@ def _ws_kernel(
         mbarrier.init(empty.index(s), count=2)       # _lead and _follow
     fence_async_shared()
     gl.thread_barrier()
-    # (Gluon cannot name a partition tuple in a variable, so both calls spell out all three)
-    if STAGED:
-        gl.warp_specialize([
+    gl.warp_specialize([
         (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
-                     ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
-                     H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
-                     mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
-                     FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
-            (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
-                       part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                       out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
-            (_produce_v4, (k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
-                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_bs, c0_cap, i0_ptr, i0_s0,
-                           c1_ptr, c1_s0, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                           P_WARPS, MODE)),
-        ], [4, P_WARPS], [F_REGS, P_REGS])
-    else:
-        gl.warp_specialize([
-        (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
-                     ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
-                     H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
-                     mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
-                     FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
-            (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
-                       part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                       out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
-            (_produce, (k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0,
-                        n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
-                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                        STAGES, P_WARPS, MODE)),
-        ], [4, P_WARPS], [F_REGS, P_REGS])
+                 ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
+                 H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
+                 mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
+                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
+        (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                   part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
+        (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo,
+                    hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
+                    i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
+                    STAGES, P_WARPS, MODE, STAGED, SUB)),
+    ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -558,12 +558,12 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
     g = _gluon_module(q, src0.fmt, blocks)
-    # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
-    staged = (g is not None and src0.fmt == "v4" and g.STAGE_V4
-              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     cfg = launch_config(T, n_hb, warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
+    # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
+    staged = (g is not None and src0.fmt == "v4" and g.STAGE_V4
+              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
