@@ -16,7 +16,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, soft_fp8,
-                                                to_bf16)
+                                                to_bf16, ue8m0_scale)
 
 MODE_V4 = 0          # 584 B paged cache (SPEC §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (SPEC §2.3)
@@ -190,9 +190,7 @@ def _gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_bloc
         q = tl.load(data + d, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         sb = tl.load(base[:, None] + BS * 576 + (o * 8)[:, None] + d // 64, mask=m,
                      other=127).to(tl.int32)
-        # 2^(byte-127) exactly, including the subnormal 2^-127 of byte 0.
-        scale = tl.where(sb == 0, exp2_int(sb - 126) * 0.5, exp2_int(sb - 127))
-        tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=m)
+        tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=m)
         rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
         tl.store(out_row + 448 + p, rope, mask=okd)
     else:

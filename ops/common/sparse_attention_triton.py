@@ -34,8 +34,8 @@ import triton.language as tl
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
-from sparse_mla.ops.common.triton_utils import (exp2_int, grid_launch_dependents, grid_wait,
-                                                pdl_supported, to_bf16)
+from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wait,
+                                                pdl_supported, to_bf16, ue8m0_scale)
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
@@ -172,7 +172,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
                 sb = ((sc64 >> (8 * TILE)) & 0xFF).to(tl.int32)
             else:
                 sb = tl.load(base + BS * 576 + off * 8 + TILE, mask=v, other=127).to(tl.int32)
-            k = _dot_operand(x * exp2_int(sb - 127), DOT_F32)
+            k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
         else:
             k = _load_operand((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
                               False, DOT_F32)
@@ -431,7 +431,11 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
     ok = sp < n_splits
     lse2 = tl.load(part_ml + row * 2, mask=ok, other=float("-inf"))
     mxs = tl.load(part_ml + row * 2 + 1, mask=ok, other=float("-inf"))
-    m = tl.max(lse2, axis=0)
+    # max() skips NaN: a split whose keys scored NaN (a non-finite key value) would read as
+    # empty when the token's other splits are, and the token as having no keys; the
+    # reference's output and lse are NaN there
+    m = tl.where(tl.sum((lse2 != lse2).to(tl.int32), axis=0) > 0, float("nan"),
+                 tl.max(lse2, axis=0))
     empty = m == float("-inf")
     m_safe = tl.where(empty, 0.0, m)
     w = tl.exp2(lse2 - m_safe)

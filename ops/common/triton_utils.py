@@ -34,6 +34,13 @@ def exp2_int(e):
 
 
 @triton.jit
+def ue8m0_scale(sb):
+    """The fp32 factor 2^(sb - 127) of UE8M0 scale bytes ``sb`` (int32 in [0, 255]), exactly:
+    byte 0 is the subnormal 2^-127 (``exp2_int`` would give 0), 255 is inf."""
+    return tl.where(sb == 0, 0x400000, sb << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e4m3_bits_soft(x):
     """Round-to-nearest-even fp32 → e4m3fn byte for |x| <= 448 (callers clamp); NaN → 0x7F."""
     bits = x.to(tl.int32, bitcast=True)

@@ -6,6 +6,7 @@ few tiny shapes of the same code.
 import pytest
 import torch
 
+from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import hopper_with_gluon, split_kernel_name, triton_params
@@ -226,6 +227,75 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
     assert split_kernel_name() == "_ws_kernel"
     assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == staged
     check_decode(ref, got)
+
+
+# UE8M0 scale bytes, seven per row (one per 64-dim group), from the bottom of the range
+# (2^-127, a bf16 subnormal) to the largest that cannot overflow (246: 448 · 2^119 < bf16
+# max); the last row's overflow to inf (247-254) or are inf (255)
+EXTREME_SCALES = [0, 1, 2, 3, 6, 7, 8, 9, 10, 100, 117, 118, 119, 120, 126, 127, 128, 134,
+                  135, 136, 140, 141, 160, 180, 200, 220, 240, 127, 241, 242, 243, 244, 245,
+                  246, 1, 247, 248, 250, 252, 253, 254, 255]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["ws_staged", "ws_registers", "portable"])
+def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
+    """With q = 0 and one usable key, the output is that key's dequantized row bit for bit
+    (p = 1), so every finite e4m3 value times every scale 2^(s - 127) must round to bf16
+    exactly as the reference's fp32 product does, subnormal results included. A row whose
+    dequantized values overflow to ±inf (or are scaled by 255, inf) scores 0 · inf = NaN,
+    so its token's output is NaN in both (a saturated finite value would score 0 and give
+    a finite mean of the token's two rows). Each route's own
+    dequantization: the sm_90 kernel's staged and register producers (bf16x2 multiply) and
+    the portable kernel (fp32 multiply)."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    ws = route.startswith("ws")
+    if ws and not hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel is sm_90 only")
+    if ws:
+        monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    else:
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    b, s_q, h, bs, topk = 2, 3, 64, 16, 64
+    a = decode_case(device, b=b, s_q=s_q, h=h, bs=bs, topk=topk, extra=False,
+                    use_lengths=False, sink="none", seed=7,
+                    pad_bytes=8 if route == "ws_registers" else 0)
+    a["q"].zero_()
+    tokens = b * s_q
+    rows = torch.arange(5, 5 + 3 * tokens, 3, dtype=torch.int32)      # one row per token
+    idx = torch.full((tokens, topk), -1, dtype=torch.int32)
+    idx[torch.arange(tokens), torch.arange(tokens) * 13 % topk] = rows
+    # the overflowing row's token also sees token 0's finite row, so its NaN comes from the
+    # inf values alone (with no finite score the kernels read the row as empty: see note)
+    idx[-1, 0] = rows[0]
+    a["indices"] = idx.view(b, s_q, topk).to(device)
+    cache, fmt = a["k_cache"], formats.get_format("v4")
+    page = cache.view(torch.uint8).view(cache.shape[0], -1)
+    g = torch.Generator().manual_seed(3)
+    finite = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+    scales = torch.tensor(EXTREME_SCALES, dtype=torch.uint8).view(tokens, 7)
+    for t, r in enumerate(rows.tolist()):
+        blk, off = divmod(r, bs)
+        d0 = fmt.token_data_addr(bs, off)
+        page[blk, d0:d0 + 448] = finite[torch.randint(0, len(finite), (448,), generator=g)].to(
+            device)
+        s0 = fmt.token_scale_addr(bs, off)
+        page[blk, s0:s0 + 7] = scales[t].to(device)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    if ws:
+        assert split_kernel_name() == "_ws_kernel"
+        assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == (route == "ws_staged")
+    elif device == "cuda":
+        assert split_kernel_name() == "_split_kernel"
+    (ro, rl), (o, l) = ref, got
+    sub = ro[:, :, :, :448].abs()
+    assert ((sub > 0) & (sub < 2.0 ** -126)).any()      # subnormal results were exercised
+    nan = ro.isnan()
+    assert nan[-1, -1].all() and not nan[:, :-1].any() and not nan[0].any()
+    assert torch.equal(o.isnan(), nan)
+    assert torch.equal(o[~nan].float(), ro[~nan].float())     # exact (-0 == +0)
+    torch.testing.assert_close(l, rl, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
