@@ -47,8 +47,9 @@ def seeded(seed: int) -> torch.Generator:
 def hopper_with_gluon():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon)."""
     import torch
+    from sparse_mla.ops.common.sparse_attention_triton import gluon_triton_supported
     if INTERPRETING or not torch.cuda.is_available() or \
-            torch.cuda.get_device_capability() != (9, 0):
+            torch.cuda.get_device_capability() != (9, 0) or not gluon_triton_supported():
         return False
     try:
         import sparse_mla.ops.common.sparse_attention_gluon  # noqa: F401

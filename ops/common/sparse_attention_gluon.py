@@ -29,8 +29,9 @@ An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 wh
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
 the V4 producer, at two per pair, is not: docs/PERF.md session 8). Only used on sm_90
-with Gluon available (triton >= 3.5); ``sparse_attention_triton.run`` falls back to the
-portable kernel everywhere else and for tiny launches of one head block. docs/PERF.md has the
+with Triton 3.6, the Gluon API it is written against (``GLUON_TRITON``);
+``sparse_attention_triton.run`` falls back to the portable kernel everywhere else and for
+tiny launches of one head block. docs/PERF.md has the
 measurements (including what was tried and dropped: a software-pipelined producer, integer
 e4m3 decoding).
 """

@@ -458,16 +458,33 @@ def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
+# The sm_90 Gluon kernel and its PTX hook are written against Triton 3.6's Gluon API (and
+# verified only there): Triton 3.9 renamed ``gl.thread_barrier`` and calls stages-inspection
+# hooks with other arguments, and importing the module installs that hook for every later
+# Triton compile in the process. Other versions run the portable kernel.
+GLUON_TRITON = (3, 6)
+
+
+def gluon_triton_supported(version: str = triton.__version__) -> bool:
+    """Whether ``version`` (a Triton version string) is one the sm_90 Gluon kernel runs on."""
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) == GLUON_TRITON
+    except (IndexError, ValueError):
+        return False
+
+
 def _gluon_module(q, fmt, blocks):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
-    Gluon importable, keys in the V4 cache (8-byte-aligned blocks; 16-byte-aligned ones are
+    Triton 3.6 (``GLUON_TRITON``) with Gluon, keys in the V4 cache (8-byte-aligned blocks; 16-byte-aligned ones are
     gathered by cp.async through a staging buffer), the V3.2 cache (16-byte-
     aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
     cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
     gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
     block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs,
     bisecting)."""
-    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting():
+    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting() or \
+            not gluon_triton_supported():
         return None
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
