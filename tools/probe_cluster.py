@@ -20,8 +20,9 @@ route around that on a real GPU:
 
 Each CTA writes one 32-row half of a [64, 64] bf16 tile (128-byte swizzle, the ring stages'
 layout) and sends it to its peer. Prints how many CTAs ended with both halves; a missing
-remote arrive hangs (run it under ``timeout``). ``--compile-only`` builds the PTX for sm_90a
-on any machine and checks that ptxas accepts it.
+remote arrive hangs (run it under ``timeout``). ``--graph`` launches it from a captured CUDA
+graph; ``--compile-only`` builds the PTX for sm_90a on any machine and checks that ptxas
+accepts it.
 """
 from __future__ import annotations
 
@@ -143,7 +144,9 @@ def compile_only() -> int:
     return 0
 
 
-def run(ctas: int) -> int:
+def run(ctas: int, graph: bool = False) -> int:
+    """Launch once (``graph``: captured in a CUDA graph, then replayed) and count the CTAs
+    that hold both halves."""
     out = torch.full((ctas, 64, 64), -1.0, device="cuda")
     k = _probe_kernel.warmup(out, BAR=BAR_OFFSET, HALF=HALF_BYTES, grid=(ctas, ), num_warps=4)
     if k.metadata.shared != BAR_OFFSET + 16:
@@ -152,10 +155,21 @@ def run(ctas: int) -> int:
     k._init_handles()
     num_warps, _, shared = k.packed_metadata
     k.packed_metadata = (num_warps, 2, shared)      # launch as clusters of two
-    k[(ctas // 2, 1, 1)](out, BAR_OFFSET, HALF_BYTES)   # the launcher takes constexprs too
+
+    def launch():
+        k[(ctas // 2, 1, 1)](out, BAR_OFFSET, HALF_BYTES)   # the launcher takes constexprs too
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch()
+        out.fill_(-1.0)
+        g.replay()
+    else:
+        launch()
     torch.cuda.synchronize()
     bad = int((out.cpu() != expected()).flatten(1).any(1).sum())
-    print(f"{torch.cuda.get_device_name()}: {ctas} CTAs in clusters of 2, "
+    how = "a CUDA graph replay" if graph else "one launch"
+    print(f"{torch.cuda.get_device_name()}: {ctas} CTAs in clusters of 2 ({how}), "
           f"{ctas - bad} with both halves, {bad} without")
     return 0 if bad == 0 else 1
 
@@ -165,6 +179,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ctas", type=int, default=264, help="CTAs (even): two per cluster")
     p.add_argument("--compile-only", action="store_true", help="sm_90a PTX + ptxas, no GPU")
+    p.add_argument("--graph", action="store_true", help="launch inside a captured CUDA graph")
     args = p.parse_args(argv)
     if args.compile_only:
         return compile_only()
@@ -173,7 +188,7 @@ def main(argv=None) -> int:
         return 1
     if args.ctas % 2:
         p.error("--ctas must be even")
-    return run(args.ctas)
+    return run(args.ctas, args.graph)
 
 
 if __name__ == "__main__":

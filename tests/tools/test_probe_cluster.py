@@ -15,7 +15,8 @@ def test_compiles_for_sm90a():
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="needs an sm_90 GPU")
-def test_every_cta_gets_its_peers_half(capsys):
+@pytest.mark.parametrize("graph", [False, True])
+def test_every_cta_gets_its_peers_half(graph, capsys):
     from sparse_mla.tools import probe_cluster
-    assert probe_cluster.run(264) == 0
+    assert probe_cluster.run(264, graph) == 0
     assert "264 with both halves, 0 without" in capsys.readouterr().out
