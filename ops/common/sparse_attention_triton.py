@@ -476,8 +476,8 @@ def gluon_triton_supported(version: str = triton.__version__) -> bool:
 
 def _gluon_module(q, fmt, blocks):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
-    Triton 3.6 (``GLUON_TRITON``) with Gluon, keys in the V4 cache (8-byte-aligned blocks; 16-byte-aligned ones are
-    gathered by cp.async through a staging buffer), the V3.2 cache (16-byte-
+    Triton 3.6 (``GLUON_TRITON``), keys in the V4 cache (8-byte-aligned blocks; 16-byte-
+    aligned ones are gathered by cp.async through a staging buffer), the V3.2 cache (16-byte-
     aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
     cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
     gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
