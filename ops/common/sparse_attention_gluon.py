@@ -273,24 +273,26 @@ def _dequant_bf16(x, sb):
     One instruction a pair fewer than two fp32 multiplies."""
     f = gl.where(sb == 0, 0x40, sb << 7)        # 2^(sb - 127) as bf16 bits (sb 0: subnormal)
     f = gl.broadcast(f | (f << 16), x.to(gl.int32))[0]
-    return gl.inline_asm_elementwise("""{
+    return gl.inline_asm_elementwise(_DEQUANT_PAIRS, "=r,=r,r,r,r,r,r", [x, f],
+                                     dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+# One e4m3 byte pair (16-bit register {pair}) -> bf16x2 output {out}, scaled by $3
+_DEQUANT_PAIR = """
+    cvt.rn.f16x2.e4m3x2 w, {pair};
+    mov.b32 {{h0, h1}}, w;
+    cvt.f32.f16 a, h0;
+    cvt.f32.f16 b, h1;
+    cvt.rn.bf16x2.f32 w, b, a;
+    mul.rn.bf16x2 {out}, w, $3;"""
+# four bytes ($2) -> two bf16x2 outputs ($0, $1)
+_DEQUANT_PAIRS = gl.constexpr("""{
     .reg .b16 p0, p1, h0, h1;
     .reg .b32 w;
     .reg .f32 a, b;
-    mov.b32 {p0, p1}, $2;
-    cvt.rn.f16x2.e4m3x2 w, p0;
-    mov.b32 {h0, h1}, w;
-    cvt.f32.f16 a, h0;
-    cvt.f32.f16 b, h1;
-    cvt.rn.bf16x2.f32 w, b, a;
-    mul.rn.bf16x2 $0, w, $3;
-    cvt.rn.f16x2.e4m3x2 w, p1;
-    mov.b32 {h0, h1}, w;
-    cvt.f32.f16 a, h0;
-    cvt.f32.f16 b, h1;
-    cvt.rn.bf16x2.f32 w, b, a;
-    mul.rn.bf16x2 $1, w, $3;
-    }""", "=r,=r,r,r,r,r,r", [x, f], dtype=gl.bfloat16, is_pure=True, pack=4)
+    mov.b32 {p0, p1}, $2;""" + _DEQUANT_PAIR.format(pair="p0", out="$0")
+                              + _DEQUANT_PAIR.format(pair="p1", out="$1") + """
+    }""")
 
 
 @gluon.jit
