@@ -17,6 +17,9 @@ in each warp:
   are copied with cp.async, never passing through registers. 576-wide keys (V3.2, 576-wide
   plain rows) put their last 64 dims, which score but are not values, in a [BLOCK_N, 64]
   stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes;
+* at 65-128 heads over the V4 cache (``CLUSTER``) the token's two head blocks run as a
+  2-CTA cluster: each producer dequantizes half of every tile and copies it into its peer's
+  stage as well (see "2-CTA clusters" below);
 * two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring,
   split as FlashMLA's sm_90 decode kernel splits them: ``_lead`` computes the whole score
   tile, the softmax and p·v for output dims [0, 256); ``_follow`` does p·v for [256, 512)
@@ -40,6 +43,7 @@ from __future__ import annotations
 import re
 
 from triton import knobs
+from triton.backends.compiler import Language
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -61,19 +65,93 @@ PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
+CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
+                     # cluster and each CTA dequantizes half of every tile (``_send_half``)
+
+# --- 2-CTA clusters (V4 rows, two head blocks of one token) ---------------------------------
+# Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
+# one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
+# in its own stage and copies it into the peer's with ``cp.async.bulk`` shared::cta ->
+# shared::cluster, completing bytes on the peer's ``ready``. Since either producer writes both
+# CTAs' stages, the producers hand each released stage over to each other (``_pair_handoff``).
+# FlashMLA's sm_90 kernel splits its h128 dequantization the same way. Gluon (Triton 3.6) has
+# no API for any of it: the kernel is compiled as an ordinary one-CTA kernel and launched as
+# clusters (``cluster_launchable``), and inline PTX addresses shared memory as ``global_smem``
+# plus the allocator's offsets, which ``_shared_offsets`` reads at compile time and writes
+# over the ``SMLA_OFF_*`` placeholders below (tools/probe_cluster.py proved the route).
+_PAIR_SUB = 32                          # rows per CTA per tile
+PAIR_SUB = gl.constexpr(_PAIR_SUB)
+PANEL = 64 * 128                        # one 64-column panel of a [64, 512] stage (128 B rows)
+PAIR_TX = gl.constexpr(8 * _PAIR_SUB * 128 + _PAIR_SUB * 4)   # the peer's half: panels + bias
+_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_BIAS": "bias_bufs",
+                 "SMLA_OFF_READY": "ready", "SMLA_OFF_PEER_FREE": "peer_free"}
+# $1 thread id (thread 0 issues), $2 this CTA's half of stage st in k_bufs (byte offset),
+# $3 its bias slots, $4 st * 8 (ready[st]), $5 the peer's rank
+_SEND_HALF = gl.constexpr("""{
+    .reg .u32 base, bar, rbar, src, dst;
+    .reg .pred leader;
+    setp.eq.u32 leader, $1, 0;
+    mov.u32 base, global_smem;
+    add.u32 bar, base, SMLA_OFF_READY;
+    add.u32 bar, bar, $4;
+    mapa.shared::cluster.u32 rbar, bar, $5;""" + "".join(f"""
+    add.u32 src, base, SMLA_OFF_K;
+    add.u32 src, src, $2;
+    add.u32 src, src, {j * PANEL};
+    mapa.shared::cluster.u32 dst, src, $5;
+    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 128}, [rbar];""" for j in range(8)) + f"""
+    add.u32 src, base, SMLA_OFF_BIAS;
+    add.u32 src, src, $3;
+    mapa.shared::cluster.u32 dst, src, $5;
+    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 4}, [rbar];
+    mov.b32 $0, 0;
+    }}""")
+# $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank
+_REMOTE_ARRIVE = gl.constexpr("""{
+    .reg .u32 a;
+    .reg .pred leader;
+    setp.eq.u32 leader, $1, 0;
+    mov.u32 a, global_smem;
+    add.u32 a, a, SMLA_OFF_PEER_FREE;
+    add.u32 a, a, $2;
+    mapa.shared::cluster.u32 a, a, $3;
+    @leader mbarrier.arrive.release.cluster.shared::cluster.b64 _, [a];
+    mov.b32 $0, 0;
+    }""")
+# every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran
+# the mbarrier inits, fences them for the cluster first) and waits before it first touches
+# the peer: no copy or arrive reaches a barrier before its CTA has initialized it
+_CLUSTER_ARRIVE_INIT = gl.constexpr("""{
+    fence.mbarrier_init.release.cluster;
+    barrier.cluster.arrive.release.aligned;
+    mov.b32 $0, 0;
+    }""")
+_CLUSTER_ARRIVE = gl.constexpr("""{
+    barrier.cluster.arrive.release.aligned;
+    mov.b32 $0, 0;
+    }""")
+_CLUSTER_WAIT = gl.constexpr("""{
+    barrier.cluster.wait.acquire.aligned;
+    mov.b32 $0, 0;
+    }""")
 
 
 def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
-    """Triton stamps warp-specialized kernels with ``.maxnreg`` (the launch share: 168 for 12
-    warps) and ptxas caps every ``setmaxnreg.inc`` region at it, so the lead warpgroup could
-    never use the registers the other partitions give back. Without the directive ptxas takes
-    the launch limit from ``.reqntid`` and honours each region's ``setmaxnreg`` (sm_90a,
-    ptxas 12.9: 0 spills; with the cap, 236 B of spills and serialized wgmma). Only
-    ``_ws_kernel``'s PTX is edited; a hook installed before still runs."""
+    """Two edits of ``_ws_kernel`` builds (a hook installed before still runs):
+
+    * its cluster variant's ``SMLA_OFF_*`` placeholders become the allocator's shared-memory
+      offsets (``_shared_offsets``), in the LLVM IR;
+    * Triton stamps warp-specialized kernels with ``.maxnreg`` (the launch share: 168 for 12
+      warps) and ptxas caps every ``setmaxnreg.inc`` region at it, so the lead warpgroup
+      could never use the registers the other partitions give back. Without the directive
+      ptxas takes the launch limit from ``.reqntid`` and honours each region's
+      ``setmaxnreg`` (sm_90a, ptxas 12.9: 0 spills; with the cap, 236 B of spills and
+      serialized wgmma)."""
     if _previous_hook is not None:
         _previous_hook(backend, stages, options, language, capability)
     make_ptx = stages.get("ptx")
-    if make_ptx is None:
+    make_llir = stages.get("llir")
+    if make_ptx is None or make_llir is None:
         return
 
     def ptx(src, metadata):
@@ -81,27 +159,81 @@ def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
         if metadata.get("name") == "_ws_kernel":
             out = re.sub(r"^\.maxnreg \d+\n", "", out, flags=re.M)
         return out
+
+    def llir(src, metadata):
+        # Gluon kernels only: the module's text is read to find the cluster placeholders
+        text = str(src) if language == Language.GLUON else ""
+        offsets = _shared_offsets(text, src.context, options, backend, capability) \
+            if "SMLA_OFF_" in text else None
+        out = make_llir(src, metadata)
+        if offsets:
+            out = re.sub(r"SMLA_OFF_[A-Z_]+", lambda m: str(offsets[m.group(0)]), out)
+        return out
     stages["ptx"] = ptx
+    stages["llir"] = llir
+
+
+def _shared_offsets(text, context, options, backend, capability):
+    """The allocator's byte offsets (from ``global_smem``) of the buffers ``_SEND_HALF`` and
+    ``_REMOTE_ARRIVE`` address, keyed by their placeholders: a copy of the TTGIR module is run
+    through the passes ``make_llir`` runs up to and including shared-memory allocation (the
+    same deterministic allocation), and each buffer is found by its SSA name."""
+    import tempfile
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
+        f.write(text)
+        f.flush()
+        mod = ir.parse_mlir_module(f.name, context)
+    pm = ir.pass_manager(context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(
+        pm, capability, get_ptx_version_from_options(options, backend.target.arch))
+    pm.run(mod, "sparse_mla_shared_offsets")
+    found = dict(re.findall(r"%(\w+) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}",
+                            str(mod)))
+    missing = [n for n in _OFFSET_NAMES.values() if n not in found]
+    if missing:
+        raise RuntimeError(f"cluster kernel: no shared-memory offset found for {missing}")
+    return {k: int(found[n]) for k, n in _OFFSET_NAMES.items()}
 
 
 _previous_hook = knobs.runtime.add_stages_inspection_hook
 knobs.runtime.add_stages_inspection_hook = _keep_setmaxnreg_budgets
 
 
+def cluster_launchable(kernel):
+    """Make every launch of ``kernel`` (a compiled ``_ws_kernel`` with ``CLUSTER``) one of
+    2-CTA clusters along x: Triton's launcher reads the cluster size from the packed launch
+    metadata, adds the cluster-dimension attribute and multiplies grid x by it, so callers
+    pass half the grid and program ids are unchanged (a cluster is one token's two head
+    blocks). Compiled with ``num_ctas=1`` on purpose: Triton's own ``num_ctas=2`` would put
+    a cluster-wide layout on every tensor."""
+    num_warps, num_ctas, shared = kernel.packed_metadata
+    if num_ctas != 2:
+        kernel.packed_metadata = (num_warps, 2, shared)
+    return kernel
+
+
 @gluon.jit
-def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
+def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
+             lo, hi,
              n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
              P_WARPS: gl.constexpr, MODE: gl.constexpr, STAGED: gl.constexpr,
-             SUB: gl.constexpr):
-    """The producer partition: V4 rows through the staging buffer where ``STAGED``, else
-    a tile at a time (``_produce_tiles``)."""
+             SUB: gl.constexpr, rank, CLUSTER: gl.constexpr):
+    """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
+    each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
     if STAGED:
-        _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi,
+        _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t, lo,
+                    hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                    P_WARPS, MODE)
+                    P_WARPS, MODE, rank, CLUSTER)
     else:
         _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0,
                        n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
@@ -213,25 +345,38 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
 
 
 @gluon.jit
-def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, hi, n_tiles,
+def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t, lo,
+                hi, n_tiles,
                 n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                MODE: gl.constexpr):
+                MODE: gl.constexpr, rank, CLUSTER: gl.constexpr):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
     # PERF.md sessions 6 and 10). Each thread reads back exactly the bytes its own cp.async
     # wrote (one layout for both), so its wait_group is all the staging buffer needs.
+    # In a cluster (``CLUSTER``) the chunk is this CTA's half of each tile, sent on to the
+    # peer: chunks are then BN columns apart, one per tile.
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
-    CH: gl.constexpr = BN // SUB
-    idx = _slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    CH: gl.constexpr = 1 if CLUSTER else BN // SUB
+    STEP: gl.constexpr = BN if CLUSTER else SUB
+    gl.static_assert(not CLUSTER or (BN == 2 * PAIR_SUB and SUB == PAIR_SUB))
+    if CLUSTER:
+        tid = gl.arange(0, 32 * P_WARPS, layout=gl.BlockedLayout([1], [32], [P_WARPS], [0]))
+        first = lo + rank * SUB
+        _cluster_sync(tid, _CLUSTER_ARRIVE)
+    else:
+        first = lo
+    idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     v, sc = _issue_v4(stage_raw, stage_rope, idx,
-                      tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                      tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                   c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
-    idx = _slots(lo + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    idx = _slots(first + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    if CLUSTER:
+        _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):
         st = i % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
@@ -246,23 +391,82 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo, h
             rope = stage_rope.load(LB)
             v_c = v
             sc_c = sc
-            c = lo + i * BN + (h + 1) * SUB
+            c = first + i * BN + (h + 1) * STEP
             v, sc = _issue_v4(stage_raw, stage_rope, idx,
                               tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                           c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
-            idx = _slots(c + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+            idx = _slots(c + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
             if h == 0:
-                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            if MODE != 3:
-                _store_v4(k_bufs.index(st).slice(h * SUB, SUB), x0, x1, x2, x3, x4, x5, x6,
-                          rope, sc_c)
-            bias_bufs.index(st).slice(h * SUB, SUB).store(gl.where(v_c, 0.0, float("-inf")))
-        # generic-proxy stores -> the wgmma (async proxy) reads; all producer warps first
+                if CLUSTER:
+                    _pair_handoff(empty, peer_free, i, rank, STAGES)
+                else:
+                    mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            if CLUSTER:     # static slice starts: one branch per rank
+                if rank == 0:
+                    _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4,
+                                 x5, x6, rope, sc_c, v_c, SUB, MODE)
+                else:
+                    _store_chunk(k_bufs.index(st), bias_bufs.index(st), SUB, x0, x1, x2, x3,
+                                 x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
+            else:
+                _store_chunk(k_bufs.index(st), bias_bufs.index(st), h * SUB, x0, x1, x2, x3,
+                             x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
+        # generic-proxy stores -> the wgmma (async proxy) reads, and in a cluster the bulk
+        # copy to the peer (async proxy too); all producer warps first
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(ready.index(st))
+        if CLUSTER:
+            # this CTA's half to the peer (completing there), then arrive here expecting the
+            # peer's half: ready[st] completes once both halves are in this CTA's stage
+            gl.inline_asm_elementwise(
+                _SEND_HALF, "=r,r,r,r,r,r",
+                [tid, tid * 0 + (st * (BN * 1024) + rank * (SUB * 128)),
+                 tid * 0 + (st * (BN * 4) + rank * (SUB * 4)), tid * 0 + st * 8,
+                 tid * 0 + (1 - rank)], dtype=gl.int32, is_pure=False, pack=1)
+            mbarrier.expect(ready.index(st), PAIR_TX)
+        else:
+            mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
+    if CLUSTER:
+        # two more hand-offs, as if for tiles n_tiles and n_tiles + 1: this CTA must not exit
+        # while the peer may still arrive here or its copy may still read this CTA's last
+        # halves (the peer's consumers are done with them once it has handed them back)
+        for s in gl.static_range(STAGES):
+            _pair_handoff(empty, peer_free, n_tiles + s, rank, STAGES)
+
+
+@gluon.jit
+def _pair_handoff(empty, peer_free, i, rank, STAGES: gl.constexpr):
+    """Before tile ``i`` is written into stage i % STAGES of both CTAs: wait until this CTA's
+    consumers have released the stage, tell the peer's producer so (a remote arrive on its
+    ``peer_free``; a stage's first use needs no release), and wait for the peer's word that
+    its consumers have too. Only the producers touch the peer's barriers, so the consumers'
+    loops are unchanged (a remote arrive there made the lead spill)."""
+    st = i % STAGES
+    phase = ((i // STAGES) & 1) ^ 1
+    mbarrier.wait(empty.index(st), phase)
+    if i >= STAGES:
+        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        gl.inline_asm_elementwise(_REMOTE_ARRIVE, "=r,r,r,r", [tid, tid * 0 + st * 8,
+                                                                tid * 0 + (1 - rank)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    mbarrier.wait(peer_free.index(st), phase)
+
+
+@gluon.jit
+def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc, valid,
+                 SUB: gl.constexpr, MODE: gl.constexpr):
+    """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias."""
+    if MODE != 3:
+        _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
+    bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _cluster_sync(tid, ASM: gl.constexpr):
+    """One of the ``barrier.cluster`` steps (``_CLUSTER_*``), by every thread of the caller."""
+    gl.inline_asm_elementwise(ASM, "=r,r", [tid], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -427,19 +631,24 @@ def _dequant(x, sc64, TILE: gl.constexpr):
 
 @gluon.jit
 def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready,
-          empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0, H, sp,
+          empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0, H, sp,
           n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1,
           sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
           TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
           HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-          Q_FP8: gl.constexpr, D576: gl.constexpr):
+          Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
     # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
     # q is loaded here, not before the partitions start, so the producer's first gather does
     # not wait behind it (H200, one program: docs/PERF.md session 7).
+    if CLUSTER:
+        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        _cluster_sync(tid, _CLUSTER_ARRIVE_INIT)
     _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
+    if CLUSTER:
+        _cluster_sync(tid, _CLUSTER_WAIT)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -495,7 +704,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     gl.thread_barrier()
     mbarrier.arrive(done)
     _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
-                gl.convert_layout(empty_row, ROW_O), part_o, t, h0, H, sp, n_splits, out_ptr,
+                gl.convert_layout(empty_row, ROW_O), part_o, t, tp, h0, H, sp, n_splits, out_ptr,
                 out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
     if FINAL:
         if HAS_LSE:
@@ -503,7 +712,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
         if TRACK_MAX:
             gl.store(mx_ptr + t.to(gl.int64) * mx_s0 + h_s * mx_s1, mx * LN2, mask=h_s < H)
     else:
-        row_s = (t.to(gl.int64) * H + h_s) * n_splits + sp
+        row_s = (tp.to(gl.int64) * H + h_s) * n_splits + sp
         gl.store(part_ml + row_s * 2, lse2, mask=h_s < H)
         if TRACK_MAX:
             gl.store(part_ml + row_s * 2 + 1, mx, mask=h_s < H)
@@ -535,15 +744,20 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constex
 
 
 @gluon.jit
-def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o, t, h0,
+def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o, t, tp,
+            h0,
             H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
             STAGES: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
-            HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
+            HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, CLUSTER: gl.constexpr):
     # p·v for output dims [256, 512) with _lead's p (shared memory) and row rescale
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     acc = gl.zeros([HEADS, 256], gl.float32, O_L)
+    if CLUSTER:
+        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        _cluster_sync(tid, _CLUSTER_ARRIVE)
+        _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
@@ -559,12 +773,12 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(done, 0)
     _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
-                rows.index(3).load(ROW_O) != 0.0, part_o, t, h0, H, sp, n_splits, out_ptr,
+                rows.index(3).load(ROW_O) != 0.0, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
                 out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
 
 
 @gluon.jit
-def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, h0, H, sp, n_splits, out_ptr,
+def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
                 out_s0, out_s1, out_scale, out_scale_ptr, O_L: gl.constexpr,
                 FINAL: gl.constexpr, HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
     """Output dims [d0, d0 + 256) of the program's rows: bf16 out when this is the token's
@@ -583,7 +797,7 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, h0, H, sp, n_splits,
         gl.store(out_ptr + out_row[:, None] + d_o[None, :], o.to(gl.bfloat16),
                  mask=(h_o < H)[:, None])
     else:
-        row_o = (t.to(gl.int64) * H + h_o) * n_splits + sp
+        row_o = (tp.to(gl.int64) * H + h_o) * n_splits + sp
         gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
 
 
@@ -592,7 +806,7 @@ def _ws_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
-        scale2, scale_ptr, part_o, part_ml, n_splits,
+        scale2, scale_ptr, part_o, part_ml, n_splits, t0,
         out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
         out_scale, out_scale_ptr, FMT: gl.constexpr,
         HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
@@ -601,15 +815,18 @@ def _ws_kernel(
         P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
-        SUB: gl.constexpr, STAGED: gl.constexpr, num_warps: gl.constexpr):
+        SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
+        num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     gl.static_assert(not STAGED or FMT == 0)
+    gl.static_assert(not CLUSTER or (STAGED and N_UNITS == 2))   # rank = head block
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
     unit = gl.program_id(0) % N_UNITS
-    t = gl.program_id(0) // N_UNITS
+    tp = gl.program_id(0) // N_UNITS   # the launch's own token index (partials' rows)
+    t = t0 + tp                         # tokens [t0, t0 + grid / N_UNITS) (run's phases)
     sp = gl.program_id(1)
     h0 = unit * HEADS
     if SCALE_T:
@@ -648,6 +865,10 @@ def _ws_kernel(
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if CLUSTER:     # the peer CTA's consumers have released the stage (_pair_handoff)
+        peer_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:           # never used
+        peer_free = empty
     p_smem = gl.allocate_shared_memory(KT, [HEADS, BN], SMEM)
     # per-row factors from _lead to _follow: 0 the tile's rescale, 1-3 the epilogue's
     rows = gl.allocate_shared_memory(gl.float32, [4, HEADS],
@@ -661,19 +882,22 @@ def _ws_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)       # _lead and _follow
+        if CLUSTER:
+            mbarrier.init(peer_free.index(s), count=1)   # the peer's producer (remote)
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
         (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
-                 ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, h0,
+                 ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0,
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
-                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576)),
+                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER)),
         (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
-                   part_o, t, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T)),
-        (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, t, lo,
+                   part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER)),
+        (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
+                    peer_free, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                     i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, MODE, STAGED, SUB)),
+                    STAGES, P_WARPS, MODE, STAGED, SUB, unit, CLUSTER)),
     ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -417,17 +417,18 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_o, part_ml, n_splits, H, sink_ptr, out_ptr, out_s0, out_s1, lse_ptr,
+def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0, out_s1, lse_ptr,
                     lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, out_scale, out_scale_ptr,
                     OUT_SCALE_T: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr,
                     HAS_MAX: tl.constexpr,
                     SPLITS: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
     if PDL:     # launched early (programmatic dependent launch): wait for the partials
         grid_wait()
-    t = tl.program_id(0)
+    tp = tl.program_id(0)       # partial rows are numbered from the launch's first token t0
+    t = t0 + tp
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
-    row = (t.to(tl.int64) * H + h) * n_splits + sp
+    row = (tp.to(tl.int64) * H + h) * n_splits + sp
     ok = sp < n_splits
     lse2 = tl.load(part_ml + row * 2, mask=ok, other=float("-inf"))
     mxs = tl.load(part_ml + row * 2 + 1, mask=ok, other=float("-inf"))
@@ -500,18 +501,22 @@ def _gluon_module(q, fmt, blocks):
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16, staged):
+                  out_scale, pdl, d576, f16, staged, cluster, t0):
+    """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
+    staged, 65-128 heads): the compiled kernel is made cluster-launchable before its first
+    launch, and the launch then takes half the grid's x (the launcher multiplies it back)."""
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
-    return g._ws_kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1), q.shape[1],
         *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0, *len0,
         *args1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, *len1,
-        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
-        sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml),
+        sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
+    kwargs = dict(
         FMT=FMT_CODES[src0.fmt], HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
@@ -519,7 +524,12 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, num_warps=4, launch_pdl=pdl)
+        D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4,
+        launch_pdl=pdl)
+    if cluster:
+        g.cluster_launchable(g._ws_kernel.warmup(*args, grid=grid, **kwargs))
+        grid = (grid[0] // 2, grid[1])
+    return g._ws_kernel[grid](*args, **kwargs)
 
 
 def _length_args(src, dummy):
@@ -585,67 +595,109 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
     staged = (g is not None and src0.fmt == "v4" and g.STAGE_V4
               and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
+    # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
+    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
+    cluster = staged and n_hb == 2 and g.CLUSTER_V4 and T * n_hb > SMALL_UNITS
     bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
     max_tiles = max(1, triton.cdiv(k0, bn) + triton.cdiv(k1, bn))
     dvs = cfg["dv"]
-    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(q.device) * dvs,
-                             cfg["split_overhead"])
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
     # e4m3 keys and q: the dots run on fp16 operands (exact; one conversion per two bytes)
     f16 = src0.fmt == "plain_fp8" and q_fp8 and FP16_FOR_E4M3 and not triton_interpreting()
-    # one split per token: the Gluon kernel finishes the rows itself (no partials, no combine)
-    final = g is not None and n_splits == 1
-    n_part = 0 if final else T * H * n_splits
-    part_o = torch.empty(max(1, n_part * 512), dtype=torch.float32, device=dev)
-    part_ml = torch.empty(max(1, n_part * 2), dtype=torch.float32, device=dev)
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
-    if q_fp8 and cfg["dv"] == 1 and g is None:
+    pdl = PDL and pdl_supported(dev)
+    global LAST_SPLIT_KERNEL, LAST_COMBINED
+    if g is not None:
+        # the sm_90 kernel decodes an e4m3 q into shared memory itself; one split per token:
+        # it finishes the rows itself (no partials, no combine)
+        qq = q.view(torch.uint8) if q_fp8 else q
+        phases = plan_phases(T, n_hb, max_tiles, _sm_count(dev), cfg["split_overhead"])
+        LAST_COMBINED = any(n_splits > 1 for _, _, n_splits in phases)
+        for t0, t1, n_splits in phases:
+            final = n_splits == 1
+            part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev)
+            LAST_SPLIT_KERNEL = _launch_gluon(
+                g, ((t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
+                _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
+                _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,
+                q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0)
+            if not final:
+                _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
+                         out_scale, pdl, interp=False)
+        return
+    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev) * dvs,
+                             cfg["split_overhead"])
+    part_o, part_ml = _partials(T * H * n_splits, dev)
+    if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
         # 30 % slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
         # launches (one or two tiles per program) decode in the kernel: the extra launch
-        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs). The Gluon kernel decodes q
-        # into shared memory itself.
+        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs).
         q, q_fp8 = q.to(torch.float16 if f16 else torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
-    pdl = PDL and pdl_supported(dev)
-    global LAST_SPLIT_KERNEL, LAST_COMBINED
-    LAST_COMBINED = not final
-    if g is not None:
-        LAST_SPLIT_KERNEL = _launch_gluon(g, (T * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0,
-                                          i0, k0, _length_args(src0, dummy), (c1, c1s0, c1s1),
-                                          src1, i1, k1, _length_args(src1, dummy), scale,
-                                          part_o, part_ml, n_splits, n_hb, max_logits, q_fp8,
-                                          final, sink, out, lse, out_scale, pdl, d576, f16,
-                                          staged)
-        if final:
-            return
-    else:
-        LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
-            qq, q.stride(0), q.stride(1), H,
-            c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
-            *_length_args(src0, dummy),
-            c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-            i1.stride(0), k1, *_length_args(src1, dummy),
-            *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
-            FMT=FMT_CODES[src0.fmt],
-            HAS_L0=src0.lengths is not None,
-            HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-            Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
-            TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
-            N_UNITS=n_hb * dvs, SCALE64=scale64,
-            SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
-            num_warps=cfg["num_warps"] // dvs,
-            num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
-            launch_pdl=pdl)
-    _combine_kernel[(T, H)](
-        part_o, part_ml, n_splits, H, sink if sink is not None else part_ml, out,
+    LAST_COMBINED = True
+    LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
+        qq, q.stride(0), q.stride(1), H,
+        c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
+        *_length_args(src0, dummy),
+        c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
+        i1.stride(0), k1, *_length_args(src1, dummy),
+        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+        FMT=FMT_CODES[src0.fmt],
+        HAS_L0=src0.lengths is not None,
+        HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
+        Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
+        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
+        N_UNITS=n_hb * dvs, SCALE64=scale64,
+        SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
+        num_warps=cfg["num_warps"] // dvs,
+        num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
+        launch_pdl=pdl)
+    _combine(part_o, part_ml, n_splits, 0, T, H, sink, out, lse, max_logits, out_scale, pdl,
+             interp)
+
+
+def plan_phases(T, n_hb, tiles, sms, overhead):
+    """The sm_90 kernel's launches as [(first token, end token, splits)]: one launch split by
+    ``choose_splits``, or, where that leaves a last wave mostly idle, two: the tokens that
+    fill whole waves one program per unit (no partials), then the rest split finely enough
+    to spread over the card (plus their combine: one more program's cost). E.g. 148 units
+    of 18 tiles on 132 SMs: one launch costs 3 waves × (9 + 5) = 42 (two splits); 132 units
+    unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36."""
+    units = T * n_hb
+    s = choose_splits(units, tiles, sms, overhead)
+    best = [(0, T, s)]
+    best_cost = triton.cdiv(units * s, sms) * (triton.cdiv(tiles, s) + overhead)
+    full = units // sms * sms // n_hb       # tokens whose units fill whole waves
+    if 0 < full < T:
+        rest = (T - full) * n_hb
+        s_rest = choose_splits(rest, tiles, sms, overhead)
+        cost = (triton.cdiv(full * n_hb, sms) * (tiles + overhead) + overhead
+                + triton.cdiv(rest * s_rest, sms) * (triton.cdiv(tiles, s_rest) + overhead))
+        if s_rest > 1 and cost < best_cost:
+            best = [(0, full, 1), (full, T, s_rest)]
+    return best
+
+
+def _partials(n_rows, dev):
+    """fp32 partial outputs ([n_rows, 512]) and (lse2, max) pairs for ``n_rows`` rows."""
+    return (torch.empty(max(1, n_rows * 512), dtype=torch.float32, device=dev),
+            torch.empty(max(1, n_rows * 2), dtype=torch.float32, device=dev))
+
+
+def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, out_scale, pdl,
+             interp):
+    """Merge the splits of tokens [t0, t1) (partial rows numbered from t0) into out / lse /
+    max logits."""
+    _combine_kernel[(t1 - t0, H)](
+        part_o, part_ml, n_splits, t0, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         max_logits if max_logits is not None else part_ml,

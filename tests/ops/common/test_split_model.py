@@ -1,7 +1,7 @@
 """The split-count cost model of the sparse-attention launch (pure Python, no kernel)."""
 import pytest
 
-from sparse_mla.ops.common.sparse_attention_triton import choose_splits
+from sparse_mla.ops.common.sparse_attention_triton import choose_splits, plan_phases
 
 
 @pytest.mark.parametrize("units,tiles,want", [
@@ -25,3 +25,31 @@ def test_choose_splits_is_the_cheapest_and_in_range(units, tiles):
     assert 1 <= got <= tiles
     assert cost(got) == min(cost(s) for s in range(1, tiles + 1))
     assert all(cost(s) > cost(got) for s in range(1, got))   # ties go to fewer splits
+
+
+@pytest.mark.parametrize("T,n_hb,tiles,want", [
+    # 148 units of 18 tiles: 132 unsplit, then 16 in 6 splits (cost 36 vs 42 in one launch)
+    (74, 2, 18, [(0, 66, 1), (66, 74, 6)]),
+    (148, 2, 18, [(0, 132, 1), (132, 148, 4)]),
+    (128, 2, 18, [(0, 128, 1)]),     # 256 units: two nearly full waves, one launch
+    (64, 2, 18, [(0, 64, 1)]),       # one wave
+    (2, 2, 18, [(0, 2, 18)]),        # tiny: split only
+    (148, 1, 10, [(0, 132, 1), (132, 148, 5)]),
+])
+def test_plan_phases_examples(T, n_hb, tiles, want):
+    assert plan_phases(T, n_hb, tiles, 132, 5) == want
+
+
+@pytest.mark.parametrize("T", [1, 2, 37, 66, 67, 74, 131, 132, 133, 148, 256, 296, 1000])
+@pytest.mark.parametrize("n_hb", [1, 2])
+@pytest.mark.parametrize("tiles", [1, 3, 10, 18, 34])
+def test_plan_phases_cover_every_token_once(T, n_hb, tiles):
+    """Phases are contiguous token ranges covering [0, T); a two-launch plan's first launch is
+    unsplit and fills whole waves, its second is split and cheaper than one launch."""
+    phases = plan_phases(T, n_hb, tiles, 132, 5)
+    assert phases[0][0] == 0 and phases[-1][1] == T
+    assert all(a[1] == b[0] for a, b in zip(phases, phases[1:]))
+    assert all(1 <= s <= tiles for _, _, s in phases)
+    if len(phases) == 2:
+        (t0, t1, s1), (_, _, s2) = phases
+        assert s1 == 1 and s2 > 1 and (t1 - t0) * n_hb % 132 == 0

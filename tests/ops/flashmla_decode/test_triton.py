@@ -191,6 +191,52 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h", [128, 72])
+@pytest.mark.parametrize("n_splits", [1, 3, 7])
+def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, monkeypatch):
+    """V4 rows at 65-128 heads run as 2-CTA clusters, each CTA dequantizing half of every
+    tile for both: on poisoned caches, ragged lengths (some splits empty) and a head count
+    that leaves most of the second block masked, the output must agree with the reference
+    and be bit-identical to one CTA per head block (the same arithmetic)."""
+    from sparse_mla.ops.common import sparse_attention_gluon as g
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    a = decode_case("cuda", b=5, s_q=2, h=h, bs=64, topk=192, extra_bs=64, extra_topk=512,
+                    seed=h + n_splits)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == "_ws_kernel"
+    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 2       # launched as clusters of two
+    check_decode(ref, got)
+    monkeypatch.setattr(g, "CLUSTER_V4", False)
+    one = _run_decode(a, "triton")
+    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 1
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h,cluster", [(128, True), (128, False), (64, False)])
+@pytest.mark.parametrize("pdl", [True, False])
+def test_two_launch_plan_matches_reference(h, cluster, pdl, monkeypatch):
+    """``plan_phases``' two launches: the first tokens one program per unit (the kernel's own
+    epilogue), the rest split, their partial rows numbered from their first token and merged
+    by a combine launch for those tokens only; with and without clusters and PDL."""
+    from sparse_mla.ops.common import sparse_attention_gluon as g
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    monkeypatch.setattr(core, "PDL", pdl)
+    monkeypatch.setattr(g, "CLUSTER_V4", cluster)
+    monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
+    a = decode_case("cuda", b=5, s_q=2, h=h, bs=64, topk=192, extra_bs=64, extra_topk=512,
+                    seed=h + pdl)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED
+    check_decode(ref, got)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("pad_bytes,kernel", [(0, "_ws_kernel"), (16, "_ws_kernel"),
                                               (4, "_split_kernel"), (8, "_split_kernel")])
 def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
