@@ -363,14 +363,19 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, kernel, pdl, monkeypatch)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("n_splits", [1, 2])
+@pytest.mark.parametrize("n_splits", [1, 2, "two launches"])
 def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch):
     """Prefill through the sm_90 kernel with one split (it writes out, lse and max logits
-    itself, sink applied) and with two (partials + combine kernel); a query without keys,
-    ±inf sinks, out-of-range indices, NaN rows past s_kv."""
+    itself, sink applied), with two (partials + combine kernel), and as ``plan_phases``' two
+    launches (both epilogues in one call); a query without keys, ±inf sinks, out-of-range
+    indices, NaN rows past s_kv."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "SMALL_UNITS", -1)
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    if n_splits == "two launches":
+        monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
+        n_splits = 3
+    else:
+        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
     a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
     a["topk_length"][1] = 0
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
