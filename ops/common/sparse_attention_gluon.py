@@ -67,6 +67,7 @@ FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest 
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
                      # cluster and each CTA dequantizes half of every tile (``_send_half``)
+CLUSTER_V32 = True   # the same for V3.2 rows
 
 # --- 2-CTA clusters (V4 rows, two head blocks of one token) ---------------------------------
 # Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
@@ -83,29 +84,40 @@ _PAIR_SUB = 32                          # rows per CTA per tile
 PAIR_SUB = gl.constexpr(_PAIR_SUB)
 PANEL = 64 * 128                        # one 64-column panel of a [64, 512] stage (128 B rows)
 PAIR_TX = gl.constexpr(8 * _PAIR_SUB * 128 + _PAIR_SUB * 4)   # the peer's half: panels + bias
-_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_BIAS": "bias_bufs",
+PAIR_TX_ROPE = gl.constexpr(PAIR_TX.value + _PAIR_SUB * 128)    # and its RoPE panel (V3.2)
+_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_KR": "kr_bufs", "SMLA_OFF_BIAS": "bias_bufs",
                  "SMLA_OFF_READY": "ready", "SMLA_OFF_PEER_FREE": "peer_free"}
-# $1 thread id (thread 0 issues), $2 this CTA's half of stage st in k_bufs (byte offset),
-# $3 its bias slots, $4 st * 8 (ready[st]), $5 the peer's rank
-_SEND_HALF = gl.constexpr("""{
+
+
+def _send_half_ptx(rope: bool) -> str:
+    """PTX of ``_send_half``: $1 thread id (thread 0 issues), $2 this CTA's half of stage st
+    in k_bufs (byte offset), $3 its bias slots, $4 st * 8 (ready[st]), $5 the peer's rank,
+    and where ``rope`` $6 its half of kr_bufs' stage st."""
+    def copy(buf, off, nbytes):
+        return f"""
+    add.u32 src, base, {buf};
+    add.u32 src, src, {off};
+    mapa.shared::cluster.u32 dst, src, $5;
+    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {nbytes}, [rbar];"""
+    body = "".join(copy("SMLA_OFF_K", f"$2;\n    add.u32 src, src, {j * PANEL}", _PAIR_SUB * 128)
+                   for j in range(8))
+    body += copy("SMLA_OFF_BIAS", "$3", _PAIR_SUB * 4)
+    if rope:
+        body += copy("SMLA_OFF_KR", "$6", _PAIR_SUB * 128)
+    return """{
     .reg .u32 base, bar, rbar, src, dst;
     .reg .pred leader;
     setp.eq.u32 leader, $1, 0;
     mov.u32 base, global_smem;
     add.u32 bar, base, SMLA_OFF_READY;
     add.u32 bar, bar, $4;
-    mapa.shared::cluster.u32 rbar, bar, $5;""" + "".join(f"""
-    add.u32 src, base, SMLA_OFF_K;
-    add.u32 src, src, $2;
-    add.u32 src, src, {j * PANEL};
-    mapa.shared::cluster.u32 dst, src, $5;
-    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 128}, [rbar];""" for j in range(8)) + f"""
-    add.u32 src, base, SMLA_OFF_BIAS;
-    add.u32 src, src, $3;
-    mapa.shared::cluster.u32 dst, src, $5;
-    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 4}, [rbar];
+    mapa.shared::cluster.u32 rbar, bar, $5;""" + body + """
     mov.b32 $0, 0;
-    }}""")
+    }"""
+
+
+_SEND_HALF = gl.constexpr(_send_half_ptx(False))
+_SEND_HALF_ROPE = gl.constexpr(_send_half_ptx(True))
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
@@ -198,10 +210,11 @@ def _shared_offsets(text, context, options, backend, capability):
     pm.run(mod, "sparse_mla_shared_offsets")
     found = dict(re.findall(r"%(\w+) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}",
                             str(mod)))
-    missing = [n for n in _OFFSET_NAMES.values() if n not in found]
+    wanted = {k: _OFFSET_NAMES[k] for k in set(re.findall(r"SMLA_OFF_[A-Z_]+", text))}
+    missing = [n for n in wanted.values() if n not in found]
     if missing:
         raise RuntimeError(f"cluster kernel: no shared-memory offset found for {missing}")
-    return {k: int(found[n]) for k, n in _OFFSET_NAMES.items()}
+    return {k: int(found[n]) for k, n in wanted.items()}
 
 
 _previous_hook = knobs.runtime.add_stages_inspection_hook
@@ -231,7 +244,12 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              SUB: gl.constexpr, rank, CLUSTER: gl.constexpr):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
-    if STAGED:
+    if CLUSTER and FMT == 1:
+        _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo, hi,
+                          n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
+                          i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
+                          STAGES, P_WARPS, MODE, rank)
+    elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t, lo,
                     hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
@@ -281,25 +299,11 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
             # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
             # dims. The RoPE dims need no decoding: copied asynchronously into their own stage
             # while the 512 latent dims are dequantized (and 16 registers lighter than a load)
-            rec = cache + blk * s0 + off * 656
-            v2 = valid[:, None]
-            x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, v2, cb)
-            scales = (rec + 512).to(gl.pointer_type(gl.float32))
-            sa = gl.load(scales, mask=valid, other=0.0)
-            sb = gl.load(scales + 1, mask=valid, other=0.0)
-            sc = gl.load(scales + 2, mask=valid, other=0.0)
-            sd = gl.load(scales + 3, mask=valid, other=0.0)
+            rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
+                cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            async_copy.async_copy_global_to_shared(
-                kr_bufs.index(st), (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None]
-                + cb[None, :], mask=v2)
-            async_copy.commit_group()
-            if MODE != 3:
-                _store_v32(kb, 0, x0, x1, sa)
-                _store_v32(kb, 1, x2, x3, sb)
-                _store_v32(kb, 2, x4, x5, sc)
-                _store_v32(kb, 3, x6, x7, sd)
-            async_copy.wait_group(0)
+            _store_v32_rows(kb, kr_bufs.index(st), rec, valid, cb, x0, x1, x2, x3, x4, x5, x6,
+                            x7, sa, sb, sc, sd, MODE)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage, and
             # the producer moves on without waiting for them (see the cp.async note below)
@@ -422,11 +426,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         if CLUSTER:
             # this CTA's half to the peer (completing there), then arrive here expecting the
             # peer's half: ready[st] completes once both halves are in this CTA's stage
-            gl.inline_asm_elementwise(
-                _SEND_HALF, "=r,r,r,r,r,r",
-                [tid, tid * 0 + (st * (BN * 1024) + rank * (SUB * 128)),
-                 tid * 0 + (st * (BN * 4) + rank * (SUB * 4)), tid * 0 + st * 8,
-                 tid * 0 + (1 - rank)], dtype=gl.int32, is_pure=False, pack=1)
+            _send_half(st, rank, tid, BN, SUB, False)
             mbarrier.expect(ready.index(st), PAIR_TX)
         else:
             mbarrier.arrive(ready.index(st))
@@ -607,6 +607,110 @@ def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc):
     kb.slice(320, 64, dim=1).store(_dequant(x5, sc, 5))
     kb.slice(384, 64, dim=1).store(_dequant(x6, sc, 6))
     kb.slice(448, 64, dim=1).store(rope)
+
+
+@gluon.jit
+def _gather_v32(cache, s0, bs, idx, valid, cb):
+    """Issue the loads of V3.2 records (rows with an unusable slot id load nothing): the 512
+    e4m3 bytes as eight [rows, 64] byte tiles and the four fp32 scales; returns the records'
+    addresses too (their RoPE dims are copied later)."""
+    blk = (idx // bs).to(gl.int64)
+    off = (idx % bs).to(gl.int64)
+    rec = cache + blk * s0 + off * 656
+    x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, valid[:, None], cb)
+    scales = (rec + 512).to(gl.pointer_type(gl.float32))
+    sa = gl.load(scales, mask=valid, other=0.0)
+    sb = gl.load(scales + 1, mask=valid, other=0.0)
+    sc = gl.load(scales + 2, mask=valid, other=0.0)
+    sd = gl.load(scales + 3, mask=valid, other=0.0)
+    return rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd
+
+
+@gluon.jit
+def _store_v32_rows(kb, krb, rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
+                    MODE: gl.constexpr):
+    """Gathered V3.2 rows into a stage's rows (``kb``: latent dims, ``krb``: RoPE dims). The
+    RoPE dims need no decoding: copied asynchronously while the latent dims are dequantized
+    (and 16 registers lighter than a load); waited for before returning."""
+    async_copy.async_copy_global_to_shared(
+        krb, (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
+        mask=valid[:, None])
+    async_copy.commit_group()
+    if MODE != 3:
+        _store_v32(kb, 0, x0, x1, sa)
+        _store_v32(kb, 1, x2, x3, sb)
+        _store_v32(kb, 2, x4, x5, sc)
+        _store_v32(kb, 3, x6, x7, sd)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo, hi, n_tiles,
+                      n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
+                      STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr, rank):
+    """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile
+    (slot ids a tile ahead, records gathered into registers before the stage is free, as
+    ``_produce_tiles`` does), stored here and copied into the peer's stage with its RoPE
+    dims and bias."""
+    LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
+    rows_b: gl.constexpr = gl.SliceLayout(1, LB)
+    cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    SUB: gl.constexpr = PAIR_SUB
+    gl.static_assert(BN == 2 * PAIR_SUB)
+    tid = gl.arange(0, 32 * P_WARPS, layout=gl.BlockedLayout([1], [32], [P_WARPS], [0]))
+    first = lo + rank * SUB
+    _cluster_sync(tid, _CLUSTER_ARRIVE)
+    idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    _cluster_sync(tid, _CLUSTER_WAIT)
+    for i in range(n_tiles):
+        st = i % STAGES
+        c = first + i * BN
+        idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                          rows_b)
+        cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                             c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
+        valid = _usable(idx, cap, MODE)
+        rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
+            cache, s0, bs, idx, valid, cb)
+        _pair_handoff(empty, peer_free, i, rank, STAGES)
+        bias = gl.where(valid, 0.0, float("-inf"))
+        if rank == 0:     # static slice starts: one branch per rank
+            _store_v32_rows(k_bufs.index(st).slice(0, SUB), kr_bufs.index(st).slice(0, SUB),
+                            rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
+                            MODE)
+            bias_bufs.index(st).slice(0, SUB).store(bias)
+        else:
+            _store_v32_rows(k_bufs.index(st).slice(SUB, SUB),
+                            kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb, x0, x1, x2,
+                            x3, x4, x5, x6, x7, sa, sb, sc, sd, MODE)
+            bias_bufs.index(st).slice(SUB, SUB).store(bias)
+        fence_async_shared()
+        gl.thread_barrier()
+        _send_half(st, rank, tid, BN, SUB, True)
+        mbarrier.expect(ready.index(st), PAIR_TX_ROPE)
+        idx = idx_next
+    for s in gl.static_range(STAGES):
+        _pair_handoff(empty, peer_free, n_tiles + s, rank, STAGES)
+
+
+@gluon.jit
+def _send_half(st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, ROPE: gl.constexpr):
+    """This CTA's half of stage ``st`` (latent dims, bias and for 576-wide rows the RoPE
+    dims) into the peer's, completing on the peer's ready[st] (thread 0 issues)."""
+    zero = tid * 0
+    k_off = zero + (st * (BN * 1024) + rank * (SUB * 128))
+    b_off = zero + (st * (BN * 4) + rank * (SUB * 4))
+    if ROPE:
+        gl.inline_asm_elementwise(
+            _SEND_HALF_ROPE, "=r,r,r,r,r,r,r",
+            [tid, k_off, b_off, zero + st * 8, zero + (1 - rank),
+             zero + (st * (BN * 128) + rank * (SUB * 128))],
+            dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(
+            _SEND_HALF, "=r,r,r,r,r,r", [tid, k_off, b_off, zero + st * 8, zero + (1 - rank)],
+            dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -823,7 +927,7 @@ def _ws_kernel(
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     gl.static_assert(not STAGED or FMT == 0)
-    gl.static_assert(not CLUSTER or (STAGED and N_UNITS == 2))   # rank = head block
+    gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()

@@ -193,32 +193,34 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("n_splits", [1, 3, 7])
-def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, monkeypatch):
-    """V4 rows at 65-128 heads run as 2-CTA clusters, each CTA dequantizing half of every
-    tile for both: on poisoned caches, ragged lengths (some splits empty) and a head count
-    that leaves most of the second block masked, the output must agree with the reference
-    and be bit-identical to one CTA per head block (the same arithmetic)."""
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeypatch):
+    """V4 and V3.2 rows at 65-128 heads run as 2-CTA clusters, each CTA dequantizing half of
+    every tile for both: on poisoned caches, ragged lengths (some splits empty) and a head
+    count that leaves most of the second block masked, the output must agree with the
+    reference and be bit-identical to one CTA per head block (the same arithmetic)."""
     from sparse_mla.ops.common import sparse_attention_gluon as g
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "SMALL_UNITS", -1)
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
-    a = decode_case("cuda", b=5, s_q=2, h=h, bs=64, topk=192, extra_bs=64, extra_topk=512,
-                    seed=h + n_splits)
+    a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
     assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
-    monkeypatch.setattr(g, "CLUSTER_V4", False)
+    monkeypatch.setattr(g, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
     one = _run_decode(a, "triton")
     assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("h,cluster", [(128, True), (128, False), (64, False)])
+@pytest.mark.parametrize("h,cluster,fmt", [(128, True, "v4"), (128, False, "v4"),
+                                           (64, False, "v4"), (128, True, "v32")])
 @pytest.mark.parametrize("pdl", [True, False])
-def test_two_launch_plan_matches_reference(h, cluster, pdl, monkeypatch):
+def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
     """``plan_phases``' two launches: the first tokens one program per unit (the kernel's own
     epilogue), the rest split, their partial rows numbered from their first token and merged
     by a combine launch for those tokens only; with and without clusters and PDL."""
@@ -227,9 +229,10 @@ def test_two_launch_plan_matches_reference(h, cluster, pdl, monkeypatch):
     monkeypatch.setattr(core, "SMALL_UNITS", -1)
     monkeypatch.setattr(core, "PDL", pdl)
     monkeypatch.setattr(g, "CLUSTER_V4", cluster)
+    monkeypatch.setattr(g, "CLUSTER_V32", cluster)
     monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
-    a = decode_case("cuda", b=5, s_q=2, h=h, bs=64, topk=192, extra_bs=64, extra_topk=512,
-                    seed=h + pdl)
+    a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + pdl)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED
