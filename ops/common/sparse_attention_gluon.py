@@ -17,9 +17,9 @@ in each warp:
   are copied with cp.async, never passing through registers. 576-wide keys (V3.2, 576-wide
   plain rows) put their last 64 dims, which score but are not values, in a [BLOCK_N, 64]
   stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes;
-* at 65-128 heads over the V4 cache (``CLUSTER``) the token's two head blocks run as a
-  2-CTA cluster: each producer dequantizes half of every tile and copies it into its peer's
-  stage as well (see "2-CTA clusters" below);
+* at 65-128 heads over the V4 or V3.2 cache (``CLUSTER``) the token's two head blocks run
+  as a 2-CTA cluster: each producer dequantizes half of every tile and copies it into its
+  peer's stage as well (see "2-CTA clusters" below);
 * two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring,
   split as FlashMLA's sm_90 decode kernel splits them: ``_lead`` computes the whole score
   tile, the softmax and p·v for output dims [0, 256); ``_follow`` does p·v for [256, 512)
@@ -69,7 +69,7 @@ CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run 
                      # cluster and each CTA dequantizes half of every tile (``_send_half``)
 CLUSTER_V32 = True   # the same for V3.2 rows
 
-# --- 2-CTA clusters (V4 rows, two head blocks of one token) ---------------------------------
+# --- 2-CTA clusters (V4 / V3.2 rows, two head blocks of one token) --------------------------
 # Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
 # one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
 # in its own stage and copies it into the peer's with ``cp.async.bulk`` shared::cta ->

@@ -18,8 +18,8 @@ block; the combine kernel is shared
 (launched with programmatic dependent launch on sm_90+), and when a launch has one split per
 token the Gluon kernel writes out / lse / max logits itself. Where one launch would leave
 its last wave mostly idle, ``plan_phases`` makes two: the tokens filling whole waves
-unsplit, then the rest split (``t0``: the launch's first token). V4 rows at 65-128 heads
-run as 2-CTA clusters, each CTA dequantizing half of every tile for both.
+unsplit, then the rest split (``t0``: the launch's first token). V4 and V3.2 rows at 65-128
+heads run as 2-CTA clusters, each CTA dequantizing half of every tile for both.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 operands is wrong (triton#11584), so
 interpreted launches feed the dots fp32 operands (``DOT_F32``); compiled launches use bf16, or
