@@ -234,6 +234,18 @@ def cluster_launchable(kernel):
     return kernel
 
 
+def launch_clusters(fn, grid, args, kwargs):
+    """Launch ``fn`` (``_ws_kernel`` with ``CLUSTER``) over ``grid`` as 2-CTA clusters, with
+    one pass through Triton's argument binding: ``warmup`` finds (or compiles) the kernel,
+    which is made cluster-launchable before its first launch and then launched directly with
+    every parameter in signature order (constexprs included, as the launcher takes them).
+    Returns the compiled kernel."""
+    kernel = cluster_launchable(fn.warmup(*args, grid=grid, **kwargs))
+    params = list(args) + [kwargs[name] for name in fn.arg_names[len(args):]]
+    kernel[(grid[0] // 2, grid[1], 1)](*params)
+    return kernel
+
+
 @gluon.jit
 def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
              lo, hi,
@@ -372,7 +384,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     STEP: gl.constexpr = BN if CLUSTER else SUB
     gl.static_assert(not CLUSTER or (BN == 2 * PAIR_SUB and SUB == PAIR_SUB))
     if CLUSTER:
-        tid = gl.arange(0, 32 * P_WARPS, layout=gl.BlockedLayout([1], [32], [P_WARPS], [0]))
+        tid = _thread_ids(P_WARPS)
         first = lo + rank * SUB
         _cluster_sync(tid, _CLUSTER_ARRIVE)
     else:
@@ -406,7 +418,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                          rows_b)
             if h == 0:
                 if CLUSTER:
-                    _pair_handoff(empty, peer_free, i, rank, STAGES)
+                    _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
                 else:
                     mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if CLUSTER:     # static slice starts: one branch per rank
@@ -424,10 +436,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         fence_async_shared()
         gl.thread_barrier()
         if CLUSTER:
-            # this CTA's half to the peer (completing there), then arrive here expecting the
-            # peer's half: ready[st] completes once both halves are in this CTA's stage
-            _send_half(st, rank, tid, BN, SUB, False)
-            mbarrier.expect(ready.index(st), PAIR_TX)
+            _send_half(ready, st, rank, tid, BN, SUB, False)
         else:
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
@@ -436,11 +445,11 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         # while the peer may still arrive here or its copy may still read this CTA's last
         # halves (the peer's consumers are done with them once it has handed them back)
         for s in gl.static_range(STAGES):
-            _pair_handoff(empty, peer_free, n_tiles + s, rank, STAGES)
+            _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
 
 
 @gluon.jit
-def _pair_handoff(empty, peer_free, i, rank, STAGES: gl.constexpr):
+def _pair_handoff(empty, peer_free, i, rank, tid, STAGES: gl.constexpr):
     """Before tile ``i`` is written into stage i % STAGES of both CTAs: wait until this CTA's
     consumers have released the stage, tell the peer's producer so (a remote arrive on its
     ``peer_free``; a stage's first use needs no release), and wait for the peer's word that
@@ -450,7 +459,6 @@ def _pair_handoff(empty, peer_free, i, rank, STAGES: gl.constexpr):
     phase = ((i // STAGES) & 1) ^ 1
     mbarrier.wait(empty.index(st), phase)
     if i >= STAGES:
-        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
         gl.inline_asm_elementwise(_REMOTE_ARRIVE, "=r,r,r,r", [tid, tid * 0 + st * 8,
                                                                 tid * 0 + (1 - rank)],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -464,6 +472,13 @@ def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, s
     if MODE != 3:
         _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _thread_ids(WARPS: gl.constexpr):
+    """0 .. 32·WARPS - 1, one per thread of the calling partition: the operand that lets
+    inline PTX run once per thread and elect thread 0."""
+    return gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
 
 
 @gluon.jit
@@ -658,7 +673,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
     SUB: gl.constexpr = PAIR_SUB
     gl.static_assert(BN == 2 * PAIR_SUB)
-    tid = gl.arange(0, 32 * P_WARPS, layout=gl.BlockedLayout([1], [32], [P_WARPS], [0]))
+    tid = _thread_ids(P_WARPS)
     first = lo + rank * SUB
     _cluster_sync(tid, _CLUSTER_ARRIVE)
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
@@ -673,7 +688,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         valid = _usable(idx, cap, MODE)
         rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
             cache, s0, bs, idx, valid, cb)
-        _pair_handoff(empty, peer_free, i, rank, STAGES)
+        _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         if rank == 0:     # static slice starts: one branch per rank
             _store_v32_rows(k_bufs.index(st).slice(0, SUB), kr_bufs.index(st).slice(0, SUB),
@@ -687,17 +702,18 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(st, rank, tid, BN, SUB, True)
-        mbarrier.expect(ready.index(st), PAIR_TX_ROPE)
+        _send_half(ready, st, rank, tid, BN, SUB, True)
         idx = idx_next
     for s in gl.static_range(STAGES):
-        _pair_handoff(empty, peer_free, n_tiles + s, rank, STAGES)
+        _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
 
 
 @gluon.jit
-def _send_half(st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, ROPE: gl.constexpr):
+def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, ROPE: gl.constexpr):
     """This CTA's half of stage ``st`` (latent dims, bias and for 576-wide rows the RoPE
-    dims) into the peer's, completing on the peer's ready[st] (thread 0 issues)."""
+    dims) into the peer's, completing on the peer's ready[st] (thread 0 issues); then this
+    CTA's arrive on its own ready[st], expecting the peer's half: it completes once both
+    halves are in this CTA's stage."""
     zero = tid * 0
     k_off = zero + (st * (BN * 1024) + rank * (SUB * 128))
     b_off = zero + (st * (BN * 4) + rank * (SUB * 4))
@@ -707,10 +723,12 @@ def _send_half(st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, ROPE: gl.cons
             [tid, k_off, b_off, zero + st * 8, zero + (1 - rank),
              zero + (st * (BN * 128) + rank * (SUB * 128))],
             dtype=gl.int32, is_pure=False, pack=1)
+        mbarrier.expect(ready.index(st), PAIR_TX_ROPE)
     else:
         gl.inline_asm_elementwise(
             _SEND_HALF, "=r,r,r,r,r,r", [tid, k_off, b_off, zero + st * 8, zero + (1 - rank)],
             dtype=gl.int32, is_pure=False, pack=1)
+        mbarrier.expect(ready.index(st), PAIR_TX)
 
 
 @gluon.jit
@@ -751,7 +769,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     # q is loaded here, not before the partitions start, so the producer's first gather does
     # not wait behind it (H200, one program: docs/PERF.md session 7).
     if CLUSTER:
-        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE_INIT)
     _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
     if CLUSTER:
@@ -862,7 +880,7 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     acc = gl.zeros([HEADS, 256], gl.float32, O_L)
     if CLUSTER:
-        tid = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE)
         _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):

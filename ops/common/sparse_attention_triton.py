@@ -97,10 +97,17 @@ def choose_splits(units, tiles, sms, overhead):
     (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic)."""
     best, best_cost = 1, None
     for s in range(1, max(1, tiles) + 1):
-        cost = triton.cdiv(units * s, sms) * (triton.cdiv(tiles, s) + overhead)
+        cost = wave_cost(units, s, tiles, sms, overhead)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+def wave_cost(units, splits, tiles, sms, overhead):
+    """The model's makespan (in tiles) of ``units`` units of ``tiles`` tiles cut into
+    ``splits`` programs each: waves of ``sms`` programs, each costing its tiles plus
+    ``overhead``."""
+    return triton.cdiv(units * splits, sms) * (triton.cdiv(tiles, splits) + overhead)
 
 
 def _sm_count(device):
@@ -530,8 +537,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4,
         launch_pdl=pdl)
     if cluster:
-        g.cluster_launchable(g._ws_kernel.warmup(*args, grid=grid, **kwargs))
-        grid = (grid[0] // 2, grid[1])
+        return g.launch_clusters(g._ws_kernel, grid, args, kwargs)
     return g._ws_kernel[grid](*args, **kwargs)
 
 
@@ -678,17 +684,15 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
     unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36."""
     units = T * n_hb
     s = choose_splits(units, tiles, sms, overhead)
-    best = [(0, T, s)]
-    best_cost = triton.cdiv(units * s, sms) * (triton.cdiv(tiles, s) + overhead)
     full = units // sms * sms // n_hb       # tokens whose units fill whole waves
     if 0 < full < T:
         rest = (T - full) * n_hb
         s_rest = choose_splits(rest, tiles, sms, overhead)
-        cost = (triton.cdiv(full * n_hb, sms) * (tiles + overhead) + overhead
-                + triton.cdiv(rest * s_rest, sms) * (triton.cdiv(tiles, s_rest) + overhead))
-        if s_rest > 1 and cost < best_cost:
-            best = [(0, full, 1), (full, T, s_rest)]
-    return best
+        cost = (wave_cost(full * n_hb, 1, tiles, sms, overhead) + overhead
+                + wave_cost(rest, s_rest, tiles, sms, overhead))
+        if s_rest > 1 and cost < wave_cost(units, s, tiles, sms, overhead):
+            return [(0, full, 1), (full, T, s_rest)]
+    return [(0, T, s)]
 
 
 def _partials(n_rows, dev):
