@@ -642,14 +642,21 @@ def _gather_v32(cache, s0, bs, idx, valid, cb):
 
 
 @gluon.jit
+def _rope_v32(krb, rec, valid, cb):
+    """Start the copy of V3.2 rows' RoPE dims (bf16, no decoding) into ``krb``."""
+    async_copy.async_copy_global_to_shared(
+        krb, (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
+        mask=valid[:, None])
+
+
+@gluon.jit
 def _store_v32_rows(kb, krb, rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
                     MODE: gl.constexpr):
     """Gathered V3.2 rows into a stage's rows (``kb``: latent dims, ``krb``: RoPE dims). The
     RoPE dims need no decoding: copied asynchronously while the latent dims are dequantized
-    (and 16 registers lighter than a load); waited for before returning."""
-    async_copy.async_copy_global_to_shared(
-        krb, (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
-        mask=valid[:, None])
+    (and 16 registers lighter than a load); waited for (with any copy the caller started
+    before) before returning."""
+    _rope_v32(krb, rec, valid, cb)
     async_copy.commit_group()
     if MODE != 3:
         _store_v32(kb, 0, x0, x1, sa)
@@ -666,8 +673,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
                       STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr, rank):
     """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile
     (slot ids a tile ahead, records gathered into registers before the stage is free, as
-    ``_produce_tiles`` does), stored here and copied into the peer's stage with its RoPE
-    dims and bias."""
+    ``_produce_tiles`` does), stored here and copied into the peer's stage with its bias.
+    The RoPE dims of the peer's half are copied here from the cache, like this CTA's own:
+    they need no decoding, and the cluster copies are the dearer path (a 4 KB copy a tile
+    less, PERF.md session 13)."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -675,35 +684,46 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
     gl.static_assert(BN == 2 * PAIR_SUB)
     tid = _thread_ids(P_WARPS)
     first = lo + rank * SUB
+    other = lo + (1 - rank) * SUB       # the peer's half: only its RoPE dims are copied here
     _cluster_sync(tid, _CLUSTER_ARRIVE)
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):
         st = i % STAGES
         c = first + i * BN
         idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                           rows_b)
+        c_o = other + i * BN
+        idx_o_next = _slots(c_o + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                            rows_b)
+        # both halves of a tile come from one source (source 0's columns are padded to BN)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
         rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
             cache, s0, bs, idx, valid, cb)
+        valid_o = _usable(idx_o, cap, MODE)
+        rec_o = cache + (idx_o // bs).to(gl.int64) * s0 + (idx_o % bs).to(gl.int64) * 656
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         if rank == 0:     # static slice starts: one branch per rank
+            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
             _store_v32_rows(k_bufs.index(st).slice(0, SUB), kr_bufs.index(st).slice(0, SUB),
                             rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
                             MODE)
             bias_bufs.index(st).slice(0, SUB).store(bias)
         else:
+            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
             _store_v32_rows(k_bufs.index(st).slice(SUB, SUB),
                             kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb, x0, x1, x2,
                             x3, x4, x5, x6, x7, sa, sb, sc, sd, MODE)
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, True)
+        _send_half(ready, st, rank, tid, BN, SUB, False)
         idx = idx_next
+        idx_o = idx_o_next
     for s in gl.static_range(STAGES):
         _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
 
