@@ -72,8 +72,10 @@ CLUSTER_V32 = True   # the same for V3.2 rows
 # --- 2-CTA clusters (V4 / V3.2 rows, two head blocks of one token) --------------------------
 # Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
 # one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
-# in its own stage and copies it into the peer's with ``cp.async.bulk`` shared::cta ->
-# shared::cluster, completing bytes on the peer's ``ready``. Since either producer writes both
+# in its own stage and copies its dequantized panels into the peer's with ``cp.async.bulk``
+# shared::cta -> shared::cluster, completing bytes on the peer's ``ready``. The copies cost
+# by the byte (PERF.md session 13), so what needs no decoding (the RoPE dims) and the bias
+# each CTA writes for the peer's rows itself. Since either producer writes both
 # CTAs' stages, the producers hand each released stage over to each other (``_pair_handoff``).
 # FlashMLA's sm_90 kernel splits its h128 dequantization the same way. Gluon (Triton 3.6) has
 # no API for any of it: the kernel is compiled as an ordinary one-CTA kernel and launched as
@@ -83,41 +85,37 @@ CLUSTER_V32 = True   # the same for V3.2 rows
 _PAIR_SUB = 32                          # rows per CTA per tile
 PAIR_SUB = gl.constexpr(_PAIR_SUB)
 PANEL = 64 * 128                        # one 64-column panel of a [64, 512] stage (128 B rows)
-PAIR_TX = gl.constexpr(8 * _PAIR_SUB * 128 + _PAIR_SUB * 4)   # the peer's half: panels + bias
-PAIR_TX_ROPE = gl.constexpr(PAIR_TX.value + _PAIR_SUB * 128)    # and its RoPE panel (V3.2)
-_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_KR": "kr_bufs", "SMLA_OFF_BIAS": "bias_bufs",
-                 "SMLA_OFF_READY": "ready", "SMLA_OFF_PEER_FREE": "peer_free"}
+PANEL_TX = gl.constexpr(_PAIR_SUB * 128)  # bytes of one panel of the peer's half
+_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
+                 "SMLA_OFF_PEER_FREE": "peer_free"}
 
 
-def _send_half_ptx(rope: bool) -> str:
+def _send_half_ptx(panels: int) -> str:
     """PTX of ``_send_half``: $1 thread id (thread 0 issues), $2 this CTA's half of stage st
-    in k_bufs (byte offset), $3 its bias slots, $4 st * 8 (ready[st]), $5 the peer's rank,
-    and where ``rope`` $6 its half of kr_bufs' stage st."""
-    def copy(buf, off, nbytes):
+    in k_bufs (byte offset), $3 st * 8 (ready[st]), $4 the peer's rank; the first ``panels``
+    64-dim panels of the half are copied."""
+    def copy(j):
         return f"""
-    add.u32 src, base, {buf};
-    add.u32 src, src, {off};
-    mapa.shared::cluster.u32 dst, src, $5;
-    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {nbytes}, [rbar];"""
-    body = "".join(copy("SMLA_OFF_K", f"$2;\n    add.u32 src, src, {j * PANEL}", _PAIR_SUB * 128)
-                   for j in range(8))
-    body += copy("SMLA_OFF_BIAS", "$3", _PAIR_SUB * 4)
-    if rope:
-        body += copy("SMLA_OFF_KR", "$6", _PAIR_SUB * 128)
+    add.u32 src, base, SMLA_OFF_K;
+    add.u32 src, src, $2;
+    add.u32 src, src, {j * PANEL};
+    mapa.shared::cluster.u32 dst, src, $4;
+    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 128}, [rbar];"""
+    body = "".join(copy(j) for j in range(panels))
     return """{
     .reg .u32 base, bar, rbar, src, dst;
     .reg .pred leader;
     setp.eq.u32 leader, $1, 0;
     mov.u32 base, global_smem;
     add.u32 bar, base, SMLA_OFF_READY;
-    add.u32 bar, bar, $4;
-    mapa.shared::cluster.u32 rbar, bar, $5;""" + body + """
+    add.u32 bar, bar, $3;
+    mapa.shared::cluster.u32 rbar, bar, $4;""" + body + """
     mov.b32 $0, 0;
     }"""
 
 
-_SEND_HALF = gl.constexpr(_send_half_ptx(False))
-_SEND_HALF_ROPE = gl.constexpr(_send_half_ptx(True))
+_SEND_7 = gl.constexpr(_send_half_ptx(7))     # V4: its RoPE panel is copied from the cache
+_SEND_8 = gl.constexpr(_send_half_ptx(8))     # V3.2: all eight latent panels
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
@@ -189,8 +187,8 @@ def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
 
 
 def _shared_offsets(text, context, options, backend, capability):
-    """The allocator's byte offsets (from ``global_smem``) of the buffers ``_SEND_HALF`` and
-    ``_REMOTE_ARRIVE`` address, keyed by their placeholders: a copy of the TTGIR module is run
+    """The allocator's byte offsets (from ``global_smem``) of the buffers ``_send_half_ptx``
+    and ``_REMOTE_ARRIVE`` address, keyed by their placeholders: a copy of the TTGIR module is run
     through the passes ``make_llir`` runs up to and including shared-memory allocation (the
     same deterministic allocation), and each buffer is found by its SSA name."""
     import tempfile
@@ -386,15 +384,23 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     if CLUSTER:
         tid = _thread_ids(P_WARPS)
         first = lo + rank * SUB
+        other = lo + (1 - rank) * SUB   # the peer's half: only its RoPE dims are copied here
         _cluster_sync(tid, _CLUSTER_ARRIVE)
     else:
         first = lo
+        other = lo
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
-    v, sc = _issue_v4(stage_raw, stage_rope, idx,
-                      tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
-                                  c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
+    idx_o = idx
+    if CLUSTER:
+        idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    v, sc, v_o = _issue_v4(stage_raw, stage_rope, idx, idx_o,
+                           tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                       c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE,
+                           CLUSTER)
     idx = _slots(first + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     if CLUSTER:
+        idx_o = _slots(other + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                       rows_b)
         _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):
         st = i % STAGES
@@ -407,15 +413,23 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
             x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
             x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
             x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-            rope = stage_rope.load(LB)
+            rope = stage_rope.slice(0, SUB).load(LB)
+            rope_o = rope
+            if CLUSTER:
+                rope_o = stage_rope.slice(SUB, SUB).load(LB)
             v_c = v
             sc_c = sc
+            v_oc = v_o
             c = first + i * BN + (h + 1) * STEP
-            v, sc = _issue_v4(stage_raw, stage_rope, idx,
-                              tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
-                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE)
+            v, sc, v_o = _issue_v4(stage_raw, stage_rope, idx, idx_o,
+                                   tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                               c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB,
+                                   MODE, CLUSTER)
             idx = _slots(c + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
+            if CLUSTER:
+                idx_o = _slots(other + i * BN + 2 * STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t,
+                               i0_s0, i1_s0, SUB, rows_b)
             if h == 0:
                 if CLUSTER:
                     _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
@@ -425,9 +439,13 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                 if rank == 0:
                     _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4,
                                  x5, x6, rope, sc_c, v_c, SUB, MODE)
+                    _store_peer_rows(k_bufs.index(st), bias_bufs.index(st), SUB, rope_o, v_oc,
+                                     SUB, MODE)
                 else:
                     _store_chunk(k_bufs.index(st), bias_bufs.index(st), SUB, x0, x1, x2, x3,
                                  x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
+                    _store_peer_rows(k_bufs.index(st), bias_bufs.index(st), 0, rope_o, v_oc,
+                                     SUB, MODE)
             else:
                 _store_chunk(k_bufs.index(st), bias_bufs.index(st), h * SUB, x0, x1, x2, x3,
                              x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
@@ -436,7 +454,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         fence_async_shared()
         gl.thread_barrier()
         if CLUSTER:
-            _send_half(ready, st, rank, tid, BN, SUB, False)
+            _send_half(ready, st, rank, tid, BN, SUB, 7)
         else:
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
@@ -471,6 +489,16 @@ def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, s
     """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias."""
     if MODE != 3:
         _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
+    bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr,
+                     MODE: gl.constexpr):
+    """What a cluster CTA writes itself of the peer's V4 rows [r0, r0 + SUB): their RoPE
+    dims (copied from the cache, no decoding) and their bias."""
+    if MODE != 3:
+        kb.slice(r0, SUB).slice(448, 64, dim=1).store(rope)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
 
 
@@ -518,12 +546,14 @@ _DEQUANT_PAIRS = gl.constexpr("""{
 
 
 @gluon.jit
-def _issue_v4(stage_raw, stage_rope, idx, source, cb, SUB: gl.constexpr, MODE: gl.constexpr):
+def _issue_v4(stage_raw, stage_rope, idx, idx_o, source, cb, SUB: gl.constexpr,
+              MODE: gl.constexpr, PEER: gl.constexpr):
     """Start the gather of one chunk of V4 rows (``source``: ``tile_source``'s cache
     arguments) into the staging buffer: the 448 e4m3 bytes as seven [SUB, 64] byte tiles and
-    the 64 bf16 RoPE dims by cp.async (rows with an unusable slot id are zero-filled), one
-    commit group; the rows' eight UE8M0 scale bytes (one int64) by an ordinary load, used a
-    chunk later. Returns (valid, scales)."""
+    the 64 bf16 RoPE dims by cp.async (rows with an unusable slot id are zero-filled), and
+    where ``PEER`` the RoPE dims of the peer CTA's rows ``idx_o`` after them, one commit
+    group; the rows' eight UE8M0 scale bytes (one int64) by an ordinary load, used a chunk
+    later. Returns (valid, scales, the peer rows' valid)."""
     cache, s0, s1, bs, cap = source
     valid = _usable(idx, cap, MODE)
     rec, sc = _v4_records(cache, s0, bs, idx, valid)
@@ -532,10 +562,18 @@ def _issue_v4(stage_raw, stage_rope, idx, source, cb, SUB: gl.constexpr, MODE: g
         async_copy.async_copy_global_to_shared(stage_raw.slice(k * SUB, SUB),
                                                rec[:, None] + (64 * k + cb[None, :]), mask=v2)
     async_copy.async_copy_global_to_shared(
-        stage_rope, (rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
-        mask=v2)
+        stage_rope.slice(0, SUB),
+        (rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :], mask=v2)
+    valid_o = valid
+    if PEER:
+        valid_o = _usable(idx_o, cap, MODE)
+        rec_o = cache + (idx_o // bs).to(gl.int64) * s0 + (idx_o % bs).to(gl.int64) * 576
+        async_copy.async_copy_global_to_shared(
+            stage_rope.slice(SUB, SUB),
+            (rec_o + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
+            mask=valid_o[:, None])
     async_copy.commit_group()
-    return valid, sc
+    return valid, sc, valid_o
 
 
 @gluon.jit
@@ -673,10 +711,9 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
                       STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr, rank):
     """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile
     (slot ids a tile ahead, records gathered into registers before the stage is free, as
-    ``_produce_tiles`` does), stored here and copied into the peer's stage with its bias.
-    The RoPE dims of the peer's half are copied here from the cache, like this CTA's own:
-    they need no decoding, and the cluster copies are the dearer path (a 4 KB copy a tile
-    less, PERF.md session 13)."""
+    ``_produce_tiles`` does), stored here and copied into the peer's stage. The RoPE dims of
+    the peer's half are copied here from the cache, like this CTA's own (they need no
+    decoding, and the cluster copies cost by the byte), and its bias is written here."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -707,21 +744,24 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         rec_o = cache + (idx_o // bs).to(gl.int64) * s0 + (idx_o % bs).to(gl.int64) * 656
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
+        bias_o = gl.where(valid_o, 0.0, float("-inf"))
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
             _store_v32_rows(k_bufs.index(st).slice(0, SUB), kr_bufs.index(st).slice(0, SUB),
                             rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
                             MODE)
             bias_bufs.index(st).slice(0, SUB).store(bias)
+            bias_bufs.index(st).slice(SUB, SUB).store(bias_o)
         else:
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
             _store_v32_rows(k_bufs.index(st).slice(SUB, SUB),
                             kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb, x0, x1, x2,
                             x3, x4, x5, x6, x7, sa, sb, sc, sd, MODE)
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
+            bias_bufs.index(st).slice(0, SUB).store(bias_o)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, False)
+        _send_half(ready, st, rank, tid, BN, SUB, 8)
         idx = idx_next
         idx_o = idx_o_next
     for s in gl.static_range(STAGES):
@@ -729,26 +769,19 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
 
 
 @gluon.jit
-def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, ROPE: gl.constexpr):
-    """This CTA's half of stage ``st`` (latent dims, bias and for 576-wide rows the RoPE
-    dims) into the peer's, completing on the peer's ready[st] (thread 0 issues); then this
-    CTA's arrive on its own ready[st], expecting the peer's half: it completes once both
-    halves are in this CTA's stage."""
+def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr,
+               PANELS: gl.constexpr):
+    """The first ``PANELS`` dequantized 64-dim panels of this CTA's half of stage ``st`` into
+    the peer's, completing on the peer's ready[st] (thread 0 issues); then this CTA's arrive
+    on its own ready[st], expecting the peer's panels: it completes once they are here too.
+    Everything else of the peer's half (bias, RoPE dims) each CTA writes itself: the copies
+    cost by the byte (PERF.md session 13)."""
     zero = tid * 0
     k_off = zero + (st * (BN * 1024) + rank * (SUB * 128))
-    b_off = zero + (st * (BN * 4) + rank * (SUB * 4))
-    if ROPE:
-        gl.inline_asm_elementwise(
-            _SEND_HALF_ROPE, "=r,r,r,r,r,r,r",
-            [tid, k_off, b_off, zero + st * 8, zero + (1 - rank),
-             zero + (st * (BN * 128) + rank * (SUB * 128))],
-            dtype=gl.int32, is_pure=False, pack=1)
-        mbarrier.expect(ready.index(st), PAIR_TX_ROPE)
-    else:
-        gl.inline_asm_elementwise(
-            _SEND_HALF, "=r,r,r,r,r,r", [tid, k_off, b_off, zero + st * 8, zero + (1 - rank)],
-            dtype=gl.int32, is_pure=False, pack=1)
-        mbarrier.expect(ready.index(st), PAIR_TX)
+    gl.inline_asm_elementwise(_SEND_7 if PANELS == 7 else _SEND_8, "=r,r,r,r,r",
+                              [tid, k_off, zero + st * 8, zero + (1 - rank)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    mbarrier.expect(ready.index(st), PANELS * PANEL_TX)
 
 
 @gluon.jit
@@ -1001,7 +1034,8 @@ def _ws_kernel(
         # two); a warp's eight-lane phase reads two adjacent rows, 128 contiguous bytes
         stage_raw = gl.allocate_shared_memory(gl.uint8, [8 * SUB, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        stage_rope = gl.allocate_shared_memory(gl.bfloat16, [SUB, 64],
+        # (and in a cluster, after them, the RoPE dims of the peer's rows)
+        stage_rope = gl.allocate_shared_memory(gl.bfloat16, [2 * SUB if CLUSTER else SUB, 64],
                                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:           # never read
         stage_raw = k_bufs
