@@ -90,10 +90,10 @@ _OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
                  "SMLA_OFF_PEER_FREE": "peer_free"}
 
 
-def _send_half_ptx(panels: int) -> str:
+def _send_half_ptx(first: int, panels: int) -> str:
     """PTX of ``_send_half``: $1 thread id (thread 0 issues), $2 this CTA's half of stage st
-    in k_bufs (byte offset), $3 st * 8 (ready[st]), $4 the peer's rank; the first ``panels``
-    64-dim panels of the half are copied. Every other thread branches around the copies
+    in k_bufs (byte offset), $3 st * 8 (ready[st]), $4 the peer's rank; 64-dim panels
+    [first, first + panels) of the half are copied. Every other thread branches around the copies
     (``${:uid}``: a label unique to each instance of the asm): predicated copies made ptxas
     wrap each in a uniform-datapath loop that all producer warps ran, 23 % of the producer's
     stall samples, and cost V4 h128 3.5-6.5 % (PERF.md session 13)."""
@@ -104,7 +104,7 @@ def _send_half_ptx(panels: int) -> str:
     add.u32 src, src, {j * PANEL};
     mapa.shared::cluster.u32 dst, src, $4;
     cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 128}, [rbar];"""
-    body = "".join(copy(j) for j in range(panels))
+    body = "".join(copy(j) for j in range(first, first + panels))
     return """{
     .reg .u32 base, bar, rbar, src, dst;
     .reg .pred leader;
@@ -119,8 +119,9 @@ SMLA_SKIP_${:uid}:
     }"""
 
 
-_SEND_7 = gl.constexpr(_send_half_ptx(7))     # V4: its RoPE panel is copied from the cache
-_SEND_8 = gl.constexpr(_send_half_ptx(8))     # V3.2: all eight latent panels
+_SEND_V4 = gl.constexpr(_send_half_ptx(0, 7))      # V4: its RoPE panel comes from the cache
+_SEND_V32_LO = gl.constexpr(_send_half_ptx(0, 4))  # V3.2: panels 0-3 as soon as stored,
+_SEND_V32_HI = gl.constexpr(_send_half_ptx(4, 4))  # then 4-7
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
@@ -459,7 +460,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         fence_async_shared()
         gl.thread_barrier()
         if CLUSTER:
-            _send_half(ready, st, rank, tid, BN, SUB, 7)
+            _send_half(ready, st, rank, tid, BN, SUB, _SEND_V4, 7)
         else:
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
@@ -750,23 +751,37 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
+        # the RoPE dims of both halves by cp.async; the latent dims in two halves, each sent
+        # as soon as stored (the first copies overlap the second half's dequantization:
+        # 4.7 % on V3.2 h128; V4's producer lost 2.5-4 % to the extra barrier, PERF.md
+        # session 13)
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
-            _store_v32_rows(k_bufs.index(st).slice(0, SUB), kr_bufs.index(st).slice(0, SUB),
-                            rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
+            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, cb)
+            async_copy.commit_group()
+            _store_v32_half(k_bufs.index(st).slice(0, SUB), 0, x0, x1, x2, x3, sa, sb, MODE)
+        else:
+            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
+            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb)
+            async_copy.commit_group()
+            _store_v32_half(k_bufs.index(st).slice(SUB, SUB), 0, x0, x1, x2, x3, sa, sb,
                             MODE)
+        fence_async_shared()
+        gl.thread_barrier()
+        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_LO, 0)
+        if rank == 0:
+            _store_v32_half(k_bufs.index(st).slice(0, SUB), 2, x4, x5, x6, x7, sc, sd, MODE)
             bias_bufs.index(st).slice(0, SUB).store(bias)
             bias_bufs.index(st).slice(SUB, SUB).store(bias_o)
         else:
-            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
-            _store_v32_rows(k_bufs.index(st).slice(SUB, SUB),
-                            kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb, x0, x1, x2,
-                            x3, x4, x5, x6, x7, sa, sb, sc, sd, MODE)
+            _store_v32_half(k_bufs.index(st).slice(SUB, SUB), 2, x4, x5, x6, x7, sc, sd,
+                            MODE)
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
             bias_bufs.index(st).slice(0, SUB).store(bias_o)
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, 8)
+        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_HI, 8)
         idx = idx_next
         idx_o = idx_o_next
     for s in gl.static_range(STAGES):
@@ -774,19 +789,28 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
 
 
 @gluon.jit
-def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr,
-               PANELS: gl.constexpr):
-    """The first ``PANELS`` dequantized 64-dim panels of this CTA's half of stage ``st`` into
-    the peer's, completing on the peer's ready[st] (thread 0 issues); then this CTA's arrive
-    on its own ready[st], expecting the peer's panels: it completes once they are here too.
-    Everything else of the peer's half (bias, RoPE dims) each CTA writes itself: the copies
-    cost by the byte (PERF.md session 13)."""
+def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr,
+               EXPECT: gl.constexpr):
+    """Dequantized 64-dim panels of this CTA's half of stage ``st`` (which: ``PTX``, one of
+    the ``_SEND_*``) into the peer's, completing on the peer's ready[st] (thread 0 issues);
+    then, where ``EXPECT`` > 0, this CTA's arrive on its own ready[st], expecting that many
+    panels from the peer: it completes once they are here too. Everything else of the peer's
+    half (bias, RoPE dims) each CTA writes itself: the copies cost by the byte (PERF.md
+    session 13)."""
     zero = tid * 0
     k_off = zero + (st * (BN * 1024) + rank * (SUB * 128))
-    gl.inline_asm_elementwise(_SEND_7 if PANELS == 7 else _SEND_8, "=r,r,r,r,r",
-                              [tid, k_off, zero + st * 8, zero + (1 - rank)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-    mbarrier.expect(ready.index(st), PANELS * PANEL_TX)
+    gl.inline_asm_elementwise(PTX, "=r,r,r,r,r", [tid, k_off, zero + st * 8, zero + (1 - rank)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    if EXPECT > 0:
+        mbarrier.expect(ready.index(st), EXPECT * PANEL_TX)
+
+
+@gluon.jit
+def _store_v32_half(kb, PAIR: gl.constexpr, xa, xb, xc, xd, sa, sb, MODE: gl.constexpr):
+    """Dims [128 PAIR, 128 PAIR + 256) of V3.2 rows: two ``_store_v32`` pairs."""
+    if MODE != 3:
+        _store_v32(kb, PAIR, xa, xb, sa)
+        _store_v32(kb, PAIR + 1, xc, xd, sb)
 
 
 @gluon.jit
