@@ -120,8 +120,10 @@ SMLA_SKIP_${:uid}:
 
 
 _SEND_V4 = gl.constexpr(_send_half_ptx(0, 7))      # V4: its RoPE panel comes from the cache
-_SEND_V32_LO = gl.constexpr(_send_half_ptx(0, 4))  # V3.2: panels 0-3 as soon as stored,
-_SEND_V32_HI = gl.constexpr(_send_half_ptx(4, 4))  # then 4-7
+_SEND_V32_0 = gl.constexpr(_send_half_ptx(0, 2))   # V3.2: each pair of panels (one fp32
+_SEND_V32_1 = gl.constexpr(_send_half_ptx(2, 2))   # scale) as soon as it is stored
+_SEND_V32_2 = gl.constexpr(_send_half_ptx(4, 2))
+_SEND_V32_3 = gl.constexpr(_send_half_ptx(6, 2))
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
@@ -751,37 +753,34 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
-        # the RoPE dims of both halves by cp.async; the latent dims in two halves, each sent
-        # as soon as stored (the first copies overlap the second half's dequantization:
-        # 4.7 % on V3.2 h128; V4's producer lost 2.5-4 % to the extra barrier, PERF.md
-        # session 13)
+        # the RoPE dims of both halves by cp.async; the latent dims a pair of panels at a
+        # time, each pair sent as soon as it is stored, so the copies overlap the rest's
+        # dequantization (V3.2 h128: 203.4 -> 190.6 us over one batch; V4's producer lost
+        # 2.5-4 % to a second batch's barrier, PERF.md session 13)
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, cb)
-            async_copy.commit_group()
-            _store_v32_half(k_bufs.index(st).slice(0, SUB), 0, x0, x1, x2, x3, sa, sb, MODE)
         else:
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb)
-            async_copy.commit_group()
-            _store_v32_half(k_bufs.index(st).slice(SUB, SUB), 0, x0, x1, x2, x3, sa, sb,
-                            MODE)
-        fence_async_shared()
-        gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_LO, 0)
+        async_copy.commit_group()
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 0, x0, x1, sa, BN, SUB, _SEND_V32_0, MODE)
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_1, MODE)
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2, MODE)
         if rank == 0:
-            _store_v32_half(k_bufs.index(st).slice(0, SUB), 2, x4, x5, x6, x7, sc, sd, MODE)
+            if MODE != 3:
+                _store_v32(k_bufs.index(st).slice(0, SUB), 3, x6, x7, sd)
             bias_bufs.index(st).slice(0, SUB).store(bias)
             bias_bufs.index(st).slice(SUB, SUB).store(bias_o)
         else:
-            _store_v32_half(k_bufs.index(st).slice(SUB, SUB), 2, x4, x5, x6, x7, sc, sd,
-                            MODE)
+            if MODE != 3:
+                _store_v32(k_bufs.index(st).slice(SUB, SUB), 3, x6, x7, sd)
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
             bias_bufs.index(st).slice(0, SUB).store(bias_o)
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_HI, 8)
+        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, 8)
         idx = idx_next
         idx_o = idx_o_next
     for s in gl.static_range(STAGES):
@@ -806,11 +805,17 @@ def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, PTX: g
 
 
 @gluon.jit
-def _store_v32_half(kb, PAIR: gl.constexpr, xa, xb, xc, xd, sa, sb, MODE: gl.constexpr):
-    """Dims [128 PAIR, 128 PAIR + 256) of V3.2 rows: two ``_store_v32`` pairs."""
+def _send_pair_v32(k_bufs, ready, st, rank, tid, PAIR: gl.constexpr, xa, xb, scale,
+                   BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr, MODE: gl.constexpr):
+    """One ``_store_v32`` pair of this CTA's half of stage ``st``, then its copy to the peer."""
     if MODE != 3:
-        _store_v32(kb, PAIR, xa, xb, sa)
-        _store_v32(kb, PAIR + 1, xc, xd, sb)
+        if rank == 0:   # static slice starts: one branch per rank
+            _store_v32(k_bufs.index(st).slice(0, SUB), PAIR, xa, xb, scale)
+        else:
+            _store_v32(k_bufs.index(st).slice(SUB, SUB), PAIR, xa, xb, scale)
+    fence_async_shared()    # generic stores -> the bulk copy (async proxy); all warps first
+    gl.thread_barrier()
+    _send_half(ready, st, rank, tid, BN, SUB, PTX, 0)
 
 
 @gluon.jit

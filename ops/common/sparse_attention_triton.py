@@ -61,6 +61,7 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
 # (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2; one head block stays
 # portable: 9.6 vs 12.5 µs at s_q 1).
 SMALL_UNITS = 8
+CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (docs/PERF.md session 7).
@@ -606,7 +607,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
               and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
     # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
-    cluster = (n_hb == 2 and T * n_hb > SMALL_UNITS
+    cluster = (n_hb == 2 and T * n_hb > CLUSTER_MIN_UNITS
                and ((staged and g.CLUSTER_V4) or (g is not None and src0.fmt == "v32"
                                                   and g.CLUSTER_V32)))
     bn = cfg["block_n"]
