@@ -18,8 +18,8 @@ in each warp:
   plain rows) put their last 64 dims, which score but are not values, in a [BLOCK_N, 64]
   stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes;
 * at 65-128 heads over the V4 or V3.2 cache (``CLUSTER``) the token's two head blocks run
-  as a 2-CTA cluster: each producer dequantizes half of every tile and copies it into its
-  peer's stage as well (see "2-CTA clusters" below);
+  as a 2-CTA cluster: each producer dequantizes half of every tile and copies the
+  dequantized dims into its peer's stage as well (see "2-CTA clusters" below);
 * two **consumer** warpgroups run q·kᵀ and p·v on the tensor cores straight from the ring,
   split as FlashMLA's sm_90 decode kernel splits them: ``_lead`` computes the whole score
   tile, the softmax and p·v for output dims [0, 256); ``_follow`` does p·v for [256, 512)
