@@ -62,6 +62,8 @@ STAGE_V4 = True      # V4 rows gathered through the staging buffer (16-byte-alig
 STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
+PRODUCER_REGS_CLUSTER = 128     # in clusters (the lead keeps 208): H200 V4 h128 +4.6-5.1 %,
+                                # V3.2 +0.9 %; one CTA at h64 lost 4 % at 128 (session 13)
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
 MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone

@@ -532,7 +532,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
-        P_REGS=g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
+        P_REGS=g.PRODUCER_REGS_CLUSTER if cluster else g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
         D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4,
