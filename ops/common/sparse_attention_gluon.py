@@ -49,6 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from sparse_mla.ops.common import cluster_ptx
 from sparse_mla.ops.common.sparse_attention_triton import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
@@ -83,80 +84,20 @@ CLUSTER_V32 = True   # the same for V3.2 rows
 # no API for any of it: the kernel is compiled as an ordinary one-CTA kernel and launched as
 # clusters (``cluster_launchable``), and inline PTX addresses shared memory as ``global_smem``
 # plus the allocator's offsets, which ``_shared_offsets`` reads at compile time and writes
-# over the ``SMLA_OFF_*`` placeholders below (tools/probe_cluster.py proved the route).
-_PAIR_SUB = 32                          # rows per CTA per tile
-PAIR_SUB = gl.constexpr(_PAIR_SUB)
-PANEL = 64 * 128                        # one 64-column panel of a [64, 512] stage (128 B rows)
-PANEL_TX = gl.constexpr(_PAIR_SUB * 128)  # bytes of one panel of the peer's half
-_OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
-                 "SMLA_OFF_PEER_FREE": "peer_free"}
-
-
-def _send_half_ptx(first: int, panels: int) -> str:
-    """PTX of ``_send_half``: $1 thread id (thread 0 issues), $2 this CTA's half of stage st
-    in k_bufs (byte offset), $3 st * 8 (ready[st]), $4 the peer's rank; 64-dim panels
-    [first, first + panels) of the half are copied. Every other thread branches around the copies
-    (``${:uid}``: a label unique to each instance of the asm): predicated copies made ptxas
-    wrap each in a uniform-datapath loop that all producer warps ran, 23 % of the producer's
-    stall samples, and cost V4 h128 3.5-6.5 % (PERF.md session 13)."""
-    def copy(j):
-        return f"""
-    add.u32 src, base, SMLA_OFF_K;
-    add.u32 src, src, $2;
-    add.u32 src, src, {j * PANEL};
-    mapa.shared::cluster.u32 dst, src, $4;
-    cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {_PAIR_SUB * 128}, [rbar];"""
-    body = "".join(copy(j) for j in range(first, first + panels))
-    return """{
-    .reg .u32 base, bar, rbar, src, dst;
-    .reg .pred leader;
-    setp.eq.u32 leader, $1, 0;
-    mov.u32 base, global_smem;
-    add.u32 bar, base, SMLA_OFF_READY;
-    add.u32 bar, bar, $3;
-    mapa.shared::cluster.u32 rbar, bar, $4;
-    @!leader bra SMLA_SKIP_${:uid};""" + body + """
-SMLA_SKIP_${:uid}:
-    mov.b32 $0, 0;
-    }"""
-
-
-_SEND_V4 = gl.constexpr(_send_half_ptx(0, 7))      # V4: its RoPE panel comes from the cache
-_SEND_V32_0 = gl.constexpr(_send_half_ptx(0, 2))   # V3.2: each pair of panels (one fp32
-_SEND_V32_1 = gl.constexpr(_send_half_ptx(2, 2))   # scale) as soon as it is stored
-_SEND_V32_2 = gl.constexpr(_send_half_ptx(4, 2))
-_SEND_V32_3 = gl.constexpr(_send_half_ptx(6, 2))
-# $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
-# semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
-# has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
-# MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, session 12)
-_REMOTE_ARRIVE = gl.constexpr("""{
-    .reg .u32 a;
-    .reg .pred leader;
-    setp.eq.u32 leader, $1, 0;
-    mov.u32 a, global_smem;
-    add.u32 a, a, SMLA_OFF_PEER_FREE;
-    add.u32 a, a, $2;
-    mapa.shared::cluster.u32 a, a, $3;
-    @leader mbarrier.arrive.shared::cluster.b64 _, [a];
-    mov.b32 $0, 0;
-    }""")
-# every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran
-# the mbarrier inits, fences them for the cluster first) and waits before it first touches
-# the peer: no copy or arrive reaches a barrier before its CTA has initialized it
-_CLUSTER_ARRIVE_INIT = gl.constexpr("""{
-    fence.mbarrier_init.release.cluster;
-    barrier.cluster.arrive.release.aligned;
-    mov.b32 $0, 0;
-    }""")
-_CLUSTER_ARRIVE = gl.constexpr("""{
-    barrier.cluster.arrive.release.aligned;
-    mov.b32 $0, 0;
-    }""")
-_CLUSTER_WAIT = gl.constexpr("""{
-    barrier.cluster.wait.acquire.aligned;
-    mov.b32 $0, 0;
-    }""")
+# over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py proved the
+# route).
+PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
+PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
+_OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
+_SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
+V4_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V4_SENDS))
+_SEND_V32_0, _SEND_V32_1, _SEND_V32_2, _SEND_V32_3 = (
+    gl.constexpr(cluster_ptx.send_panels(*b)) for b in cluster_ptx.V32_SENDS)
+V32_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V32_SENDS))
+_REMOTE_ARRIVE = gl.constexpr(cluster_ptx.REMOTE_ARRIVE)
+_CLUSTER_ARRIVE_INIT = gl.constexpr(cluster_ptx.CLUSTER_ARRIVE_INIT)
+_CLUSTER_ARRIVE = gl.constexpr(cluster_ptx.CLUSTER_ARRIVE)
+_CLUSTER_WAIT = gl.constexpr(cluster_ptx.CLUSTER_WAIT)
 
 
 def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
@@ -197,8 +138,8 @@ def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
 
 
 def _shared_offsets(text, context, options, backend, capability):
-    """The allocator's byte offsets (from ``global_smem``) of the buffers ``_send_half_ptx``
-    and ``_REMOTE_ARRIVE`` address, keyed by their placeholders: a copy of the TTGIR module is run
+    """The allocator's byte offsets (from ``global_smem``) of the buffers the ``cluster_ptx``
+    text addresses, keyed by their placeholders: a copy of the TTGIR module is run
     through the passes ``make_llir`` runs up to and including shared-memory allocation (the
     same deterministic allocation), and each buffer is found by its SSA name."""
     import tempfile
@@ -464,7 +405,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         fence_async_shared()
         gl.thread_barrier()
         if CLUSTER:
-            _send_half(ready, st, rank, tid, BN, SUB, _SEND_V4, 7)
+            _send_half(ready, st, rank, tid, BN, SUB, _SEND_V4, V4_PANELS)
         else:
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
@@ -782,7 +723,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
-        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, 8)
+        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, V32_PANELS)
         idx = idx_next
         idx_o = idx_o_next
     for s in gl.static_range(STAGES):

@@ -1,0 +1,94 @@
+"""Inline PTX of the sm_90 kernel's 2-CTA clusters, as plain text (importable on any Triton,
+so CPU tests can check it; ``sparse_attention_gluon`` wraps it in ``gl.constexpr``).
+
+Shared memory is addressed as ``global_smem`` plus the ``SMLA_OFF_*`` placeholders, which the
+Gluon module's compile hook replaces with the allocator's byte offsets of the buffers named in
+``OFFSET_NAMES``. A placeholder missing there is a compile error.
+
+Each CTA of a cluster dequantizes one ``PAIR_SUB``-row half of every 64-row tile and copies
+the dequantized 64-dim panels of that half into the peer's stage (``cp.async.bulk``
+shared::cta -> shared::cluster), completing their bytes on the peer's ``ready``; the peer
+expects exactly the panels sent (``V4_SENDS`` / ``V32_SENDS``). Everything else of the
+peer's half (bias, RoPE dims) each CTA writes itself: the copies cost by the byte
+(docs/PERF.md session 13).
+"""
+from __future__ import annotations
+
+PAIR_SUB = 32                   # rows per CTA per 64-row tile
+PANEL = 64 * 128                # bytes of one 64-column panel of a [64, 512] bf16 stage
+PANEL_TX = PAIR_SUB * 128       # bytes of one panel of a half
+OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
+                "SMLA_OFF_PEER_FREE": "peer_free"}
+
+# (first panel, panels) of each copy batch. V4: panels 0-6 in one batch after the whole
+# half is stored (panel 7, the RoPE dims, comes from the cache; a second batch's barrier cost
+# V4 2.5-4 %). V3.2: each pair of panels (one fp32 scale) as soon as it is stored, so the
+# copies overlap the rest's dequantization (203.4 -> 190.6 us on H200 over one batch).
+V4_SENDS = ((0, 7),)
+V32_SENDS = ((0, 2), (2, 2), (4, 2), (6, 2))
+
+
+def sent_panels(sends) -> int:
+    """The panels a plan copies (what the peer's ready expects)."""
+    return sum(n for _, n in sends)
+
+
+def send_panels(first: int, panels: int) -> str:
+    """Copy panels [first, first + panels) of this CTA's half of a stage into the peer's:
+    $1 thread id (thread 0 issues), $2 the half's byte offset in k_bufs, $3 st * 8 (the
+    stage's ready barrier), $4 the peer's rank. Every other thread branches around the copies
+    (``${:uid}``: a label unique to each instance of the asm). Predicated copies made ptxas
+    wrap each one in a uniform-datapath loop that all producer warps ran: 23 % of the
+    producer's stall samples, 3.5-6.5 % of V4 h128's time (docs/PERF.md session 13)."""
+    copies = "".join(f"""
+    add.u32 src, base, SMLA_OFF_K;
+    add.u32 src, src, $2;
+    add.u32 src, src, {j * PANEL};
+    mapa.shared::cluster.u32 dst, src, $4;
+    cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {PANEL_TX}, [rbar];"""
+                     for j in range(first, first + panels))
+    return """{
+    .reg .u32 base, bar, rbar, src, dst;
+    .reg .pred leader;
+    setp.eq.u32 leader, $1, 0;
+    mov.u32 base, global_smem;
+    add.u32 bar, base, SMLA_OFF_READY;
+    add.u32 bar, bar, $3;
+    mapa.shared::cluster.u32 rbar, bar, $4;
+    @!leader bra SMLA_SKIP_${:uid};""" + copies + """
+SMLA_SKIP_${:uid}:
+    mov.b32 $0, 0;
+    }"""
+
+
+# $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
+# semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
+# has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
+# MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, session 12)
+REMOTE_ARRIVE = """{
+    .reg .u32 a;
+    .reg .pred leader;
+    setp.eq.u32 leader, $1, 0;
+    mov.u32 a, global_smem;
+    add.u32 a, a, SMLA_OFF_PEER_FREE;
+    add.u32 a, a, $2;
+    mapa.shared::cluster.u32 a, a, $3;
+    @leader mbarrier.arrive.shared::cluster.b64 _, [a];
+    mov.b32 $0, 0;
+    }"""
+# every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran
+# the mbarrier inits, fences them for the cluster first) and waits before it first touches
+# the peer: no copy or arrive reaches a barrier before its CTA has initialized it
+CLUSTER_ARRIVE_INIT = """{
+    fence.mbarrier_init.release.cluster;
+    barrier.cluster.arrive.release.aligned;
+    mov.b32 $0, 0;
+    }"""
+CLUSTER_ARRIVE = """{
+    barrier.cluster.arrive.release.aligned;
+    mov.b32 $0, 0;
+    }"""
+CLUSTER_WAIT = """{
+    barrier.cluster.wait.acquire.aligned;
+    mov.b32 $0, 0;
+    }"""
