@@ -643,8 +643,7 @@ def _store_v32_rows(kb, krb, rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa,
                     MODE: gl.constexpr):
     """Gathered V3.2 rows into a stage's rows (``kb``: latent dims, ``krb``: RoPE dims). The
     RoPE dims need no decoding: copied asynchronously while the latent dims are dequantized
-    (and 16 registers lighter than a load); waited for (with any copy the caller started
-    before) before returning."""
+    (and 16 registers lighter than a load); waited for before returning."""
     _rope_v32(krb, rec, valid, cb)
     async_copy.commit_group()
     if MODE != 3:
@@ -698,7 +697,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async; the latent dims a pair of panels at a
         # time, each pair sent as soon as it is stored, so the copies overlap the rest's
-        # dequantization (V3.2 h128: 203.4 -> 190.6 us over one batch; V4's producer lost
+        # dequantization (V3.2 h128: 201.7 -> 189.9 us over one batch; V4's producer lost
         # 2.5-4 % to a second batch's barrier, PERF.md session 13)
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
