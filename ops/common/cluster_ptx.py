@@ -33,6 +33,31 @@ def sent_panels(sends) -> int:
     return sum(n for _, n in sends)
 
 
+_COPY = ("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
+         " [dst], [src], {nbytes}, [rbar];")
+
+
+def _peer_address(reg: str, placeholder: str, offset: str, rank: str) -> str:
+    """PTX setting ``reg`` to the peer CTA's (rank ``rank``) address of this CTA's buffer
+    ``placeholder`` plus byte ``offset``; ``base`` holds ``global_smem``."""
+    return f"""
+    add.u32 {reg}, base, {placeholder};
+    add.u32 {reg}, {reg}, {offset};
+    mapa.shared::cluster.u32 {reg}, {reg}, {rank};"""
+
+
+def _leader_block(body: str) -> str:
+    """An asm block whose ``body`` sees ``leader`` (thread id $1 is 0) and ``base``
+    (``global_smem``); its output $0 is a dummy 0."""
+    return """{
+    .reg .u32 base, bar, rbar, src, dst;
+    .reg .pred leader;
+    setp.eq.u32 leader, $1, 0;
+    mov.u32 base, global_smem;""" + body + """
+    mov.b32 $0, 0;
+    }"""
+
+
 def send_panels(first: int, panels: int) -> str:
     """Copy panels [first, first + panels) of this CTA's half of a stage into the peer's:
     $1 thread id (thread 0 issues), $2 the half's byte offset in k_bufs, $3 st * 8 (the
@@ -45,37 +70,18 @@ def send_panels(first: int, panels: int) -> str:
     add.u32 src, src, $2;
     add.u32 src, src, {j * PANEL};
     mapa.shared::cluster.u32 dst, src, $4;
-    cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst], [src], {PANEL_TX}, [rbar];"""
-                     for j in range(first, first + panels))
-    return """{
-    .reg .u32 base, bar, rbar, src, dst;
-    .reg .pred leader;
-    setp.eq.u32 leader, $1, 0;
-    mov.u32 base, global_smem;
-    add.u32 bar, base, SMLA_OFF_READY;
-    add.u32 bar, bar, $3;
-    mapa.shared::cluster.u32 rbar, bar, $4;
+    {_COPY.format(nbytes=PANEL_TX)}""" for j in range(first, first + panels))
+    return _leader_block(_peer_address("rbar", "SMLA_OFF_READY", "$3", "$4") + """
     @!leader bra SMLA_SKIP_${:uid};""" + copies + """
-SMLA_SKIP_${:uid}:
-    mov.b32 $0, 0;
-    }"""
+SMLA_SKIP_${:uid}:""")
 
 
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
 # MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, session 12)
-REMOTE_ARRIVE = """{
-    .reg .u32 a;
-    .reg .pred leader;
-    setp.eq.u32 leader, $1, 0;
-    mov.u32 a, global_smem;
-    add.u32 a, a, SMLA_OFF_PEER_FREE;
-    add.u32 a, a, $2;
-    mapa.shared::cluster.u32 a, a, $3;
-    @leader mbarrier.arrive.shared::cluster.b64 _, [a];
-    mov.b32 $0, 0;
-    }"""
+REMOTE_ARRIVE = _leader_block(_peer_address("bar", "SMLA_OFF_PEER_FREE", "$2", "$3") + """
+    @leader mbarrier.arrive.shared::cluster.b64 _, [bar];""")
 # every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran
 # the mbarrier inits, fences them for the cluster first) and waits before it first touches
 # the peer: no copy or arrive reaches a barrier before its CTA has initialized it

@@ -709,14 +709,11 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         _send_pair_v32(k_bufs, ready, st, rank, tid, 0, x0, x1, sa, BN, SUB, _SEND_V32_0, MODE)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_1, MODE)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2, MODE)
+        _store_pair_v32(k_bufs, st, rank, 3, x6, x7, sd, SUB, MODE)
         if rank == 0:
-            if MODE != 3:
-                _store_v32(k_bufs.index(st).slice(0, SUB), 3, x6, x7, sd)
             bias_bufs.index(st).slice(0, SUB).store(bias)
             bias_bufs.index(st).slice(SUB, SUB).store(bias_o)
         else:
-            if MODE != 3:
-                _store_v32(k_bufs.index(st).slice(SUB, SUB), 3, x6, x7, sd)
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
             bias_bufs.index(st).slice(0, SUB).store(bias_o)
         async_copy.wait_group(0)
@@ -747,14 +744,21 @@ def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, PTX: g
 
 
 @gluon.jit
-def _send_pair_v32(k_bufs, ready, st, rank, tid, PAIR: gl.constexpr, xa, xb, scale,
-                   BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr, MODE: gl.constexpr):
-    """One ``_store_v32`` pair of this CTA's half of stage ``st``, then its copy to the peer."""
+def _store_pair_v32(k_bufs, st, rank, PAIR: gl.constexpr, xa, xb, scale, SUB: gl.constexpr,
+                    MODE: gl.constexpr):
+    """One ``_store_v32`` pair into this CTA's half (rank ``rank``) of stage ``st``."""
     if MODE != 3:
         if rank == 0:   # static slice starts: one branch per rank
             _store_v32(k_bufs.index(st).slice(0, SUB), PAIR, xa, xb, scale)
         else:
             _store_v32(k_bufs.index(st).slice(SUB, SUB), PAIR, xa, xb, scale)
+
+
+@gluon.jit
+def _send_pair_v32(k_bufs, ready, st, rank, tid, PAIR: gl.constexpr, xa, xb, scale,
+                   BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr, MODE: gl.constexpr):
+    """One ``_store_v32`` pair of this CTA's half of stage ``st``, then its copy to the peer."""
+    _store_pair_v32(k_bufs, st, rank, PAIR, xa, xb, scale, SUB, MODE)
     fence_async_shared()    # generic stores -> the bulk copy (async proxy); all warps first
     gl.thread_barrier()
     _send_half(ready, st, rank, tid, BN, SUB, PTX, 0)

@@ -514,7 +514,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
                   out_scale, pdl, d576, f16, staged, cluster, t0):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
-    staged, 65-128 heads): the compiled kernel is made cluster-launchable before its first
+    staged or V3.2 rows, 65-128 heads; its producer gets ``PRODUCER_REGS_CLUSTER``
+    registers): the compiled kernel is made cluster-launchable before its first
     launch, and the launch then takes half the grid's x (the launcher multiplies it back)."""
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
@@ -532,7 +533,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
         SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
-        P_REGS=g.PRODUCER_REGS_CLUSTER if cluster else g.PRODUCER_REGS, MODE=g.MODE, Q_FP8=q_fp8, FINAL=final,
+        P_REGS=g.PRODUCER_REGS_CLUSTER if cluster else g.PRODUCER_REGS, MODE=g.MODE,
+        Q_FP8=q_fp8, FINAL=final,
         HAS_SINK=sink is not None, HAS_LSE=lse is not None,
         OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
         D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4,
