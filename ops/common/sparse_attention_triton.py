@@ -53,7 +53,7 @@ LOG2E_C = tl.constexpr(LOG2E)
 # "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
 # s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3, "dv": 1, "num_stages_v32": 3}
+          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
 # at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
@@ -71,7 +71,10 @@ PDL = True
 # bytes where -> bf16 is three (H200: the fp8 path 1.32-1.38x faster on the sm_90 kernel,
 # 1.10-1.14x on the portable one, docs/PERF.md session 8)
 FP16_FOR_E4M3 = True
-SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1}
+# "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
+# step; more cost it more than a second tile per split program saves (H200 batch 1, s_q 2,
+# h64, window 128 + 1024: 36 splits 14.2 µs, 18 splits 11.6)
+SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32}
 # The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
 # 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
@@ -91,13 +94,14 @@ def launch_config(T, n_hb, warp_specialized=False):
 DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
 
 
-def choose_splits(units, tiles, sms, overhead):
+def choose_splits(units, tiles, sms, overhead, max_splits=None):
     """Splits per (token, head block) unit minimising the modelled makespan: programs run one
     per SM (the accumulator fills the register file) in waves of ``sms``, each costing its
     tiles plus ``overhead``. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
-    (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic)."""
+    (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic).
+    At most ``max_splits`` (where given)."""
     best, best_cost = 1, None
-    for s in range(1, max(1, tiles) + 1):
+    for s in range(1, max(1, min(tiles, max_splits or tiles)) + 1):
         cost = wave_cost(units, s, tiles, sms, overhead)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
@@ -644,8 +648,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                 _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
                          out_scale, pdl, interp=False)
         return
-    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev) * dvs,
-                             cfg["split_overhead"])
+    # waves of one program per SM even where two 4-warp programs fit (dv 2): H200 batch 2,
+    # h64, s_q 2, window 128 + 512: 10 splits (80 programs) 11.6 µs, 20 (160) 12.8 µs
+    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev), cfg["split_overhead"],
+                             cfg["max_splits"])
     part_o, part_ml = _partials(T * H * n_splits, dev)
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register

@@ -15,6 +15,17 @@ def test_choose_splits_examples(units, tiles, want):
     assert choose_splits(units, tiles, 132, 1) == want      # the model at overhead 1
 
 
+@pytest.mark.parametrize("units,tiles,max_splits,want", [
+    (2, 36, 32, 18),    # batch 1 (two output-dim halves), window 128 + 1024 in 32-key tiles
+    (2, 36, None, 36),
+    (2, 20, 32, 20),
+    (8, 20, 32, 10),    # 20 splits would make 160 programs: two waves
+])
+def test_choose_splits_caps_splits(units, tiles, max_splits, want):
+    """Tiny launches cap the splits where one combine program merges them in one step."""
+    assert choose_splits(units, tiles, 132, 3, max_splits) == want
+
+
 @pytest.mark.parametrize("units", [1, 3, 64, 74, 132, 133, 256, 4096])
 @pytest.mark.parametrize("tiles", [1, 2, 9, 18, 32])
 def test_choose_splits_is_the_cheapest_and_in_range(units, tiles):
