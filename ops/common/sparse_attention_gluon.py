@@ -863,7 +863,8 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     mbarrier.arrive(done)
     _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
                 gl.convert_layout(empty_row, ROW_O), part_o, t, tp, h0, H, sp, n_splits, out_ptr,
-                out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+                out_s0, out_s1, out_scale, out_scale_ptr, _free_stage(k_bufs, n_tiles, 0, STAGES),
+                O_L, FINAL, HAS_SINK, OUT_SCALE_T)
     if FINAL:
         if HAS_LSE:
             gl.store(lse_ptr + t.to(gl.int64) * lse_s0 + h_s * lse_s1, lse, mask=h_s < H)
@@ -932,31 +933,55 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
     mbarrier.wait(done, 0)
     _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
                 rows.index(3).load(ROW_O) != 0.0, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
-                out_s0, out_s1, out_scale, out_scale_ptr, O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+                out_s0, out_s1, out_scale, out_scale_ptr, _free_stage(k_bufs, n_tiles, 1, STAGES),
+                O_L, FINAL, HAS_SINK, OUT_SCALE_T)
 
 
 @gluon.jit
 def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
-                out_s0, out_s1, out_scale, out_scale_ptr, O_L: gl.constexpr,
+                out_s0, out_s1, out_scale, out_scale_ptr, stage, O_L: gl.constexpr,
                 FINAL: gl.constexpr, HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
     """Output dims [d0, d0 + 256) of the program's rows: bf16 out when this is the token's
     only split (the combine kernel's arithmetic with one split, so the same bits), else the
-    fp32 partial the combine kernel reads."""
-    h_o = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
-    d_o = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    fp32 partial the combine kernel reads.
+
+    The bf16 rows go through ``stage`` (a K stage nobody reads or fills any more:
+    ``_free_stage``), so each warp stores 512 contiguous bytes of one row. Stored straight
+    from the wgmma fragments, each thread wrote 4 bytes at a time, and the epilogue cost
+    4-16 % of the kernel (H200, docs/PERF.md session 14). The fp32 partials are stored
+    directly: through the stage they were 5-6 % slower at batch 2 and b64 h64 s_q1."""
     o = acc * inv_l[:, None]
     if FINAL:
         if HAS_SINK:
             o = o * gate[:, None]
         if OUT_SCALE_T:
             out_scale = gl.load(out_scale_ptr).to(gl.float32)
-        o = gl.where(empty_row[:, None], 0.0, o * out_scale)
-        out_row = t.to(gl.int64) * out_s0 + h_o.to(gl.int64) * out_s1
-        gl.store(out_ptr + out_row[:, None] + d_o[None, :], o.to(gl.bfloat16),
-                 mask=(h_o < H)[:, None])
+        o = gl.where(empty_row[:, None], 0.0, o * out_scale).to(gl.bfloat16)
+        buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        buf.store(o)
+        gl.thread_barrier()
+        BL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, BL))
+        d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, BL))
+        row = out_ptr + (t.to(gl.int64) * out_s0 + h_b.to(gl.int64) * out_s1)
+        gl.store(row[:, None] + d_b[None, :], buf.load(BL), mask=(h_b < H)[:, None])
     else:
+        h_o = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
+        d_o = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
         row_o = (tp.to(gl.int64) * H + h_o) * n_splits + sp
         gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
+
+
+@gluon.jit
+def _free_stage(k_bufs, n_tiles, later: gl.constexpr, STAGES: gl.constexpr):
+    """A K stage nobody reads or fills any more once this partition's loop is done: the
+    stage of tile n_tiles - 2 for _lead (``later`` False: _follow released it before
+    _lead's last p store), of tile n_tiles - 1 for _follow (``later``: after _lead's
+    ``done``), and an unused one where there are fewer tiles. The producer fills no stage
+    past the last tile; a cluster peer copies into a stage only for a tile."""
+    gl.static_assert(STAGES == 2)
+    return k_bufs.index((n_tiles + later) % STAGES)
 
 
 @gluon.jit
