@@ -129,9 +129,10 @@ def test_prefill_matches_reference(device, shape):
 def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv, monkeypatch):
     """The launch picks its split count from a cost model and the output-dim split for tiny
     launches only; force 1, 3, 5, 7 and 40 splits (more than some tokens have tiles: empty
-    splits; 40 makes the combine merge its splits in chunks) with and without the
-    output-dim split, on ragged per-token lengths, so every way of cutting a token's
-    two-source key list is checked whatever the model picks."""
+    splits; 40 is past the 32 the model allows tiny launches, where the combine kernel's
+    one-step load spills) with and without the output-dim split, on ragged per-token
+    lengths, so every way of cutting a token's two-source key list is checked whatever the
+    model picks."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
     monkeypatch.setattr(core, "SMALL_UNITS", -1)
