@@ -21,12 +21,16 @@ from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
 
 
-def _flash_mla_decode(a, meta=None):
-    """FlashMLA's decode; ``meta``: a scheduler metadata object to reuse (filled by the first
-    call that gets it), else a fresh one (the call then also runs FlashMLA's scheduler)."""
+def _fresh_meta():
+    """An empty FlashMLA scheduler metadata object: the first decode call given it runs
+    FlashMLA's scheduler and fills it; later calls given it reuse it."""
     import flash_mla
-    if meta is None:
-        meta, _ = flash_mla.get_mla_metadata()
+    return flash_mla.get_mla_metadata()[0]
+
+
+def _flash_mla_decode(a, meta):
+    """FlashMLA's decode with scheduler metadata ``meta`` (``_fresh_meta``)."""
+    import flash_mla
     four_d = lambda c: c.unsqueeze(-2)  # noqa: E731  [nb, bs, 584] -> [nb, bs, 1, 584]
     kw = {}
     if "extra_k_cache" in a:
@@ -74,11 +78,10 @@ def main(argv=None):
         decode = "prefill" not in case.op
         try:
             if decode:
-                import flash_mla
-                meta, _ = flash_mla.get_mla_metadata()
+                meta = _fresh_meta()
                 v_out = _flash_mla_decode(a, meta)      # fills meta: reused from here on
                 tv, _ = _time(lambda: _flash_mla_decode(a, meta))
-                tv_sched, _ = _time(lambda: _flash_mla_decode(a))
+                tv_sched, _ = _time(lambda: _flash_mla_decode(a, _fresh_meta()))
             else:
                 v_out = _flash_mla_prefill(a)
                 tv, _ = _time(lambda: _flash_mla_prefill(a))

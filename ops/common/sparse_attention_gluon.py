@@ -248,8 +248,6 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
-        blk = (idx // bs).to(gl.int64)
-        off = (idx % bs).to(gl.int64)
         kb = k_bufs.index(st)
         if FMT == 0:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
@@ -268,7 +266,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage, and
             # the producer moves on without waiting for them (see the cp.async note below)
-            row = cache + blk * s0 + off * s1
+            row = _record(cache, s0, bs, idx, s1)
             v2 = valid[:, None]
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             for j in gl.static_range(8):
@@ -280,7 +278,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
             async_copy.commit_group()
             async_copy.mbarrier_arrive(ready.index(st))
         else:
-            row = cache + blk * s0 + off * s1
+            row = _record(cache, s0, bs, idx, s1)
             v2 = valid[:, None]
             y0, y1, y2, y3, y4, y5, y6, y7 = _byte_tiles8(row, v2, cb)
             if D576:
@@ -410,11 +408,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
     if CLUSTER:
-        # two more hand-offs, as if for tiles n_tiles and n_tiles + 1: this CTA must not exit
-        # while the peer may still arrive here or its copy may still read this CTA's last
-        # halves (the peer's consumers are done with them once it has handed them back)
-        for s in gl.static_range(STAGES):
-            _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
+        _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
 
 
 @gluon.jit
@@ -432,6 +426,16 @@ def _pair_handoff(empty, peer_free, i, rank, tid, STAGES: gl.constexpr):
                                                                 tid * 0 + (1 - rank)],
                                   dtype=gl.int32, is_pure=False, pack=1)
     mbarrier.wait(peer_free.index(st), phase)
+
+
+@gluon.jit
+def _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES: gl.constexpr):
+    """A cluster producer's last hand-offs, as if for tiles n_tiles .. n_tiles + STAGES - 1:
+    this CTA must not exit while the peer may still arrive here or its copy may still read
+    this CTA's last halves (the peer's consumers are done with them once it has handed them
+    back)."""
+    for s in gl.static_range(STAGES):
+        _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
 
 
 @gluon.jit
@@ -518,7 +522,7 @@ def _issue_v4(stage_raw, stage_rope, idx, idx_o, source, cb, SUB: gl.constexpr,
     valid_o = valid
     if PEER:
         valid_o = _usable(idx_o, cap, MODE)
-        rec_o = cache + (idx_o // bs).to(gl.int64) * s0 + (idx_o % bs).to(gl.int64) * 576
+        rec_o = _record(cache, s0, bs, idx_o, 576)
         async_copy.async_copy_global_to_shared(
             stage_rope.slice(SUB, SUB),
             (rec_o + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
@@ -552,16 +556,22 @@ def _usable(idx, cap, MODE: gl.constexpr):
 
 
 @gluon.jit
+def _record(cache, s0, bs, idx, row_stride):
+    """Address of each slot's row: block ``idx // bs`` (``s0`` apart), row ``idx % bs`` of
+    it (``row_stride`` apart: 576 B V4 records, 656 B V3.2 records, a plain cache's
+    stride(1))."""
+    return cache + (idx // bs).to(gl.int64) * s0 + (idx % bs).to(gl.int64) * row_stride
+
+
+@gluon.jit
 def _v4_records(cache, s0, bs, idx, valid):
     """Byte address of each slot's 576-byte V4 record (e4m3 dims, then RoPE dims) and its
     eight UE8M0 scale bytes, loaded as one int64 (0 where not ``valid``); a block holds
     ``bs`` records, then their scales."""
-    blk = (idx // bs).to(gl.int64)
+    blk = cache + (idx // bs).to(gl.int64) * s0
     off = (idx % bs).to(gl.int64)
-    rec = cache + blk * s0 + off * 576
-    sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
-                 mask=valid, other=0)
-    return rec, sc
+    sc = gl.load((blk + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
+    return blk + off * 576, sc
 
 
 @gluon.jit
@@ -618,9 +628,7 @@ def _gather_v32(cache, s0, bs, idx, valid, cb):
     """Issue the loads of V3.2 records (rows with an unusable slot id load nothing): the 512
     e4m3 bytes as eight [rows, 64] byte tiles and the four fp32 scales; returns the records'
     addresses too (their RoPE dims are copied later)."""
-    blk = (idx // bs).to(gl.int64)
-    off = (idx % bs).to(gl.int64)
-    rec = cache + blk * s0 + off * 656
+    rec = _record(cache, s0, bs, idx, 656)
     x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, valid[:, None], cb)
     scales = (rec + 512).to(gl.pointer_type(gl.float32))
     sa = gl.load(scales, mask=valid, other=0.0)
@@ -691,7 +699,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
             cache, s0, bs, idx, valid, cb)
         valid_o = _usable(idx_o, cap, MODE)
-        rec_o = cache + (idx_o // bs).to(gl.int64) * s0 + (idx_o % bs).to(gl.int64) * 656
+        rec_o = _record(cache, s0, bs, idx_o, 656)
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
@@ -722,8 +730,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, V32_PANELS)
         idx = idx_next
         idx_o = idx_o_next
-    for s in gl.static_range(STAGES):
-        _pair_handoff(empty, peer_free, n_tiles + s, rank, tid, STAGES)
+    _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
 
 
 @gluon.jit
