@@ -568,10 +568,15 @@ def _v4_records(cache, s0, bs, idx, valid):
     """Byte address of each slot's 576-byte V4 record (e4m3 dims, then RoPE dims) and its
     eight UE8M0 scale bytes, loaded as one int64 (0 where not ``valid``); a block holds
     ``bs`` records, then their scales."""
-    blk = cache + (idx // bs).to(gl.int64) * s0
+    # Spelled out, not through _record: with the block's address shared by both pointers
+    # (b86fd5b) the h128 clusters ran 5-7 % slower (H200, docs/PERF.md session 15), though
+    # the PTX had the same instructions in a different order
+    blk = (idx // bs).to(gl.int64)
     off = (idx % bs).to(gl.int64)
-    sc = gl.load((blk + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
-    return blk + off * 576, sc
+    rec = cache + blk * s0 + off * 576
+    sc = gl.load((cache + blk * s0 + bs * 576 + off * 8).to(gl.pointer_type(gl.int64)),
+                 mask=valid, other=0)
+    return rec, sc
 
 
 @gluon.jit
