@@ -64,8 +64,8 @@ def main(argv=None):
     mm = harness.matmul_rate("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "
           f"matmul {mm / 1e12:,.0f} TFLOP/s (measured now)", flush=True)
-    head = ("shape", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio", "ours TFLOP/s", "ours GB/s", "% mm",
-            "% copy", "max |diff|")
+    head = ("shape", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio",
+            "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
     rows = []
     for case in bench.cases("cuda", False):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape

@@ -613,9 +613,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
               and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
     # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
-    cluster = (n_hb == 2 and T * n_hb > CLUSTER_MIN_UNITS
-               and ((staged and g.CLUSTER_V4) or (g is not None and src0.fmt == "v32"
-                                                  and g.CLUSTER_V32)))
+    cluster = (g is not None and n_hb == 2 and T * n_hb > CLUSTER_MIN_UNITS
+               and ((staged and g.CLUSTER_V4) or (src0.fmt == "v32" and g.CLUSTER_V32)))
     bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
