@@ -71,6 +71,13 @@ MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumer
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
                      # cluster and each CTA dequantizes half of every tile (``_send_half``)
 CLUSTER_V32 = True   # the same for V3.2 rows
+# V4 rows outside clusters and plain e4m3 rows: the first two tiles' slot ids are loaded
+# together with the lengths, before the partitions start, instead of after them by the
+# producer (one dependent round trip less before the first gather), and the producer then
+# loads ids two tiles ahead (``_early_slots``). H200: V4 h64 and e4m3 1-3 % faster; plain
+# bf16 rows 1-8 % slower at batch 256 (either way), so not for them; V3.2 rows' producer
+# spills with it (docs/PERF.md session 16)
+EARLY_SLOTS = gl.constexpr(True)
 
 # --- 2-CTA clusters (V4 / V3.2 rows, two head blocks of one token) --------------------------
 # Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
@@ -196,13 +203,13 @@ def launch_clusters(fn, grid, args, kwargs):
 
 
 @gluon.jit
-def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
-             lo, hi,
+def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free,
+             early, t, lo, hi,
              n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
              P_WARPS: gl.constexpr, MODE: gl.constexpr, STAGED: gl.constexpr,
-             SUB: gl.constexpr, rank, CLUSTER: gl.constexpr):
+             SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
     if CLUSTER and FMT == 1:
@@ -211,24 +218,26 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, MODE, rank)
     elif STAGED:
-        _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t, lo,
-                    hi,
+        _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
+                    t, lo, hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                    P_WARPS, MODE, rank, CLUSTER)
+                    P_WARPS, MODE, rank, CLUSTER, EARLY)
     else:
-        _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0,
-                       n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+        _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
+                       n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                       STAGES, P_WARPS, MODE)
+                       STAGES, P_WARPS, MODE, EARLY)
 
 
 @gluon.jit
-def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles, n0p, n0, n1,
+def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles, n0p,
+                   n0, n1,
                    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                    FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
-                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr):
+                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr,
+                   EARLY: gl.constexpr):
     # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     # bf16 [BN, 64] tiles (RoPE dims, plain bf16 rows) use the same layout: 32 bytes per
@@ -236,15 +245,26 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
     # and two barriers per tile)
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
-    # Slot ids are loaded a tile ahead (the gather of a tile waits on them). The gather itself
+    # Slot ids are loaded a tile ahead (two with ``EARLY``, whose first two come from
+    # ``early``); the gather of a tile waits on them. The gather itself
     # is issued before waiting for the stage to drain, so its latency overlaps the consumers
     # still reading that stage. Issuing it a whole tile earlier (software pipelining) needs a
     # second tile of raw bytes in registers: 3 KB of spills at 168 registers (sm_90a).
-    idx = _slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
+    idx = _early_slots(early, 0, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN,
+                       rows_b, EARLY)
+    idx1 = idx
+    if EARLY:
+        idx1 = _early_slots(early, BN, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                            BN, rows_b, EARLY)
     for i in range(n_tiles):
         st = i % STAGES
         c = lo + i * BN
-        idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN, rows_b)
+        if EARLY:
+            idx_next = _slots(c + 2 * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                              BN, rows_b)
+        else:
+            idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN,
+                              rows_b)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
@@ -305,18 +325,22 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, t, lo, hi, n_tiles,
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(st))
-        idx = idx_next
+        if EARLY:
+            idx = idx1
+            idx1 = idx_next
+        else:
+            idx = idx_next
     if FMT == 2:
         async_copy.wait_group(0)    # nothing left in flight when the partition ends
 
 
 @gluon.jit
-def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t, lo,
-                hi, n_tiles,
+def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early, t,
+                lo, hi, n_tiles,
                 n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                MODE: gl.constexpr, rank, CLUSTER: gl.constexpr):
+                MODE: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
@@ -338,19 +362,26 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     else:
         first = lo
         other = lo
-    idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
-    idx_o = idx
     if CLUSTER:
+        idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
         idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    else:
+        idx = _early_slots(early, 0, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                           SUB, rows_b, EARLY)
+        idx_o = idx
     v, sc, v_o = _issue_v4(stage_raw, stage_rope, idx, idx_o,
                            tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE,
                            CLUSTER)
-    idx = _slots(first + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     if CLUSTER:
+        idx = _slots(first + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                     rows_b)
         idx_o = _slots(other + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                        rows_b)
         _cluster_sync(tid, _CLUSTER_WAIT)
+    else:
+        idx = _early_slots(early, STEP, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                           SUB, rows_b, EARLY)
     for i in range(n_tiles):
         st = i % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
@@ -603,6 +634,41 @@ def _store_e4m3(kb, TILE: gl.constexpr, x):
     """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as the stage's bf16 or
     fp16: exact either way (fp16 takes one conversion per two bytes, bf16 three)."""
     kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(kb.dtype))
+
+
+@gluon.jit
+def _early_slots(early, c: gl.constexpr, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0,
+                 i1_s0, W: gl.constexpr, layout: gl.constexpr, EARLY: gl.constexpr):
+    """``_slots`` of virtual columns [lo + c, lo + c + W), read from ``early`` (each source's
+    leading ids, loaded with the lengths: ``_load_early``) where they are there: in the
+    token's first split, with the columns all in one source (shared-memory slices need
+    constant starts). Anywhere else, or without ``EARLY``, they are loaded now."""
+    if EARLY:
+        gl.static_assert(c + W <= early.shape[1])
+        if (lo == 0) & ((c + W <= n0p) | (n0p == 0)):
+            from0 = n0p > 0
+            cols = c + gl.arange(0, W, layout=layout)
+            n = gl.where(c < hi, gl.where(from0, n0, n1), 0)
+            ids = gl.where(from0, early.index(0).slice(c, W).load(layout),
+                           early.index(1).slice(c, W).load(layout))
+            idx = gl.where(cols < n, ids, -1)
+        else:
+            idx = _slots(lo + c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, W, layout)
+    else:
+        idx = _slots(lo + c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, W, layout)
+    return idx
+
+
+@gluon.jit
+def _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1, t, N: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Issue the loads of both sources' first ``N`` slot ids of token ``t`` (-1 past the
+    index rows), for ``_early_slots``."""
+    EL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    ce = gl.arange(0, N, layout=EL)
+    e0 = gl.load(i0_ptr + t.to(gl.int64) * i0_s0 + ce, mask=ce < K0, other=-1)
+    e1 = gl.load(i1_ptr + t.to(gl.int64) * i1_s0 + ce, mask=ce < K1, other=-1)
+    return e0, e1
 
 
 @gluon.jit
@@ -1026,6 +1092,10 @@ def _ws_kernel(
     h0 = unit * HEADS
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
+    EARLY: gl.constexpr = EARLY_SLOTS and not CLUSTER and (FMT == 0 or FMT == 3)
+    if EARLY:           # in flight while key_run waits for the lengths
+        e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
+                             2 * BN, num_warps)
     # the token's virtual key list, cut into n_splits runs of whole tiles (as the portable
     # kernel does: source 0's usable columns padded to BN, then source 1's)
     n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
@@ -1059,6 +1129,13 @@ def _ws_kernel(
         stage_rope = k_bufs
     bias_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if EARLY:           # read by the producer once the partitions start
+        early = gl.allocate_shared_memory(gl.int32, [2, 2 * BN],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        early.index(0).store(e0)
+        early.index(1).store(e1)
+    else:           # never read
+        early = bias_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if CLUSTER:     # the peer CTA's consumers have released the stage (_pair_handoff)
@@ -1092,8 +1169,8 @@ def _ws_kernel(
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER)),
         (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
-                    peer_free, t, lo,
+                    peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                     i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, MODE, STAGED, SUB, unit, CLUSTER)),
+                    STAGES, P_WARPS, MODE, STAGED, SUB, unit, CLUSTER, EARLY)),
     ], [4, P_WARPS], [F_REGS, P_REGS])
