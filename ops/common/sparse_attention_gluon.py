@@ -246,12 +246,13 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
     # Slot ids are loaded a tile ahead (two with ``EARLY``, whose first two come from
-    # ``early``); the gather of a tile waits on them. The gather itself
+    # ``early``: AHEAD); the gather of a tile waits on them. The gather itself
     # is issued before waiting for the stage to drain, so its latency overlaps the consumers
     # still reading that stage. Issuing it a whole tile earlier (software pipelining) needs a
     # second tile of raw bytes in registers: 3 KB of spills at 168 registers (sm_90a).
     idx = _early_slots(early, 0, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN,
                        rows_b, EARLY)
+    AHEAD: gl.constexpr = 2 if EARLY else 1
     idx1 = idx
     if EARLY:
         idx1 = _early_slots(early, BN, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
@@ -259,12 +260,8 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
     for i in range(n_tiles):
         st = i % STAGES
         c = lo + i * BN
-        if EARLY:
-            idx_next = _slots(c + 2 * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
-                              BN, rows_b)
-        else:
-            idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN,
-                              rows_b)
+        idx_next = _slots(c + AHEAD * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                          BN, rows_b)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
@@ -359,13 +356,11 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         first = lo + rank * SUB
         other = lo + (1 - rank) * SUB   # the peer's half: only its RoPE dims are copied here
         _cluster_sync(tid, _CLUSTER_ARRIVE)
-    else:
-        first = lo
-        other = lo
-    if CLUSTER:
         idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
         idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     else:
+        first = lo
+        other = lo
         idx = _early_slots(early, 0, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
                            SUB, rows_b, EARLY)
         idx_o = idx
