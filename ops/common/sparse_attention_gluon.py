@@ -805,9 +805,8 @@ def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, PTX: g
     """Dequantized 64-dim panels of this CTA's half of stage ``st`` (which: ``PTX``, one of
     the ``_SEND_*``) into the peer's, completing on the peer's ready[st] (thread 0 issues);
     then, where ``EXPECT`` > 0, this CTA's arrive on its own ready[st], expecting that many
-    panels from the peer: it completes once they are here too. Everything else of the peer's
-    half (bias, RoPE dims) each CTA writes itself: the copies cost by the byte (PERF.md
-    session 13)."""
+    panels from the peer: it completes once they are here too (the rest of the peer's half
+    each CTA writes itself: ``cluster_ptx``)."""
     zero = tid * 0
     k_off = zero + (st * (BN * 1024) + rank * (SUB * 128))
     gl.inline_asm_elementwise(PTX, "=r,r,r,r,r", [tid, k_off, zero + st * 8, zero + (1 - rank)],
