@@ -1015,12 +1015,13 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
                 FINAL: gl.constexpr, HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr):
     """Output dims [d0, d0 + 256) of the program's rows: bf16 out when this is the token's
     only split (the combine kernel's arithmetic with one split, so the same bits), else the
-    fp32 partial the combine kernel reads.
+    partial the combine kernel reads (``part_o``'s dtype: bf16, or fp32 where
+    ``sparse_attention_triton.PARTIAL_DTYPE`` says so).
 
-    The bf16 rows go through ``stage`` (a K stage nobody reads or fills any more:
+    bf16 rows go through ``stage`` (a K stage nobody reads or fills any more:
     ``_free_stage``), so each warp stores 512 contiguous bytes of one row. Stored straight
     from the wgmma fragments, each thread wrote 4 bytes at a time, and the epilogue cost
-    4-16 % of the kernel (H200, docs/PERF.md session 14). The fp32 partials are stored
+    4-16 % of the kernel (H200, docs/PERF.md session 14). fp32 partials are stored
     directly: through the stage they were 5-6 % slower at batch 2 and b64 h64 s_q1."""
     o = acc * inv_l[:, None]
     if FINAL:
@@ -1029,20 +1030,34 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
         if OUT_SCALE_T:
             out_scale = gl.load(out_scale_ptr).to(gl.float32)
         o = gl.where(empty_row[:, None], 0.0, o * out_scale).to(gl.bfloat16)
-        buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        buf.store(o)
-        gl.thread_barrier()
-        BL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, BL))
-        d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, BL))
-        row = out_ptr + (t.to(gl.int64) * out_s0 + h_b.to(gl.int64) * out_s1)
-        gl.store(row[:, None] + d_b[None, :], buf.load(BL), mask=(h_b < H)[:, None])
+        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, _ROWS_L))
+        _store_staged(o, stage, out_ptr + (t.to(gl.int64) * out_s0 + h_b.to(gl.int64) * out_s1),
+                      d0, h_b < H)
+    elif part_o.dtype.element_ty == gl.bfloat16:
+        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, _ROWS_L))
+        row_b = ((tp.to(gl.int64) * H + h_b) * n_splits + sp) * 512
+        _store_staged(o.to(gl.bfloat16), stage, part_o + row_b, d0, h_b < H)
     else:
         h_o = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
         d_o = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
         row_o = (tp.to(gl.int64) * H + h_o) * n_splits + sp
         gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
+
+
+_ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _store_staged(o, stage, row, d0, rmask):
+    """bf16 [64, 256] rows into global memory at ``row`` (a [64] pointer per row, in
+    ``_ROWS_L``'s row slice) + d0 + column, through ``stage`` (free shared memory), so each
+    warp stores 512 contiguous bytes of one row."""
+    buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    buf.store(o)
+    gl.thread_barrier()
+    d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _ROWS_L))
+    gl.store(row[:, None] + d_b[None, :], buf.load(_ROWS_L), mask=rmask[:, None])
 
 
 @gluon.jit

@@ -424,7 +424,10 @@ def _split_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     row = (t.to(tl.int64) * H + h) * n_splits + sp
     dcol = dv * NV + tl.arange(0, NV)[None, :]
-    tl.store(part_o + row[:, None] * 512 + dcol, acc * inv_l[:, None], mask=hmask[:, None])
+    o = acc * inv_l[:, None]
+    if part_o.dtype.element_ty == tl.bfloat16:      # or fp32: _partials
+        o = to_bf16(o, DOT_F32)     # DOT_F32: interpreted, where the plain cast truncates
+    tl.store(part_o + row[:, None] * 512 + dcol, o, mask=hmask[:, None])
     first = hmask & ((h * 0 + dv) == 0)   # vector compare (interpreter rejects scalar & vector)
     tl.store(part_ml + row * 2, lse2, mask=first)
     if TRACK_MAX:
@@ -457,7 +460,11 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     w = tl.exp2(lse2 - m_safe)
     total = tl.sum(w, axis=0)
     d = tl.arange(0, 512)
-    o = tl.load(part_o + row[:, None] * 512 + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.load(part_o + row[:, None] * 512 + d[None, :], mask=ok[:, None], other=0)
+    if part_o.dtype.element_ty == tl.int16:
+        # bf16 partials, read as their bits (``_combine``): the interpreter's bf16 -> fp32
+        # cast mangles subnormals; this is exact on both
+        o = (o.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     o = tl.sum(o * w[:, None], axis=0) / tl.where(empty, 1.0, total)
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
     if HAS_SINK:
@@ -637,7 +644,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         LAST_COMBINED = any(n_splits > 1 for _, _, n_splits in phases)
         for t0, t1, n_splits in phases:
             final = n_splits == 1
-            part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev)
+            part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
+                                         n_splits)
             LAST_SPLIT_KERNEL = _launch_gluon(
                 g, ((t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
@@ -651,7 +659,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     # h64, s_q 2, window 128 + 512: 10 splits (80 programs) 11.6 µs, 20 (160) 12.8 µs
     n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev), cfg["split_overhead"],
                              cfg["max_splits"])
-    part_o, part_ml = _partials(T * H * n_splits, dev)
+    part_o, part_ml = _partials(T * H * n_splits, dev, n_splits)
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
@@ -703,9 +711,24 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
     return [(0, T, s)]
 
 
-def _partials(n_rows, dev):
-    """fp32 partial outputs ([n_rows, 512]) and (lse2, max) pairs for ``n_rows`` rows."""
-    return (torch.empty(max(1, n_rows * 512), dtype=torch.float32, device=dev),
+# Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
+# fp32. Half the bytes written by the split kernels and read back by the combine: H100, split
+# kernel alone 7.0 -> 5.8 µs at batch 2 h64, 28.2 -> 23.0 at b64 s_q1 h64; whole op 1.04-1.19x
+# on every split shape measured (docs/PERF.md session 18). Each partial is rounded once more
+# than FlashMLA's fp32 ones: at most one bf16 rounding of a convex combination's terms
+# (2^-9 relative), within SPEC §9's rel 2/128; the error against the reference was unchanged
+# in those runs. A launch of one split (the portable kernel, whose combine then only applies
+# the sink and output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's
+# own epilogue rounds them. torch.float32 here restores fp32 everywhere (both kernels take
+# either).
+PARTIAL_DTYPE = torch.bfloat16
+
+
+def _partials(n_rows, dev, n_splits):
+    """Partial outputs ([n_rows, 512]; ``PARTIAL_DTYPE`` where a token has several splits,
+    else fp32) and fp32 (lse2, max) pairs for ``n_rows`` rows."""
+    dtype = PARTIAL_DTYPE if n_splits > 1 else torch.float32
+    return (torch.empty(max(1, n_rows * 512), dtype=dtype, device=dev),
             torch.empty(max(1, n_rows * 2), dtype=torch.float32, device=dev))
 
 
@@ -713,6 +736,11 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
              interp):
     """Merge the splits of tokens [t0, t1) (partial rows numbered from t0) into out / lse /
     max logits."""
+    if part_o.dtype == torch.bfloat16:     # read as their bits (see the kernel)
+        part_o = part_o.view(torch.int16)
+    # 2-byte partials: two warps span a row's 512 dims in 16-byte loads, so all splits of a
+    # column sit in one thread; with four, the splits were summed across warps through shared
+    # memory and the combine ran up to 4x slower (b64 s_q1 h64: 21.4 against 4.6 µs, H100)
     _combine_kernel[(t1 - t0, H)](
         part_o, part_ml, n_splits, t0, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
@@ -722,5 +750,6 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
         max_logits.stride(1) if max_logits is not None else 0,
         *_scalar_arg(out_scale, 1.0, part_ml), OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
-        SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl, num_warps=4,
+        SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl,
+        num_warps=4 if part_o.element_size() == 4 else 2,
         launch_pdl=pdl)

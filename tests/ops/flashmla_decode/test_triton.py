@@ -367,6 +367,47 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, kernel, pdl, monkeypatch)
     check_decode(ref, got)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["portable", "ws"])
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
+    """Tokens cut into several splits pass their partial rows to the combine kernel as bf16
+    (``PARTIAL_DTYPE``), a launch of one split keeps fp32; either partial dtype, on either
+    split kernel, agrees with the reference (sinks, ragged lengths, NaN-poisoned rows), and
+    the two differ by at most the extra bf16 rounding of each partial."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    if route == "ws":
+        if not hopper_with_gluon():
+            pytest.skip("the warp-specialized kernel is sm_90 only")
+        monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    else:
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    made = []
+    partials = core._partials
+    monkeypatch.setattr(core, "_partials", lambda *args: made.append(partials(*args)) or made[-1])
+    a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
+                    extra_bs=61, seed=11 + n_splits)
+    ref = _run_decode(a, "reference")
+    outs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(core, "PARTIAL_DTYPE", dtype)
+        made.clear()
+        outs[dtype] = _run_decode(a, "triton")
+        if device == "cuda":
+            assert split_kernel_name() == ("_ws_kernel" if route == "ws" else "_split_kernel")
+        assert core.LAST_COMBINED == (route == "portable" or n_splits > 1)
+        if core.LAST_COMBINED:
+            assert made[-1][0].dtype == (dtype if n_splits > 1 else torch.float32)
+        check_decode(ref, outs[dtype])
+    o16, o32 = outs[torch.bfloat16][0].float(), outs[torch.float32][0].float()
+    if n_splits == 1:
+        assert torch.equal(o16, o32)
+    else:
+        torch.testing.assert_close(o16, o32, rtol=2 ** -7, atol=2 ** -8 * float(o32.abs().max()))
+    torch.testing.assert_close(outs[torch.bfloat16][1], outs[torch.float32][1], atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("n_splits", [1, 2, "two launches"])
 def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch):
