@@ -1030,13 +1030,10 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
         if OUT_SCALE_T:
             out_scale = gl.load(out_scale_ptr).to(gl.float32)
         o = gl.where(empty_row[:, None], 0.0, o * out_scale).to(gl.bfloat16)
-        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, _ROWS_L))
-        _store_staged(o, stage, out_ptr + (t.to(gl.int64) * out_s0 + h_b.to(gl.int64) * out_s1),
-                      d0, h_b < H)
+        _store_staged(o, stage, out_ptr, t.to(gl.int64) * out_s0, out_s1, h0, H, d0)
     elif part_o.dtype.element_ty == gl.bfloat16:
-        h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, _ROWS_L))
-        row_b = ((tp.to(gl.int64) * H + h_b) * n_splits + sp) * 512
-        _store_staged(o.to(gl.bfloat16), stage, part_o + row_b, d0, h_b < H)
+        _store_staged(o.to(gl.bfloat16), stage, part_o,
+                      (tp.to(gl.int64) * H * n_splits + sp) * 512, n_splits * 512, h0, H, d0)
     else:
         h_o = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
         d_o = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
@@ -1044,20 +1041,22 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
         gl.store(part_o + row_o[:, None] * 512 + d_o[None, :], o, mask=(h_o < H)[:, None])
 
 
-_ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
-
-
 @gluon.jit
-def _store_staged(o, stage, row, d0, rmask):
-    """bf16 [64, 256] rows into global memory at ``row`` (a [64] pointer per row, in
-    ``_ROWS_L``'s row slice) + d0 + column, through ``stage`` (free shared memory), so each
-    warp stores 512 contiguous bytes of one row."""
+def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0):
+    """bf16 [64, 256] rows (heads h0 ..) into global memory at ptr + off0 + head · row_stride
+    + d0 + column, through ``stage`` (free shared memory), so each warp stores 512 contiguous
+    bytes of one row. The row pointers are computed after the shared-memory store, as before
+    this was shared with the bf16 partials (computed first, they were 16 live 64-bit
+    addresses next to the accumulator)."""
     buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2))
     buf.store(o)
     gl.thread_barrier()
-    d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _ROWS_L))
-    gl.store(row[:, None] + d_b[None, :], buf.load(_ROWS_L), mask=rmask[:, None])
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, BL))
+    d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, BL))
+    row = ptr + (off0 + h_b.to(gl.int64) * row_stride)
+    gl.store(row[:, None] + d_b[None, :], buf.load(BL), mask=(h_b < H)[:, None])
 
 
 @gluon.jit
