@@ -1045,9 +1045,10 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
 def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0):
     """bf16 [64, 256] rows (heads h0 ..) into global memory at ptr + off0 + head · row_stride
     + d0 + column, through ``stage`` (free shared memory), so each warp stores 512 contiguous
-    bytes of one row. The row pointers are computed after the shared-memory store, as before
-    this was shared with the bf16 partials (computed first, they were 16 live 64-bit
-    addresses next to the accumulator)."""
+    bytes of one row. The row pointers are computed here, after the shared-memory store:
+    passed in ready-made, they were 16 live 64-bit addresses per thread next to the
+    accumulator, and V4 h64 launches of one split ran about 10 % slower (H200, docs/PERF.md
+    session 18)."""
     buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2))
     buf.store(o)
