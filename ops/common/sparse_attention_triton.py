@@ -712,15 +712,13 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
-# fp32. Half the bytes written by the split kernels and read back by the combine: H100, split
-# kernel alone 7.0 -> 5.8 µs at batch 2 h64, 28.2 -> 23.0 at b64 s_q1 h64; whole op 1.04-1.19x
-# at batch 2 and b64, 0.996-1.007x at b74 / b148 h128 (docs/PERF.md session 18). Each partial is rounded once more
-# than FlashMLA's fp32 ones: at most one bf16 rounding of a convex combination's terms
-# (2^-9 relative), within SPEC §9's rel 2/128; the error against the reference was unchanged
-# in those runs. A launch of one split (the portable kernel, whose combine then only applies
-# the sink and output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's
-# own epilogue rounds them. torch.float32 here restores fp32 everywhere (both kernels take
-# either).
+# fp32: half the bytes between the split kernels and the combine. H100 (docs/PERF.md session
+# 18): whole op 1.04-1.19x at batch 2 and b64, 0.996-1.007x at b74 / b148 h128. Each partial
+# is rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex
+# combination, within SPEC §9's rel 2/128; the error against the reference did not change).
+# A launch of one split (the portable kernel, whose combine then only applies the sink and
+# output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's own epilogue
+# rounds them. torch.float32 restores fp32 everywhere (both kernels take either).
 PARTIAL_DTYPE = torch.bfloat16
 
 
