@@ -53,7 +53,7 @@ LOG2E_C = tl.constexpr(LOG2E)
 # "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
 # s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None}
+          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
 # at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
@@ -74,12 +74,35 @@ FP16_FOR_E4M3 = True
 # "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
 # step; more cost it more than a second tile per split program saves (H200 batch 1, s_q 2,
 # h64, window 128 + 1024: 36 splits 14.2 µs, 18 splits 11.6)
-SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32}
+SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32,
+                "tiny": True}
+# Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
+# Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones. H200 batch 2, V4
+# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/PERF.md session 19).
+# Plain bf16 rows (no decoding) at <= 16 heads keep their 16-row block: 7.3 against 9.1 µs
+# (h8, batch 1). Elsewhere (mma.sync only) the smallest block that holds the heads stays.
+SMALL_HEAD_BLOCK_SM90 = 64
 # The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
 # 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
 # 10). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
+
+
+def head_block(H, tiny, device, fmt):
+    """The portable kernel's rows of q per program: the heads rounded up to a power of two (at
+    least 16, at most ``max_heads``), or ``SMALL_HEAD_BLOCK_SM90`` in tiny launches on sm_90
+    (but for plain bf16 rows in a 16-row block)."""
+    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
+    if tiny and _wgmma_device(device) and not (fmt == "plain_bf16" and hb == 16):
+        hb = max(hb, SMALL_HEAD_BLOCK_SM90)
+    return hb
+
+
+def _wgmma_device(device) -> bool:
+    """Whether Triton's dots on ``device`` run as sm_90 wgmma (not interpreted)."""
+    return (device.type == "cuda" and not triton_interpreting()
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def launch_config(T, n_hb, warp_specialized=False):
@@ -595,8 +618,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return
-    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
-    n_hb = triton.cdiv(H, hb)
+    n_hb = triton.cdiv(H, CONFIG["max_heads"])    # head blocks are max_heads wide past it
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
@@ -659,6 +681,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     # h64, s_q 2, window 128 + 512: 10 splits (80 programs) 11.6 µs, 20 (160) 12.8 µs
     n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev), cfg["split_overhead"],
                              cfg["max_splits"])
+    hb = head_block(H, cfg["tiny"], dev, src0.fmt)
     part_o, part_ml = _partials(T * H * n_splits, dev, n_splits)
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register

@@ -368,6 +368,34 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, kernel, pdl, monkeypatch)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("h", [5, 24])
+def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
+    """Tiny portable launches of V4 rows run 64 q rows per program on sm_90 whatever the
+    head count (``SMALL_HEAD_BLOCK_SM90``, rows past h masked), elsewhere the smallest power
+    of two that holds the heads; both blocks agree with the reference (NaN-poisoned rows,
+    ragged lengths, sinks). CPU runs force the sm_90 choice to run it interpreted. (Plain
+    bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        assert core._wgmma_device(torch.device("cuda")) == (cap[0] == 9)
+    a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
+                    extra_bs=61, seed=30 + h)
+    ref = _run_decode(a, "reference")
+    blocks = []
+    pick = core.head_block
+    monkeypatch.setattr(core, "head_block", lambda *args: blocks.append(pick(*args)) or blocks[-1])
+    for sm90 in (False, True):
+        monkeypatch.setattr(core, "_wgmma_device", lambda dev, sm90=sm90: sm90)
+        blocks.clear()
+        got = _run_decode(a, "triton")
+        assert blocks == [64 if sm90 else (16 if h <= 16 else 32)]
+        if device == "cuda":
+            assert split_kernel_name() == "_split_kernel"
+        check_decode(ref, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["portable", "ws"])
 @pytest.mark.parametrize("n_splits", [1, 3])
 def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):

@@ -99,6 +99,25 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("dtype,block", [(BF16, 16), (E4M3, 64)], ids=["bf16", "fp8"])
+def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
+    """Tiny launches on sm_90 run e4m3 rows in 64-row head blocks at any head count and keep
+    plain bf16 rows at 8 heads in a 16-row block (``SMALL_HEAD_BLOCK_SM90``); either agrees
+    with the reference on a poisoned varlen batch. CPU runs force the sm_90 choice."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9)
+    monkeypatch.setattr(core, "_wgmma_device", lambda dev: True)
+    blocks = []
+    pick = core.head_block
+    monkeypatch.setattr(core, "head_block", lambda *args: blocks.append(pick(*args)) or blocks[-1])
+    x = _batch(7, 8, dtype)
+    ref = _run(x, "cpu", "reference")
+    tri = _run(x, device, "triton")
+    assert blocks == [block]
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("H", [16] if INTERPRETING else [16, 128])
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
