@@ -62,3 +62,12 @@ def split_kernel_name():
     """Name of the attention core's last split kernel (``_ws_kernel`` or ``_split_kernel``)."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     return core.LAST_SPLIT_KERNEL.name
+
+
+def force_tiny_launches(monkeypatch, tiny: bool):
+    """Every launch of the attention core takes (``tiny``) or never takes the tiny-launch
+    shape (the portable kernel's output-dim split), whatever its size and GPU; where the
+    sm_90 kernel runs, one head block is still needed."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    monkeypatch.setattr(core, "WS_TINY", None)

@@ -58,9 +58,16 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
 # at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
 # warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
-# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2; one head block stays
-# portable: 9.6 vs 12.5 µs at s_q 1).
+# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2), and so do those of
+# one head block past ``WS_TINY``.
 SMALL_UNITS = 8
+# Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
+# 64-key tiles each (index columns): that kernel wins from 4 units up (H200 s_q 2, batch 4,
+# h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
+# 18 tiles up (window 128 + 1024, bf16 rows 11.0 -> 9.7; V3.2 top-k 2048 10.4 -> 9.7), where
+# window 128 + 512 (10 tiles) stays faster split (V4 h16 7.4 against 9.1; docs/PERF.md
+# session 19). None: ``SMALL_UNITS`` alone.
+WS_TINY = {"units": 2, "tiles": 10}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
@@ -105,9 +112,16 @@ def _wgmma_device(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def launch_config(T, n_hb, warp_specialized=False):
+def launch_config(T, n_hb, tiles, warp_specialized=False):
+    """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
+    token (index columns): tiny, sm_90 kernel or general (portable)."""
+    units = T * n_hb
+    tiny = units <= SMALL_UNITS
+    if warp_specialized:
+        tiny = tiny and n_hb == 1 and (WS_TINY is None or (units <= WS_TINY["units"]
+                                                           and tiles <= WS_TINY["tiles"]))
     cfg = dict(CONFIG)
-    if T * n_hb <= SMALL_UNITS and not (warp_specialized and n_hb > 1):
+    if tiny:
         cfg.update(SMALL_CONFIG)
     elif warp_specialized:
         cfg.update(WS_CONFIG)
@@ -634,7 +648,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
     g = _gluon_module(q, src0.fmt, blocks)
-    cfg = launch_config(T, n_hb, warp_specialized=g is not None)
+    cfg = launch_config(T, n_hb, triton.cdiv(k0, 64) + triton.cdiv(k1, 64),
+                        warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it

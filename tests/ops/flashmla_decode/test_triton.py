@@ -9,7 +9,8 @@ import torch
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import hopper_with_gluon, split_kernel_name, triton_params
+from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, split_kernel_name,
+                                      triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 
 DEVICES = triton_params()
@@ -351,16 +352,19 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("b,s_q,h,kernel", [(2, 2, 128, "_ws_kernel"), (1, 1, 72, "_ws_kernel"),
-                                            (2, 2, 64, "_split_kernel")])
-def test_tiny_launches_route_by_head_blocks(b, s_q, h, kernel, pdl, monkeypatch):
-    """Batch-2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps the
-    portable output-dim split (the H200 measurements behind SMALL_UNITS); both through the
-    combine kernel launched with and without programmatic dependent launch."""
+@pytest.mark.parametrize("b,s_q,h,extra_topk,kernel", [
+    (2, 2, 128, 512, "_ws_kernel"), (1, 1, 72, 512, "_ws_kernel"),
+    (1, 2, 64, 512, "_split_kernel"), (2, 2, 64, 512, "_ws_kernel"),
+    (1, 1, 64, 1024, "_ws_kernel")])
+def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, monkeypatch):
+    """Batch-1/2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps
+    the portable output-dim split only up to ``WS_TINY`` (2 units of at most 10 key tiles;
+    the H200 measurements behind it), both through the combine kernel launched with and
+    without programmatic dependent launch."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "PDL", pdl)
-    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True, extra_topk=512,
-                    extra_bs=64, seed=h + s_q)
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True,
+                    extra_topk=extra_topk, extra_bs=64, seed=h + s_q)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == kernel and core.LAST_COMBINED
@@ -376,6 +380,7 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     ragged lengths, sinks). CPU runs force the sm_90 choice to run it interpreted. (Plain
     bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
     from sparse_mla.ops.common import sparse_attention_triton as core
+    force_tiny_launches(monkeypatch, True)
     if device == "cuda":
         cap = torch.cuda.get_device_capability()
         assert core._wgmma_device(torch.device("cuda")) == (cap[0] == 9)

@@ -10,8 +10,8 @@ import torch
 
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import last_choice
-from sparse_mla.tests.helpers import (INTERPRETING, hopper_with_gluon, seeded, split_kernel_name,
-                                      triton_params)
+from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, hopper_with_gluon,
+                                      seeded, split_kernel_name, triton_params)
 from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -87,8 +87,7 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
     (output-dim split; an fp8 q decoded in the kernel) or the general one (fp8 q decoded to
     bf16 before the launch; on sm_90 the warp-specialized kernel), whatever this batch would
     pick."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    force_tiny_launches(monkeypatch, tiny)
     x = _batch(H, H, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -105,7 +104,7 @@ def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
     plain bf16 rows at 8 heads in a 16-row block (``SMALL_HEAD_BLOCK_SM90``); either agrees
     with the reference on a poisoned varlen batch. CPU runs force the sm_90 choice."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9)
+    force_tiny_launches(monkeypatch, True)
     monkeypatch.setattr(core, "_wgmma_device", lambda dev: True)
     blocks = []
     pick = core.head_block
@@ -125,12 +124,11 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
     """A dense batch (one query length) hands seq_lens / sparse_topk_lens to the kernels as
     they are: each token's window (seq_len - Q + i + 1, partial for the first request) and
     compressed count are derived in-kernel, with no lengths launch."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     from sparse_mla.ops.trtllm_decode import triton_lengths
 
     def no_launch(*args):
         raise AssertionError("a dense batch must not launch the lengths kernel")
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    force_tiny_launches(monkeypatch, tiny)
     monkeypatch.setattr(triton_lengths, "dsv4_lengths", no_launch)
     x = _dense(_batch(H + 1, H, dtype, q_lens=(3, 3, 3), seq=(3, 130, 200)), 3, 3)
     ref = _run(x, "cpu", "reference")
@@ -201,8 +199,7 @@ def _run_scales(x, device, impl, b1, b2, out=None):
 def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
     """bmm1/bmm2 scales given as one-element device tensors: the Triton path reads them in
     the kernels (no host sync) and must equal the reference, which reads them on the host."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    force_tiny_launches(monkeypatch, tiny)
     x = _batch(7, 16, E4M3)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
@@ -225,7 +222,7 @@ def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if launch != "warp-specialized":
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if launch == "portable-tiny" else -1)
+    force_tiny_launches(monkeypatch, launch == "portable-tiny")
     monkeypatch.setattr(core, "FP16_FOR_E4M3", fp16)
     x = _batch(31, 128, E4M3)
     ref = _run(x, "cpu", "reference")
