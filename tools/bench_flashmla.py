@@ -10,6 +10,8 @@ FlashMLA's scheduler: the first such layer of a step. Ratio = FlashMLA µs / our
 ours is faster). "portable µs" is the same op with the sm_90 warp-specialized kernel
 turned off (``SPARSE_MLA_GLUON=0``: the portable Triton kernel). Roofline: this run's copy
 bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA| on the output.
+Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 heads, a q padded
+with zero heads once, outside the timing.
 """
 import argparse
 import os
