@@ -71,3 +71,16 @@ def force_tiny_launches(monkeypatch, tiny: bool):
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
     monkeypatch.setattr(core, "WS_TINY", None)
+
+
+def record_results(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` so each call's result is appended to the returned list (and
+    still returned): which head block, which partial buffers a launch picked."""
+    results = []
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        results.append(fn(*args, **kwargs))
+        return results[-1]
+    monkeypatch.setattr(owner, name, wrapper)
+    return results

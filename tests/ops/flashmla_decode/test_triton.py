@@ -9,8 +9,8 @@ import torch
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, split_kernel_name,
-                                      triton_params)
+from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, record_results,
+                                      split_kernel_name, triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 
 DEVICES = triton_params()
@@ -136,7 +136,7 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
     model picks."""
     from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     monkeypatch.setitem(core.CONFIG, "block_n", block_n)
     monkeypatch.setitem(core.CONFIG, "dv", dv)
     a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21,
@@ -176,7 +176,7 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     and two sources; it must be what ran, and agree with the reference and the portable
     kernel."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     if n_splits is not None:
         monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
@@ -204,7 +204,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
     from sparse_mla.ops.common import sparse_attention_gluon as g
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + n_splits)
@@ -229,7 +229,7 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
     by a combine launch for those tokens only; with and without clusters and PDL."""
     from sparse_mla.ops.common import sparse_attention_gluon as g
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(core, "PDL", pdl)
     monkeypatch.setattr(g, "CLUSTER_V4", cluster)
     monkeypatch.setattr(g, "CLUSTER_V32", cluster)
@@ -249,8 +249,7 @@ def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
     """The sm_90 kernel copies V3.2's RoPE dims with 16-byte cp.async, so it serves only caches
     whose blocks all start 16-byte aligned; 4- and 8-byte-aligned paddings take the portable
     kernel. Both read through the padded strides (the poisoned padding is never read)."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, fmt="v32", bs=53, topk=96, extra_bs=61,
                     extra_topk=40, seed=7, pad_bytes=pad_bytes)
     ref = _run_decode(a, "reference")
@@ -271,7 +270,7 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
     one cache enough). Both producers must agree with the reference on poisoned, padded
     caches."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, bs=bs, topk=96, extra_bs=61, extra_topk=40,
                     seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
     ref = _run_decode(a, "reference")
@@ -305,7 +304,7 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     if ws and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if ws:
-        monkeypatch.setattr(core, "SMALL_UNITS", -1)
+        force_tiny_launches(monkeypatch, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     b, s_q, h, bs, topk = 2, 3, 64, 16, 64
@@ -381,20 +380,17 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
     from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
-    if device == "cuda":
-        cap = torch.cuda.get_device_capability()
-        assert core._wgmma_device(torch.device("cuda")) == (cap[0] == 9)
     a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
                     extra_bs=61, seed=30 + h)
     ref = _run_decode(a, "reference")
-    blocks = []
-    pick = core.head_block
-    monkeypatch.setattr(core, "head_block", lambda *args: blocks.append(pick(*args)) or blocks[-1])
-    for sm90 in (False, True):
-        monkeypatch.setattr(core, "_wgmma_device", lambda dev, sm90=sm90: sm90)
+    blocks = record_results(monkeypatch, core, "head_block")
+    here = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    for sm90 in (None, False, True):    # None: this device's own answer
+        if sm90 is not None:
+            monkeypatch.setattr(core, "_wgmma_device", lambda dev, sm90=sm90: sm90)
         blocks.clear()
         got = _run_decode(a, "triton")
-        assert blocks == [64 if sm90 else (16 if h <= 16 else 32)]
+        assert blocks == [64 if (here if sm90 is None else sm90) else (16 if h <= 16 else 32)]
         if device == "cuda":
             assert split_kernel_name() == "_split_kernel"
         check_decode(ref, got)
@@ -412,13 +408,11 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
     if route == "ws":
         if not hopper_with_gluon():
             pytest.skip("the warp-specialized kernel is sm_90 only")
-        monkeypatch.setattr(core, "SMALL_UNITS", -1)
+        force_tiny_launches(monkeypatch, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
-    made = []
-    partials = core._partials
-    monkeypatch.setattr(core, "_partials", lambda *args: made.append(partials(*args)) or made[-1])
+    made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
                     extra_bs=61, seed=11 + n_splits)
     ref = _run_decode(a, "reference")
@@ -449,7 +443,7 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     launches (both epilogues in one call); a query without keys, ±inf sinks, out-of-range
     indices, NaN rows past s_kv."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     if n_splits == "two launches":
         monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
         n_splits = 3

@@ -11,7 +11,8 @@ import torch
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, hopper_with_gluon,
-                                      seeded, split_kernel_name, triton_params)
+                                      record_results, seeded, split_kernel_name,
+                                      triton_params)
 from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -106,9 +107,7 @@ def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
     from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
     monkeypatch.setattr(core, "_wgmma_device", lambda dev: True)
-    blocks = []
-    pick = core.head_block
-    monkeypatch.setattr(core, "head_block", lambda *args: blocks.append(pick(*args)) or blocks[-1])
+    blocks = record_results(monkeypatch, core, "head_block")
     x = _batch(7, 8, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -175,8 +174,7 @@ def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch):
     """576-wide plain rows through the sm_90 kernel (the 64 RoPE dims scored from their own
     shared-memory stage, not used as values), bf16 and e4m3 pools and queries, more tokens
     than one split's worth of keys, a token with no keys."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     ran = []
     ref, tri = _v32_outputs("cuda", H, dtype, T=9, K=200, pages=16,
                             check=lambda: ran.append(split_kernel_name()))
@@ -240,7 +238,7 @@ def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
     tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", -1)
+    force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(core, "choose_splits", lambda *args: 1)
     x = _batch(24, 64, dtype)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
