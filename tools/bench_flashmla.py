@@ -50,13 +50,13 @@ def _padded_for_flash_mla(a):
     """FlashMLA's sparse decode takes 64 or 128 heads: a tensor-parallel shard's q is padded
     with zero heads (and its sinks with -inf) once, outside the timing, so FlashMLA is timed
     without the per-call padding its callers pay."""
-    from sparse_mla.ops.flashmla_decode.vendor import _padded_heads
+    from sparse_mla.ops.flashmla_decode.vendor import flash_mla_heads
     from sparse_mla.ops.common.vendor_heads import pad_heads
     h = a["q"].shape[2]
-    if _padded_heads(h) == h:
+    if flash_mla_heads(h) == h:
         return a
     a = dict(a)
-    a["q"], sink, _ = pad_heads(a["q"], a.get("attn_sink"), _padded_heads(h), head_dim=2)
+    a["q"], sink, _ = pad_heads(a["q"], a.get("attn_sink"), flash_mla_heads(h), head_dim=2)
     if sink is not None:
         a["attn_sink"] = sink
     return a

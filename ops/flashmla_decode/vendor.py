@@ -37,7 +37,9 @@ def _device_reason(t: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _padded_heads(h: int) -> int:
+def flash_mla_heads(h: int) -> int:
+    """The head count FlashMLA's sparse kernels run ``h`` heads at: 64 or 128 (q is padded
+    with zero heads up to it)."""
     return 64 if h <= 64 else 128
 
 
@@ -73,7 +75,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
-    qp, sink, _ = pad_heads(q, attn_sink, _padded_heads(h), head_dim=2)
+    qp, sink, _ = pad_heads(q, attn_sink, flash_mla_heads(h), head_dim=2)
     nbytes = 584 if kv_format == "v4" else 656
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
@@ -100,7 +102,7 @@ def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, 
 def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
-    qp, sink, _ = pad_heads(q, attn_sink, _padded_heads(h), head_dim=1)
+    qp, sink, _ = pad_heads(q, attn_sink, flash_mla_heads(h), head_dim=1)
     o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512, sink,
                                              topk_length, use_legacy=True)
     out.copy_(o[:, :h])

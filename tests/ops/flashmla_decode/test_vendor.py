@@ -55,3 +55,11 @@ def test_vendor_prefill_matches_reference(h):
     fin = rl.isfinite()
     torch.testing.assert_close(l[fin], rl[fin], atol=1e-6, rtol=2 / 65536)
     torch.testing.assert_close(m[fin], rm[fin], atol=1e-6, rtol=2 / 65536)
+
+
+@pytest.mark.parametrize("h,padded", [(1, 64), (16, 64), (64, 64), (65, 128), (128, 128)])
+def test_flash_mla_head_padding(h, padded):
+    """FlashMLA runs 64 or 128 heads; fewer are padded with zero heads up to the next one
+    (pure Python: runs without the wheel)."""
+    from sparse_mla.ops.flashmla_decode.vendor import flash_mla_heads
+    assert flash_mla_heads(h) == padded
