@@ -50,15 +50,9 @@ def _padded_for_flash_mla(a):
     """FlashMLA's sparse decode takes 64 or 128 heads: a tensor-parallel shard's q is padded
     with zero heads (and its sinks with -inf) once, outside the timing, so FlashMLA is timed
     without the per-call padding its callers pay."""
-    from sparse_mla.ops.flashmla_decode.vendor import flash_mla_heads
-    from sparse_mla.ops.common.vendor_heads import pad_heads
-    h = a["q"].shape[2]
-    if flash_mla_heads(h) == h:
-        return a
+    from sparse_mla.ops.flashmla_decode.vendor import pad_for_flash_mla
     a = dict(a)
-    a["q"], sink, _ = pad_heads(a["q"], a.get("attn_sink"), flash_mla_heads(h), head_dim=2)
-    if sink is not None:
-        a["attn_sink"] = sink
+    a["q"], a["attn_sink"] = pad_for_flash_mla(a["q"], a.get("attn_sink"), head_dim=2)
     return a
 
 

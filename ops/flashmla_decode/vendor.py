@@ -43,6 +43,13 @@ def flash_mla_heads(h: int) -> int:
     return 64 if h <= 64 else 128
 
 
+def pad_for_flash_mla(q: torch.Tensor, attn_sink, head_dim: int):
+    """``(q, attn_sink)`` at ``flash_mla_heads`` heads along ``head_dim``: zero q heads and
+    -inf sinks past the real ones (they change nothing; callers keep the real heads' rows)."""
+    qp, sink, _ = pad_heads(q, attn_sink, flash_mla_heads(q.shape[head_dim]), head_dim=head_dim)
+    return qp, sink
+
+
 def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-idx.shape[-1]) % multiple
     return F.pad(idx, (0, pad), value=-1) if pad else idx
@@ -75,7 +82,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
-    qp, sink, _ = pad_heads(q, attn_sink, flash_mla_heads(h), head_dim=2)
+    qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)
     nbytes = 584 if kv_format == "v4" else 656
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
@@ -102,7 +109,7 @@ def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, 
 def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
-    qp, sink, _ = pad_heads(q, attn_sink, flash_mla_heads(h), head_dim=1)
+    qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=1)
     o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512, sink,
                                              topk_length, use_legacy=True)
     out.copy_(o[:, :h])

@@ -63,3 +63,22 @@ def test_flash_mla_head_padding(h, padded):
     (pure Python: runs without the wheel)."""
     from sparse_mla.ops.flashmla_decode.vendor import flash_mla_heads
     assert flash_mla_heads(h) == padded
+
+
+@pytest.mark.parametrize("h,head_dim", [(3, 2), (64, 2), (100, 1)])
+def test_pad_for_flash_mla_adds_zero_heads_and_minus_inf_sinks(h, head_dim):
+    """The padding the vendor path and the benchmark share: real heads unchanged, extra heads
+    zero with -inf sinks, nothing copied when FlashMLA takes h as it is."""
+    from sparse_mla.ops.flashmla_decode.vendor import flash_mla_heads, pad_for_flash_mla
+    q = torch.randn([2, h, 576] if head_dim == 1 else [2, 1, h, 576]).to(torch.bfloat16)
+    sink = torch.randn(h)
+    qp, sp = pad_for_flash_mla(q, sink, head_dim=head_dim)
+    hp = flash_mla_heads(h)
+    assert qp.shape[head_dim] == hp and sp.shape == (hp,) and sp.dtype == torch.float32
+    assert torch.equal(qp.narrow(head_dim, 0, h), q) and torch.equal(sp[:h], sink)
+    assert not qp.narrow(head_dim, h, hp - h).any()
+    assert bool((sp[h:] == float("-inf")).all())
+    if hp == h:
+        assert qp is q and sp is sink
+    qp, sp = pad_for_flash_mla(q, None, head_dim=head_dim)
+    assert sp is None and qp.shape[head_dim] == hp
