@@ -628,6 +628,13 @@ def _source_args(src):
     return cache, src.cache.stride(0), src.cache.stride(1)
 
 
+def _tiles(k0, k1, width):
+    """Tiles of ``width`` keys over both sources' index columns, each source padded to whole
+    tiles (the kernels' virtual key list). ``launch_config`` counts in 64-key units, the
+    kernels in their own ``block_n``."""
+    return triton.cdiv(k0, width) + triton.cdiv(k1, width)
+
+
 def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
@@ -648,8 +655,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
     g = _gluon_module(q, src0.fmt, blocks)
-    cfg = launch_config(T, n_hb, triton.cdiv(k0, 64) + triton.cdiv(k1, 64),
-                        warp_specialized=g is not None)
+    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None)
     if cfg["dv"] != 1:
         g = None
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
@@ -662,7 +668,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
-    max_tiles = max(1, triton.cdiv(k0, bn) + triton.cdiv(k1, bn))
+    max_tiles = max(1, _tiles(k0, k1, bn))
     dvs = cfg["dv"]
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
