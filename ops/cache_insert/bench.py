@@ -20,14 +20,16 @@ def _storage(t):
 
 
 def _cos_sin(device, max_pos=8192):
-    """A RoPE table of random unit vectors, built without cos / sin: torch's CPU cos and sin
-    may round an element differently depending on how the tensor is split among threads
-    (vector body or scalar tail), so two builds from the same seed differed in a few bits
-    under load and the main job's reference-against-reference check failed (about one run
-    in eight on a busy 2-core machine). Products and square roots round the same everywhere."""
-    c = torch.rand(max_pos, 32, device=device) * 2 - 1
+    """A RoPE table of random unit vectors, (1 - t², 2t) / (1 + t²) with a random sign on the
+    first half: products, sums and divisions only, which round the same on every run. torch's
+    CPU cos, sin and sqrt go through MKL's vector math, and a table built with them has
+    differed in a few elements between two builds from the same seed in one process (the main
+    job's reference-against-reference check failed: with cos / sin about one run in eight on
+    a busy 2-core machine, with sqrt 3 runs in 57)."""
+    t = torch.rand(max_pos, 32, device=device) * 2 - 1
     sign = torch.where(torch.rand(max_pos, 32, device=device) < 0.5, -1.0, 1.0)
-    return torch.cat([c, (1 - c * c).sqrt() * sign], dim=1)
+    one_plus = 1 + t * t
+    return torch.cat([(1 - t * t) / one_plus * sign, 2 * t / one_plus], dim=1)
 
 
 def _v4_insert_case(n, device):
