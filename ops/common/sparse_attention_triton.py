@@ -64,10 +64,11 @@ SMALL_UNITS = 8
 # Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
 # 64-key tiles each (index columns): that kernel wins from 4 units up (H200 s_q 2, batch 4,
 # h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
-# 18 tiles up (window 128 + 1024, bf16 rows 11.0 -> 9.7; V3.2 top-k 2048 10.4 -> 9.7), where
-# window 128 + 512 (10 tiles) stays faster split (V4 h16 7.4 against 9.1; docs/PERF.md
-# session 19). None: ``SMALL_UNITS`` alone.
-WS_TINY = {"units": 2, "tiles": 10}
+# 17 tiles up (window 128 + 960: bf16 rows 11.2 -> 10.6, V3.2 top-k 1088 11.7 -> 11.4, V4 a
+# tie), where 16 tiles stay faster split (window 128 + 896: V4 9.4 against 11.2, bf16 9.3
+# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/PERF.md sessions 19 and 21).
+# None: ``SMALL_UNITS`` alone.
+WS_TINY = {"units": 2, "tiles": 16}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their

@@ -354,10 +354,11 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
 @pytest.mark.parametrize("b,s_q,h,extra_topk,kernel", [
     (2, 2, 128, 512, "_ws_kernel"), (1, 1, 72, 512, "_ws_kernel"),
     (1, 2, 64, 512, "_split_kernel"), (2, 2, 64, 512, "_ws_kernel"),
+    (1, 2, 64, 896, "_split_kernel"), (1, 1, 64, 960, "_ws_kernel"),
     (1, 1, 64, 1024, "_ws_kernel")])
 def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, monkeypatch):
     """Batch-1/2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps
-    the portable output-dim split only up to ``WS_TINY`` (2 units of at most 10 key tiles;
+    the portable output-dim split only up to ``WS_TINY`` (2 units of at most 16 key tiles;
     the H200 measurements behind it), both through the combine kernel launched with and
     without programmatic dependent launch."""
     from sparse_mla.ops.common import sparse_attention_triton as core
