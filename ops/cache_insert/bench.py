@@ -22,10 +22,10 @@ def _storage(t):
 def _cos_sin(device, max_pos=8192):
     """A RoPE table of random unit vectors, (1 - t², 2t) / (1 + t²) with a random sign on the
     first half: products, sums and divisions only, which round the same on every run. torch's
-    CPU cos, sin and sqrt go through MKL's vector math, and a table built with them has
-    differed in a few elements between two builds from the same seed in one process (the main
-    job's reference-against-reference check failed: with cos / sin about one run in eight on
-    a busy 2-core machine, with sqrt 3 runs in 57)."""
+    CPU cos, sin and sqrt go through MKL's vector math: with sqrt, a process's first table
+    differed from its later ones (same seed) in about half its elements, one thread's share,
+    in 7 of 103 CLI runs on a busy 2-core machine, and the main job's reference-against-
+    reference check failed (with cos / sin before, about one run in eight)."""
     t = torch.rand(max_pos, 32, device=device) * 2 - 1
     sign = torch.where(torch.rand(max_pos, 32, device=device) < 0.5, -1.0, 1.0)
     one_plus = 1 + t * t
