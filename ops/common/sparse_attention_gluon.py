@@ -238,11 +238,18 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                    FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
                    STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr,
                    EARLY: gl.constexpr):
-    # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads a row
-    LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
-    # bf16 [BN, 64] tiles (RoPE dims, plain bf16 rows) use the same layout: 32 bytes per
-    # thread, so their row pointers need no layout conversion (a shared-memory round trip
-    # and two barriers per tile)
+    if FMT == 2:
+        # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
+        # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
+        # covered half of every sector it touched, so every sector was asked for twice: H200
+        # h64 W128+512 B64 30.1 -> 27.7 µs (78 -> 85 % of copy), docs/PERF.md session 22
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
+    else:
+        # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads
+        # a row; V4 rows' bf16 RoPE dims use it too (32 bytes per thread), so their row
+        # pointers need no layout conversion (a shared-memory round trip and two barriers
+        # per tile)
+        LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
     # Slot ids are loaded a tile ahead (two with ``EARLY``, whose first two come from
