@@ -250,6 +250,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         # pointers need no layout conversion (a shared-memory round trip and two barriers
         # per tile)
         LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [P_WARPS, 1], [1, 0])  # _rope_v32
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
     # Slot ids are loaded a tile ahead (two with ``EARLY``, whose first two come from
@@ -285,7 +286,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
                 cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            _store_v32_rows(kb, kr_bufs.index(st), rec, valid, cb, x0, x1, x2, x3, x4, x5, x6,
+            _store_v32_rows(kb, kr_bufs.index(st), rec, valid, LR, x0, x1, x2, x3, x4, x5, x6,
                             x7, sa, sb, sc, sd, MODE)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage, and
@@ -712,20 +713,27 @@ def _gather_v32(cache, s0, bs, idx, valid, cb):
 
 
 @gluon.jit
-def _rope_v32(krb, rec, valid, cb):
-    """Start the copy of V3.2 rows' RoPE dims (bf16, no decoding) into ``krb``."""
+def _rope_v32(krb, rec, valid, LR: gl.constexpr):
+    """Start the copy of V3.2 rows' RoPE dims (bf16, no decoding) into ``krb``, in layout
+    ``LR``, which spreads the rows as ``rec``'s layout does (no conversion). One-CTA
+    producers give 16 bytes per thread, a thread's two halves half a row apart, so each
+    cp.async covers whole sectors (``_produce_tiles``' bf16 note): H200 V3.2 h64 1.09-1.12x,
+    docs/PERF.md session 22."""
+    rows: gl.constexpr = gl.SliceLayout(1, LR)
+    rope = gl.convert_layout(rec, rows) + 528
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     async_copy.async_copy_global_to_shared(
-        krb, (rec + 528).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
-        mask=valid[:, None])
+        krb, rope.to(gl.pointer_type(gl.bfloat16))[:, None] + cr[None, :],
+        mask=gl.convert_layout(valid, rows)[:, None])
 
 
 @gluon.jit
-def _store_v32_rows(kb, krb, rec, valid, cb, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd,
-                    MODE: gl.constexpr):
+def _store_v32_rows(kb, krb, rec, valid, LR: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7,
+                    sa, sb, sc, sd, MODE: gl.constexpr):
     """Gathered V3.2 rows into a stage's rows (``kb``: latent dims, ``krb``: RoPE dims). The
     RoPE dims need no decoding: copied asynchronously while the latent dims are dequantized
     (and 16 registers lighter than a load); waited for before returning."""
-    _rope_v32(krb, rec, valid, cb)
+    _rope_v32(krb, rec, valid, LR)
     async_copy.commit_group()
     if MODE != 3:
         _store_v32(kb, 0, x0, x1, sa)
@@ -776,16 +784,18 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
-        # the RoPE dims of both halves by cp.async; the latent dims a pair of panels at a
+        # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
+        # sector layout measured 0.994x here, H200 h128 b64 / b148, docs/PERF.md session 22);
+        # the latent dims a pair of panels at a
         # time, each pair sent as soon as it is stored, so the copies overlap the rest's
         # dequantization (V3.2 h128: 201.7 -> 189.9 us over one batch; V4's producer lost
         # 2.5-4 % to a second batch's barrier, PERF.md session 13)
         if rank == 0:     # static slice starts: one branch per rank
-            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, cb)
-            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, cb)
+            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, LB)
+            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, LB)
         else:
-            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, cb)
-            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, cb)
+            _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, LB)
+            _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, LB)
         async_copy.commit_group()
         _send_pair_v32(k_bufs, ready, st, rank, tid, 0, x0, x1, sa, BN, SUB, _SEND_V32_0, MODE)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_1, MODE)
