@@ -786,10 +786,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
         # sector layout measured 0.994x here, H200 h128 b64 / b148, docs/PERF.md session 22);
-        # the latent dims a pair of panels at a
-        # time, each pair sent as soon as it is stored, so the copies overlap the rest's
-        # dequantization (V3.2 h128: 201.7 -> 189.9 us over one batch; V4's producer lost
-        # 2.5-4 % to a second batch's barrier, PERF.md session 13)
+        # the latent dims a pair of panels at a time, each pair sent as soon as it is stored,
+        # so the copies overlap the rest's dequantization (V3.2 h128: 201.7 -> 189.9 us over
+        # one batch; V4's producer lost 2.5-4 % to a second batch's barrier, PERF.md
+        # session 13)
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, LB)
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, LB)
