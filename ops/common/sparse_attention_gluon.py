@@ -16,7 +16,8 @@ in each warp:
   folded into the softmax / output scales outside); plain bf16 rows and V3.2's bf16 RoPE dims
   are copied with cp.async, never passing through registers. 576-wide keys (V3.2, 576-wide
   plain rows) put their last 64 dims, which score but are not values, in a [BLOCK_N, 64]
-  stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes;
+  stage of their own (q's in a [64, 64] buffer): 231,272 of sm_90's 232,448 shared bytes
+  (the V3.2 clusters put p in the RoPE stages and stage part of the next tile: 231,576);
 * at 65-128 heads over the V4 or V3.2 cache (``CLUSTER``) the token's two head blocks run
   as a 2-CTA cluster: each producer dequantizes half of every tile and copies the
   dequantized dims into its peer's stage as well (see "2-CTA clusters" below);
@@ -94,6 +95,9 @@ EARLY_SLOTS = gl.constexpr(True)
 # over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py proved the
 # route).
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
+# e4m3 panels of the next tile's V3.2 rows that the cluster producer stages by cp.async (the
+# first two pairs: 8 KB, what is left once p shares the RoPE stages: _p_buf)
+V32_STAGED_PANELS = gl.constexpr(4)
 PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
 _OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
 _SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
@@ -213,7 +217,8 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
     if CLUSTER and FMT == 1:
-        _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo, hi,
+        _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
+                          peer_free, t, lo, hi,
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, MODE, rank)
@@ -744,15 +749,25 @@ def _store_v32_rows(kb, krb, rec, valid, LR: gl.constexpr, x0, x1, x2, x3, x4, x
 
 
 @gluon.jit
-def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo, hi, n_tiles,
-                      n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
-                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
-                      STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr, rank):
-    """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile
-    (slot ids a tile ahead, records gathered into registers before the stage is free, as
-    ``_produce_tiles`` does), stored here and copied into the peer's stage. The RoPE dims of
-    the peer's half are copied here from the cache, like this CTA's own (they need no
-    decoding, and the cluster copies cost by the byte), and its bias is written here."""
+def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, empty, peer_free,
+                      t, lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                      i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
+                      BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
+                      MODE: gl.constexpr, rank):
+    """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile,
+    stored here and copied into the peer's stage. The RoPE dims of the peer's half are copied
+    here from the cache, like this CTA's own (they need no decoding, and the cluster copies
+    cost by the byte), and its bias is written here.
+
+    The first two pairs of panels (and their scales) of the next tile are copied into
+    ``stage_raw`` / ``stage_sc`` by cp.async a tile ahead; the last two are loaded into
+    registers at the top of the tile, so their latency passes while the first two are
+    stored. Loading whole tiles into registers left the latency exposed: per-tile %clock64
+    stamps (H200, h128 b64 s_q2, docs/PERF.md session 23) had the lead waiting 1,200 of a
+    4,600-cycle tile for its stage. Registers cannot carry the next tile instead: a
+    pair-by-pair register pipeline ran 0.92x, because ptxas puts every load of the loop on
+    one scoreboard and the first use of any waits for all (8 KB of shared memory is all
+    there is for staging: V3.2 h128 b64 s_q2 1.026x)."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -765,6 +780,11 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     _cluster_sync(tid, _CLUSTER_WAIT)
+    # both halves of a tile come from one source (source 0's columns are padded to BN)
+    cache, s0, s1, bs, cap = tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
+    valid = _usable(idx, cap, MODE)
+    _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx, 656), valid, cb)
     for i in range(n_tiles):
         st = i % STAGES
         c = first + i * BN
@@ -773,12 +793,18 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         c_o = other + i * BN
         idx_o_next = _slots(c_o + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                             rows_b)
-        # both halves of a tile come from one source (source 0's columns are padded to BN)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
-        rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
-            cache, s0, bs, idx, valid, cb)
+        rec = _record(cache, s0, bs, idx, 656)
+        v2 = valid[:, None]
+        x4 = _byte_tile(rec, 4, v2, cb)
+        x5 = _byte_tile(rec, 5, v2, cb)
+        x6 = _byte_tile(rec, 6, v2, cb)
+        x7 = _byte_tile(rec, 7, v2, cb)
+        scales = (rec + 520).to(gl.pointer_type(gl.float32))
+        sc = gl.load(scales, mask=valid, other=0.0)
+        sd = gl.load(scales + 1, mask=valid, other=0.0)
         valid_o = _usable(idx_o, cap, MODE)
         rec_o = _record(cache, s0, bs, idx_o, 656)
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
@@ -797,8 +823,21 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec_o, valid_o, LB)
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, LB)
         async_copy.commit_group()
+        async_copy.wait_group(1)    # this tile's staged panels
+        gl.thread_barrier()     # a scale is copied by one of the four threads that read it
+        x0 = stage_raw.index(0).load(LB)
+        x1 = stage_raw.index(1).load(LB)
+        sa = stage_sc.index(0).load(rows_b)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 0, x0, x1, sa, BN, SUB, _SEND_V32_0, MODE)
+        x2 = stage_raw.index(2).load(LB)
+        x3 = stage_raw.index(3).load(LB)
+        sb = stage_sc.index(1).load(rows_b)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_1, MODE)
+        # the next tile's first pairs, once these have left the staging buffer
+        cache, s0, s1, bs, cap = tile_source(c + BN < n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
+                                             c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
+        _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx_next, 656),
+                   _usable(idx_next, cap, MODE), cb)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2, MODE)
         _store_pair_v32(k_bufs, st, rank, 3, x6, x7, sd, SUB, MODE)
         if rank == 0:
@@ -807,13 +846,30 @@ def _produce_v32_pair(k_bufs, kr_bufs, bias_bufs, ready, empty, peer_free, t, lo
         else:
             bias_bufs.index(st).slice(SUB, SUB).store(bias)
             bias_bufs.index(st).slice(0, SUB).store(bias_o)
-        async_copy.wait_group(0)
+        async_copy.wait_group(1)    # the RoPE dims (the next tile's staging may still fly)
         fence_async_shared()
         gl.thread_barrier()
         _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, V32_PANELS)
         idx = idx_next
         idx_o = idx_o_next
+    async_copy.wait_group(0)    # the staging past the last tile (nothing) before exit
     _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
+
+
+@gluon.jit
+def _stage_v32(stage_raw, stage_sc, rec, valid, cb):
+    """Start the cp.async of V3.2 rows' first ``V32_STAGED_PANELS`` e4m3 panels and their
+    scales into the staging buffers, in ``_byte_tile``'s layout (each thread later reads the
+    bytes it copied); rows that are not ``valid`` are zero-filled. One commit group."""
+    gl.static_assert(V32_STAGED_PANELS == 4)
+    v2 = valid[:, None]
+    for j in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(
+            stage_raw.index(j), rec[:, None] + (64 * j + cb[None, :]), mask=v2)
+    scales = (rec + 512).to(gl.pointer_type(gl.float32))
+    async_copy.async_copy_global_to_shared(stage_sc.index(0), scales, mask=valid)
+    async_copy.async_copy_global_to_shared(stage_sc.index(1), scales + 1, mask=valid)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -883,7 +939,8 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
           sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
           TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
           HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
-          Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr):
+          Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr,
+          P_IN_KR: gl.constexpr):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
@@ -924,7 +981,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
                 mx = gl.maximum(mx, m_tile)
             p16 = p.to(p_smem.dtype)
             mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
-            p_smem.store(p16)
+            _p_buf(p_smem, kr_bufs, st, P_IN_KR).store(p16)
             rows.index(0).store(alpha)
             fence_async_shared()                   # generic stores -> _follow's wgmma
             gl.thread_barrier()
@@ -992,11 +1049,11 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constex
 
 
 @gluon.jit
-def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o, t, tp,
-            h0,
-            H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
+def _follow(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o,
+            t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
             STAGES: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
-            HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, CLUSTER: gl.constexpr):
+            HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, CLUSTER: gl.constexpr,
+            P_IN_KR: gl.constexpr):
     # p·v for output dims [256, 512) with _lead's p (shared memory) and row rescale
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
@@ -1012,7 +1069,8 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
         if MODE != 2:
             mbarrier.wait(p_full, i & 1)
             acc = acc * rows.index(0).load(ROW_O)[:, None]
-            acc = warpgroup_mma(p_smem, k_bufs.index(st).slice(256, 256, dim=1), acc,
+            acc = warpgroup_mma(_p_buf(p_smem, kr_bufs, st, P_IN_KR),
+                                k_bufs.index(st).slice(256, 256, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
@@ -1024,6 +1082,17 @@ def _follow(k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, p
                 rows.index(3).load(ROW_O) != 0.0, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
                 out_s0, out_s1, out_scale, out_scale_ptr, _free_stage(k_bufs, n_tiles, 1, STAGES),
                 O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+
+
+@gluon.jit
+def _p_buf(p_smem, kr_bufs, st, P_IN_KR: gl.constexpr):
+    """Where _lead puts tile ``st``'s p for _follow: ``p_smem``, or where ``P_IN_KR`` the
+    tile's own RoPE stage, free once q·kᵀ has read it and refilled only after _follow's
+    release of the stage (the 8 KB it saves hold the V3.2 cluster producer's staging)."""
+    if P_IN_KR:
+        return kr_bufs.index(st)
+    else:
+        return p_smem
 
 
 @gluon.jit
@@ -1119,6 +1188,7 @@ def _ws_kernel(
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     EARLY: gl.constexpr = EARLY_SLOTS and not CLUSTER and (FMT == 0 or FMT == 3)
+    V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
                              2 * BN, num_warps)
@@ -1150,6 +1220,11 @@ def _ws_kernel(
         # (and in a cluster, after them, the RoPE dims of the peer's rows)
         stage_rope = gl.allocate_shared_memory(gl.bfloat16, [2 * SUB if CLUSTER else SUB, 64],
                                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    elif V32_STAGED:    # the V3.2 cluster producer's next pairs of panels (_produce_v32_pair)
+        stage_raw = gl.allocate_shared_memory(gl.uint8, [V32_STAGED_PANELS, PAIR_SUB, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        stage_rope = gl.allocate_shared_memory(gl.float32, [V32_STAGED_PANELS // 2, PAIR_SUB],
+                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:           # never read
         stage_raw = k_bufs
         stage_rope = k_bufs
@@ -1168,7 +1243,10 @@ def _ws_kernel(
         peer_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     else:           # never used
         peer_free = empty
-    p_smem = gl.allocate_shared_memory(KT, [HEADS, BN], SMEM)
+    if V32_STAGED:  # p goes into the tile's RoPE stage (_p_buf)
+        p_smem = kr_bufs
+    else:
+        p_smem = gl.allocate_shared_memory(KT, [HEADS, BN], SMEM)
     # per-row factors from _lead to _follow: 0 the tile's rescale, 1-3 the epilogue's
     rows = gl.allocate_shared_memory(gl.float32, [4, HEADS],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1190,10 +1268,11 @@ def _ws_kernel(
                  ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0,
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
-                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER)),
-        (_follow, (k_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED)),
+        (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER)),
+                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,
+                   V32_STAGED)),
         (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                     peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
