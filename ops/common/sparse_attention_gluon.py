@@ -797,14 +797,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap, MODE)
         rec = _record(cache, s0, bs, idx, 656)
-        v2 = valid[:, None]
-        x4 = _byte_tile(rec, 4, v2, cb)
-        x5 = _byte_tile(rec, 5, v2, cb)
-        x6 = _byte_tile(rec, 6, v2, cb)
-        x7 = _byte_tile(rec, 7, v2, cb)
-        scales = (rec + 520).to(gl.pointer_type(gl.float32))
-        sc = gl.load(scales, mask=valid, other=0.0)
-        sd = gl.load(scales + 1, mask=valid, other=0.0)
+        x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
         valid_o = _usable(idx_o, cap, MODE)
         rec_o = _record(cache, s0, bs, idx_o, 656)
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
@@ -861,15 +854,26 @@ def _stage_v32(stage_raw, stage_sc, rec, valid, cb):
     """Start the cp.async of V3.2 rows' first ``V32_STAGED_PANELS`` e4m3 panels and their
     scales into the staging buffers, in ``_byte_tile``'s layout (each thread later reads the
     bytes it copied); rows that are not ``valid`` are zero-filled. One commit group."""
-    gl.static_assert(V32_STAGED_PANELS == 4)
     v2 = valid[:, None]
-    for j in gl.static_range(4):
+    for j in gl.static_range(V32_STAGED_PANELS):
         async_copy.async_copy_global_to_shared(
             stage_raw.index(j), rec[:, None] + (64 * j + cb[None, :]), mask=v2)
-    scales = (rec + 512).to(gl.pointer_type(gl.float32))
-    async_copy.async_copy_global_to_shared(stage_sc.index(0), scales, mask=valid)
-    async_copy.async_copy_global_to_shared(stage_sc.index(1), scales + 1, mask=valid)
+    scales = (rec + 512).to(gl.pointer_type(gl.float32))    # one per pair of panels
+    for j in gl.static_range(V32_STAGED_PANELS // 2):
+        async_copy.async_copy_global_to_shared(stage_sc.index(j), scales + j, mask=valid)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _load_v32_tail(rec, valid, cb):
+    """The loads of what ``_stage_v32`` leaves of V3.2 rows: e4m3 panels 4-7 as
+    ``_byte_tile``s and the scales of their two pairs (zeros where not ``valid``)."""
+    gl.static_assert(V32_STAGED_PANELS == 4)
+    v2 = valid[:, None]
+    scales = (rec + 512).to(gl.pointer_type(gl.float32)) + 2
+    return (_byte_tile(rec, 4, v2, cb), _byte_tile(rec, 5, v2, cb), _byte_tile(rec, 6, v2, cb),
+            _byte_tile(rec, 7, v2, cb), gl.load(scales, mask=valid, other=0.0),
+            gl.load(scales + 1, mask=valid, other=0.0))
 
 
 @gluon.jit
@@ -1220,7 +1224,8 @@ def _ws_kernel(
         # (and in a cluster, after them, the RoPE dims of the peer's rows)
         stage_rope = gl.allocate_shared_memory(gl.bfloat16, [2 * SUB if CLUSTER else SUB, 64],
                                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    elif V32_STAGED:    # the V3.2 cluster producer's next pairs of panels (_produce_v32_pair)
+    elif V32_STAGED:    # the V3.2 cluster producer's next panels and (in stage_rope) their
+        # scales: _stage_v32
         stage_raw = gl.allocate_shared_memory(gl.uint8, [V32_STAGED_PANELS, PAIR_SUB, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         stage_rope = gl.allocate_shared_memory(gl.float32, [V32_STAGED_PANELS // 2, PAIR_SUB],
