@@ -22,10 +22,12 @@ OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
 
 # (first panel, panels) of each copy batch. V4: panels 0-6 in one batch after the whole
 # half is stored (panel 7, the RoPE dims, comes from the cache; a second batch's barrier cost
-# V4 2.5-4 %). V3.2: each pair of panels (one fp32 scale) as soon as it is stored, so the
-# copies overlap the rest's dequantization (201.7 -> 189.9 us on H200 over one batch).
+# V4 2.5-4 %). V3.2: the two staged pairs of panels (one fp32 scale each) together, then each
+# register pair as soon as it is stored, so the copies overlap the rest's dequantization
+# (201.7 -> 189.9 us on H200 over one batch; the first two pairs in one batch: 1.00-1.03x
+# over four, docs/PERF.md session 24).
 V4_SENDS = ((0, 7),)
-V32_SENDS = ((0, 2), (2, 2), (4, 2), (6, 2))
+V32_SENDS = ((0, 4), (4, 2), (6, 2))
 
 
 def sent_panels(sends) -> int:

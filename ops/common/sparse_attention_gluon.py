@@ -102,7 +102,7 @@ PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
 _OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
 _SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
 V4_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V4_SENDS))
-_SEND_V32_0, _SEND_V32_1, _SEND_V32_2, _SEND_V32_3 = (
+_SEND_V32_STAGED, _SEND_V32_2, _SEND_V32_3 = (
     gl.constexpr(cluster_ptx.send_panels(*b)) for b in cluster_ptx.V32_SENDS)
 V32_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V32_SENDS))
 _REMOTE_ARRIVE = gl.constexpr(cluster_ptx.REMOTE_ARRIVE)
@@ -805,10 +805,11 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
         # sector layout measured 0.994x here, H200 h128 b64 / b148, docs/PERF.md session 22);
-        # the latent dims a pair of panels at a time, each pair sent as soon as it is stored,
-        # so the copies overlap the rest's dequantization (V3.2 h128: 201.7 -> 189.9 us over
-        # one batch; V4's producer lost 2.5-4 % to a second batch's barrier, PERF.md
-        # session 13)
+        # the latent dims a pair of panels at a time, sent as soon as stored (the two staged
+        # pairs as one batch: one fence and one copy issue fewer, 1.00-1.03x over four
+        # batches, PERF.md session 24), so the copies overlap the rest's dequantization
+        # (V3.2 h128: 201.7 -> 189.9 us over one batch; V4's producer lost 2.5-4 % to a
+        # second batch's barrier, PERF.md session 13)
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, LB)
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, LB)
@@ -821,11 +822,12 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         x0 = stage_raw.index(0).load(LB)
         x1 = stage_raw.index(1).load(LB)
         sa = stage_sc.index(0).load(rows_b)
-        _send_pair_v32(k_bufs, ready, st, rank, tid, 0, x0, x1, sa, BN, SUB, _SEND_V32_0, MODE)
+        _store_pair_v32(k_bufs, st, rank, 0, x0, x1, sa, SUB, MODE)
         x2 = stage_raw.index(2).load(LB)
         x3 = stage_raw.index(3).load(LB)
         sb = stage_sc.index(1).load(rows_b)
-        _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_1, MODE)
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_STAGED,
+                       MODE)
         # the next tile's first pairs, once these have left the staging buffer
         cache, s0, s1, bs, cap = tile_source(c + BN < n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
                                              c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)

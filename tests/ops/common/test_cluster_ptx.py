@@ -35,9 +35,10 @@ def test_each_panel_is_sent_once_and_expected(sends, panels):
 
 
 def test_v32_batches_are_the_kernels_pairs():
-    """The V3.2 producer stores one pair of panels (one fp32 scale) and then sends batch k:
-    batch k must be panels 2k and 2k + 1."""
-    assert cp.V32_SENDS == tuple((2 * k, 2) for k in range(4))
+    """The V3.2 producer stores its two staged pairs of panels (panels 0-3) and sends them as
+    batch 0, then stores and sends pairs 2 and 3 one at a time: batch k > 0 must be panels
+    2k + 2 and 2k + 3."""
+    assert cp.V32_SENDS == ((0, 4), (4, 2), (6, 2))
 
 
 def test_only_thread_zero_copies():
