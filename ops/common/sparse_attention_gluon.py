@@ -767,7 +767,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     4,600-cycle tile for its stage. Registers cannot carry the next tile instead: a
     pair-by-pair register pipeline ran 0.92x, because ptxas puts every load of the loop on
     one scoreboard and the first use of any waits for all (8 KB of shared memory is all
-    there is for staging: V3.2 h128 b64 s_q2 1.026x)."""
+    there is for staging: V3.2 h128 b64 s_q2 1.026x). Nor can the register half be loaded
+    at the end of the tile before: the first load after the back edge, or the hand-off's
+    wait loop entered with loads in flight, then waits for all of them (0.84-0.86x,
+    PERF.md session 24)."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
