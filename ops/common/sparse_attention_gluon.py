@@ -798,6 +798,8 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
                             rows_b)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
+        # recomputed although the staging below had them: carried over the back edge
+        # instead, V3.2 h128 ran 0.989-0.999x (H200, PERF.md session 24)
         valid = _usable(idx, cap, MODE)
         rec = _record(cache, s0, bs, idx, 656)
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
