@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from sparse_mla.ops.common import cluster_ptx
+from sparse_mla.ops.common import cluster_ptx, formats
 from sparse_mla.ops.common.sparse_attention_triton import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
@@ -95,6 +95,7 @@ EARLY_SLOTS = gl.constexpr(True)
 # over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py proved the
 # route).
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
+V32_RECORD = gl.constexpr(formats.V32.bytes_per_token)     # bytes of a V3.2 record
 # e4m3 panels of the next tile's V3.2 rows that the cluster producer stages by cp.async (the
 # first two pairs: 8 KB, what is left once p shares the RoPE stages: _p_buf)
 V32_STAGED_PANELS = gl.constexpr(4)
@@ -707,7 +708,7 @@ def _gather_v32(cache, s0, bs, idx, valid, cb):
     """Issue the loads of V3.2 records (rows with an unusable slot id load nothing): the 512
     e4m3 bytes as eight [rows, 64] byte tiles and the four fp32 scales; returns the records'
     addresses too (their RoPE dims are copied later)."""
-    rec = _record(cache, s0, bs, idx, 656)
+    rec = _record(cache, s0, bs, idx, V32_RECORD)
     x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, valid[:, None], cb)
     scales = (rec + 512).to(gl.pointer_type(gl.float32))
     sa = gl.load(scales, mask=valid, other=0.0)
@@ -783,11 +784,14 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     _cluster_sync(tid, _CLUSTER_WAIT)
-    # both halves of a tile come from one source (source 0's columns are padded to BN)
+    # both halves of a tile come from one source (source 0's columns are padded to BN). The
+    # staging of the first tile and (in the loop) of the next one stay written out: folded
+    # into _stage_v32, these values stop being loop-carried, ptxas reschedules the dequant,
+    # and V3.2 h128 b148 / b256 ran 0.97-0.99x (H200, docs/PERF.md session 25)
     cache, s0, s1, bs, cap = tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
     valid = _usable(idx, cap, MODE)
-    _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx, 656), valid, cb)
+    _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx, V32_RECORD), valid, cb)
     for i in range(n_tiles):
         st = i % STAGES
         c = first + i * BN
@@ -801,10 +805,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         # recomputed although the staging below had them: carried over the back edge
         # instead, V3.2 h128 ran 0.989-0.999x (H200, PERF.md session 24)
         valid = _usable(idx, cap, MODE)
-        rec = _record(cache, s0, bs, idx, 656)
+        rec = _record(cache, s0, bs, idx, V32_RECORD)
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
         valid_o = _usable(idx_o, cap, MODE)
-        rec_o = _record(cache, s0, bs, idx_o, 656)
+        rec_o = _record(cache, s0, bs, idx_o, V32_RECORD)
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
@@ -836,7 +840,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         # the next tile's first pairs, once these have left the staging buffer
         cache, s0, s1, bs, cap = tile_source(c + BN < n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
                                              c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx_next, 656),
+        _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx_next, V32_RECORD),
                    _usable(idx_next, cap, MODE), cb)
         _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2, MODE)
         _store_pair_v32(k_bufs, st, rank, 3, x6, x7, sd, SUB, MODE)
