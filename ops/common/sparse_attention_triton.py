@@ -478,16 +478,28 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
                     OUT_SCALE_T: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr,
                     HAS_MAX: tl.constexpr,
                     SPLITS: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # launched early (programmatic dependent launch): wait for the partials
-        grid_wait()
     tp = tl.program_id(0)       # partial rows are numbered from the launch's first token t0
     t = t0 + tp
     h = tl.program_id(1)
+    # Launched early (programmatic dependent launch), so what the split kernel does not write
+    # is read before the wait: the split kernel starts its dependents only after its own wait,
+    # so the sink and scale are already final. After the wait the partial rows are loaded
+    # first, beside their (lse, max) pairs: ordered after the max reduction, they cost a
+    # second round trip (H200 batch 2: 1.04-1.08x per call, docs/PERF.md session 26).
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h)
+    if OUT_SCALE_T:
+        out_scale = tl.load(out_scale_ptr).to(tl.float32)
     sp = tl.arange(0, SPLITS)
-    row = (tp.to(tl.int64) * H + h) * n_splits + sp
     ok = sp < n_splits
-    lse2 = tl.load(part_ml + row * 2, mask=ok, other=float("-inf"))
-    mxs = tl.load(part_ml + row * 2 + 1, mask=ok, other=float("-inf"))
+    d = tl.arange(0, 512)
+    row0 = (tp.to(tl.int64) * H + h) * n_splits     # this (token, head)'s first partial row
+    if PDL:
+        grid_wait()
+    o = tl.load(part_o + row0 * 512 + (sp[:, None] * 512 + d[None, :]), mask=ok[:, None], other=0)
+    ml = part_ml + row0 * 2 + sp * 2
+    lse2 = tl.load(ml, mask=ok, other=float("-inf"))
+    mxs = tl.load(ml + 1, mask=ok, other=float("-inf"))
     # max() skips NaN: a split whose keys scored NaN (a non-finite key value) would read as
     # empty when the token's other splits are, and the token as having no keys; the
     # reference's output and lse are NaN there
@@ -497,8 +509,6 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     m_safe = tl.where(empty, 0.0, m)
     w = tl.exp2(lse2 - m_safe)
     total = tl.sum(w, axis=0)
-    d = tl.arange(0, 512)
-    o = tl.load(part_o + row[:, None] * 512 + d[None, :], mask=ok[:, None], other=0)
     if part_o.dtype.element_ty == tl.int16:
         # bf16 partials, read as their bits (``_combine``): the interpreter's bf16 -> fp32
         # cast mangles subnormals; this is exact on both
@@ -506,10 +516,7 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     o = tl.sum(o * w[:, None], axis=0) / tl.where(empty, 1.0, total)
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
     if HAS_SINK:
-        sink = tl.load(sink_ptr + h)
         o = o * sink_gate(lse, sink, empty)
-    if OUT_SCALE_T:
-        out_scale = tl.load(out_scale_ptr).to(tl.float32)
     o = tl.where(empty, 0.0, o * out_scale)
     tl.store(out_ptr + t.to(tl.int64) * out_s0 + h * out_s1 + d, to_bf16(o, SOFT))
     if HAS_LSE:
