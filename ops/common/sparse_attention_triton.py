@@ -460,16 +460,21 @@ def _split_kernel(
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    row = (t.to(tl.int64) * H + h) * n_splits + sp
-    dcol = dv * NV + tl.arange(0, NV)[None, :]
+    # the block's first partial row as one 64-bit scalar, its rows' offsets from it in 32 bits:
+    # 64-bit row products per element made the epilogue longer (H200, one-wave tiny launches
+    # 1.02x, docs/PERF.md session 26)
+    row0 = (t.to(tl.int64) * H + hb * HB) * n_splits + sp
+    hrow = tl.arange(0, HB) * n_splits
     o = acc * inv_l[:, None]
     if part_o.dtype.element_ty == tl.bfloat16:      # or fp32: _partials
         o = to_bf16(o, DOT_F32)     # DOT_F32: interpreted, where the plain cast truncates
-    tl.store(part_o + row[:, None] * 512 + dcol, o, mask=hmask[:, None])
+    tl.store(part_o + row0 * 512 + (hrow[:, None] * 512 + dv * NV + tl.arange(0, NV)[None, :]),
+             o, mask=hmask[:, None])
     first = hmask & ((h * 0 + dv) == 0)   # vector compare (interpreter rejects scalar & vector)
-    tl.store(part_ml + row * 2, lse2, mask=first)
+    ml = part_ml + row0 * 2 + hrow * 2
+    tl.store(ml, lse2, mask=first)
     if TRACK_MAX:
-        tl.store(part_ml + row * 2 + 1, mx, mask=first)
+        tl.store(ml + 1, mx, mask=first)
 
 
 @triton.jit
