@@ -489,8 +489,9 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     # Launched early (programmatic dependent launch), so what the split kernel does not write
     # is read before the wait: the split kernel starts its dependents only after its own wait,
     # so the sink and scale are already final. After the wait the partial rows are loaded
-    # first, beside their (lse, max) pairs: ordered after the max reduction, they cost a
-    # second round trip (H200 batch 2: 1.04-1.08x per call, docs/PERF.md session 26).
+    # first, as volatile loads: ptxas keeps those in program order, where it otherwise moved
+    # some or all of them behind the shuffles of the lse max, which wait for the lse loads: a
+    # second round trip (H200, one-wave launches: 1.01-1.09x per call; docs/PERF.md session 26).
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
     if OUT_SCALE_T:
@@ -501,7 +502,8 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     row0 = (tp.to(tl.int64) * H + h) * n_splits     # this (token, head)'s first partial row
     if PDL:
         grid_wait()
-    o = tl.load(part_o + row0 * 512 + (sp[:, None] * 512 + d[None, :]), mask=ok[:, None], other=0)
+    o = tl.load(part_o + row0 * 512 + (sp[:, None] * 512 + d[None, :]), mask=ok[:, None], other=0,
+                volatile=True)
     ml = part_ml + row0 * 2 + sp * 2
     lse2 = tl.load(ml, mask=ok, other=float("-inf"))
     mxs = tl.load(ml + 1, mask=ok, other=float("-inf"))
