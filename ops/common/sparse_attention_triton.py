@@ -489,9 +489,11 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     # Launched early (programmatic dependent launch), so what the split kernel does not write
     # is read before the wait: the split kernel starts its dependents only after its own wait,
     # so the sink and scale are already final. After the wait the partial rows are loaded
-    # first, as volatile loads: ptxas keeps those in program order, where it otherwise moved
-    # some or all of them behind the shuffles of the lse max, which wait for the lse loads: a
-    # second round trip (H200, one-wave launches: 1.01-1.09x per call; docs/PERF.md session 26).
+    # first, and as volatile loads, which ptxas keeps in program order among themselves: as
+    # plain loads, in some variants it moved them all behind the lse max's first shuffle,
+    # which waits for the lse loads, and paid a second round trip (H200, TRTLLM-gen B1 h128:
+    # 0.92x; volatile, one-wave launches 0.97-1.09x against plain loads after the max;
+    # docs/PERF.md session 26).
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
     if OUT_SCALE_T:
