@@ -97,8 +97,9 @@ EARLY_SLOTS = gl.constexpr(True)
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
 V32_RECORD = gl.constexpr(formats.V32.bytes_per_token)     # bytes of a V3.2 record
 # e4m3 panels of the next tile's V3.2 rows that the cluster producer stages by cp.async (the
-# first two pairs: 8 KB, what is left once p shares the RoPE stages: _p_buf)
-V32_STAGED_PANELS = gl.constexpr(4)
+# first two pairs: 8 KB, what is left once p shares the RoPE stages: _p_buf); they go to the
+# peer as the first copy batch, so that batch defines them
+V32_STAGED_PANELS = gl.constexpr(cluster_ptx.V32_SENDS[0][1])
 PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
 _OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
 _SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
