@@ -3,7 +3,7 @@ compiled on this machine: no GPU needed (Triton's own ptxas does the register al
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.probe_registers \\
       [--fmt v4|v32|plain_bf16|plain_fp8] [--block-n 64] [--stages 2] [--warps 8] [--dv 1] \\
-      [--dump DIR]
+      [--one-tile] [--dump DIR]
 
 Integer strides are marked divisible by 16 and pointers 16-byte aligned, as Triton's JIT
 specializes them for the production shapes. The numbers depend on the Triton version: the
@@ -35,13 +35,14 @@ DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs
              "i1_s0", "K0", "K1"}
 
 
-def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64):
+def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64,
+                         one_tile=False):
     fn = core._split_kernel
     names = list(inspect.signature(fn.fn).parameters)
     constexprs = dict(FMT=core.FMT_CODES[fmt], HAS_L0=True, HAS_L1=True, HAS_SRC1=True,
                       Q_FP8=False, HB=heads, BN=block_n, D576=fmt == "v32", TRACK_MAX=False,
                       PREFETCH=True, DV=dv, N_UNITS=2 * dv, SCALE64=fmt == "v4", SCALE_T=False,
-                      DOT_F32=False, PDL=False, F16=False)
+                      DOT_F32=False, PDL=False, F16=False, ONE_TILE=one_tile)
     missing = set(names) - set(constexprs) - set(POINTERS) - set(FLOATS)
     unset = [p.name for p in fn.params if p.is_constexpr and p.name in missing]
     if unset:   # compiled as runtime i32s they would not prune their branches
@@ -82,12 +83,15 @@ def main(argv=None):
     p.add_argument("--stages", type=int, default=core.CONFIG["num_stages"])
     p.add_argument("--warps", type=int, default=core.CONFIG["num_warps"])
     p.add_argument("--dv", type=int, default=1, choices=(1, 2))
+    p.add_argument("--one-tile", action="store_true",
+                   help="the form without a key loop (runs of at most one tile)")
     p.add_argument("--dump", help="write k.ttgir and k.ptx here")
     a = p.parse_args(argv)
-    k = compile_split_kernel(a.fmt, a.block_n, a.stages, a.warps // a.dv, a.dv)
+    k = compile_split_kernel(a.fmt, a.block_n, a.stages, a.warps // a.dv, a.dv,
+                             one_tile=a.one_tile)
     regs, st, ld, smem = ptxas_report(k)
     print(f"triton {triton.__version__} sm_90a fmt={a.fmt} BN={a.block_n} stages={a.stages} "
-          f"warps={a.warps // a.dv} dv={a.dv}: {regs} registers, spills {st} B stored / "
+          f"warps={a.warps // a.dv} dv={a.dv}{' one tile' if a.one_tile else ''}: {regs} registers, spills {st} B stored / "
           f"{ld} B loaded, {smem} B shared memory")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -3,7 +3,8 @@
 Grid (tokens × head blocks × output halves, splits). Each token's key list is virtual:
 ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into ``n_splits`` runs of
 whole tiles (``choose_splits`` picks the count from a wave cost model). A program walks its
-run in one loop (the source of each tile picked by scalar selects), gathers BLOCK_N key rows,
+run in one loop (the source of each tile picked by scalar selects; a launch whose runs are
+at most one tile has no loop, ``ONE_TILE``), gathers BLOCK_N key rows,
 dequantizes them one 64-wide tile at a time (small temporaries: a whole fp32 [BN, 512] tile
 beside the [64, 512] accumulator is what made the first version spill) and joins the tiles
 into one bf16 operand that serves both q·k and p·v (K = V). It keeps a flash-attention running
@@ -358,6 +359,85 @@ def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.conste
 
 
 @triton.jit
+def _load_q_block(q_row, hmask, DV: tl.constexpr, D576: tl.constexpr, Q_FP8: tl.constexpr,
+                  DOT_F32: tl.constexpr, F16: tl.constexpr):
+    """The head block's q as dot operands: the two 256-dim halves (the same full 512 dims
+    twice where ``DV`` is 1) and the RoPE tail of 576-wide rows (else a placeholder)."""
+    if DV == 1:
+        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32, F16)
+        q_hi = q_lo
+    else:
+        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32, F16)
+        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32, F16)
+    if D576:
+        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32, F16)
+    else:
+        q_rope = q_lo
+    return q_lo, q_hi, q_rope
+
+
+@triton.jit
+def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
+               SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
+    """Gather and decode the key rows ``idx`` (slot ids; unusable where < 0 or >= ``cap``) of
+    one cache: (valid [BN], block and in-block row [BN, 1], dims [0, 256) and [256, 512) as dot
+    operands, or where ``DV`` is 1 the whole rows twice)."""
+    valid = (idx >= 0) & (idx < cap)
+    v = valid[:, None]
+    blk = (idx // bs).to(tl.int64)[:, None]
+    off = (idx % bs).to(tl.int64)[:, None]
+    if FMT == 2:
+        # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
+        # shared memory (cp.async) instead of staging 64-wide pieces in registers
+        row = cache + blk * s0 + off * s1
+        if DV == 1:
+            k_lo = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)
+            k_hi = k_lo
+        else:
+            k_lo = _load_operand(row + tl.arange(0, 256)[None, :], v, False, DOT_F32)
+            k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
+    else:
+        sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
+        k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32, F16)
+        k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32, F16)
+        if DV == 1:
+            k_lo = _cat(k_lo, k_hi)
+            k_hi = k_lo
+    return valid, blk, off, k_lo, k_hi
+
+
+@triton.jit
+def _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, off, dv,
+                 scale2, acc, m_i, l_i, mx, FMT: tl.constexpr, DV: tl.constexpr,
+                 D576: tl.constexpr, TRACK_MAX: tl.constexpr, DOT_F32: tl.constexpr,
+                 F16: tl.constexpr):
+    """One key tile of the flash-attention loop: scores (576-wide rows: the RoPE dims loaded
+    here, after the first dots), the running softmax, p·v. Returns (acc, m, l, max)."""
+    if DV == 1:
+        s = tl.dot(q_lo, tl.trans(k_lo))
+    else:
+        s = tl.dot(q_lo, tl.trans(k_lo))
+        s = tl.dot(q_hi, tl.trans(k_hi), s)
+    if D576:
+        k_rope = _key_tile(cache, s0, s1, bs, blk, off, valid[:, None], off, 8, FMT, False,
+                           DOT_F32, F16)
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    s = tl.where(valid[None, :], s * scale2, float("-inf"))
+    p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
+    if TRACK_MAX:
+        mx = tl.maximum(mx, m_tile)
+    p = _dot_operand(p, DOT_F32, F16)
+    acc = acc * alpha[:, None]
+    if DV == 1:
+        acc = tl.dot(p, k_lo, acc)
+    elif dv == 0:
+        acc = tl.dot(p, k_lo, acc)
+    else:
+        acc = tl.dot(p, k_hi, acc)
+    return acc, m_new, l_i, mx
+
+
+@triton.jit
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
@@ -367,7 +447,8 @@ def _split_kernel(
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
-        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr):
+        SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
+        ONE_TILE: tl.constexpr):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -384,16 +465,7 @@ def _split_kernel(
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    if DV == 1:
-        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32, F16)
-        q_hi = q_lo
-    else:
-        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32, F16)
-        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32, F16)
-    if D576:
-        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32, F16)
-    else:
-        q_rope = q_lo
+    q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16)
     acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
@@ -404,58 +476,38 @@ def _split_kernel(
     n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
                                   l1_lag, t, K0, K1, sp, n_splits, HAS_L0, HAS_L1, HAS_SRC1,
                                   BN)
-    # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits on
-    # its ids, and that load's latency is otherwise paid in full every iteration
     idx = _tile_slots(lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-    for c in range(lo, hi, BN):
-        cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+    if ONE_TILE:
+        # every split is at most one tile (tiny launches), so no loop. In the loop, q's copy
+        # into shared memory for the dots is loop-invariant and made before it: its stores
+        # wait for q and hold up everything after them, so the lengths, slot ids and rows
+        # were requested only once q had arrived. Without the loop the copy is made at the
+        # first dot, and q's loads and the gather's are in flight together (sm_90 SASS)
+        cache, s0, s1, bs, cap = tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        if PREFETCH:
-            idx_next = _tile_slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-        else:
-            idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-        valid = (idx >= 0) & (idx < cap)
-        v = valid[:, None]
-        blk = (idx // bs).to(tl.int64)[:, None]
-        off = (idx % bs).to(tl.int64)[:, None]
-        if FMT == 2:
-            # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
-            # shared memory (cp.async) instead of staging 64-wide pieces in registers
-            row = cache + blk * s0 + off * s1
-            if DV == 1:
-                k = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)
+        valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV, SCALE64,
+                                                 DOT_F32, F16)
+        acc, m_i, l_i, mx = _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1,
+                                         bs, blk, off, dv, scale2, acc, m_i, l_i, mx, FMT, DV,
+                                         D576, TRACK_MAX, DOT_F32, F16)
+    else:
+        # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits
+        # on its ids, and that load's latency is otherwise paid in full every iteration
+        for c in range(lo, hi, BN):
+            cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                                                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
+            if PREFETCH:
+                idx_next = _tile_slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0,
+                                       i1_s0, BN)
             else:
-                k_lo = _load_operand(row + tl.arange(0, 256)[None, :], v, False, DOT_F32)
-                k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
-        else:
-            sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
-            k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32, F16)
-            k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32, F16)
-            if DV == 1:
-                k = _cat(k_lo, k_hi)
-        if DV == 1:
-            s = tl.dot(q_lo, tl.trans(k))
-        else:
-            s = tl.dot(q_lo, tl.trans(k_lo))
-            s = tl.dot(q_hi, tl.trans(k_hi), s)
-        if D576:
-            k_rope = _key_tile(cache, s0, s1, bs, blk, off, v, off, 8, FMT, False, DOT_F32, F16)
-            s = tl.dot(q_rope, tl.trans(k_rope), s)
-        s = tl.where(valid[None, :], s * scale2, float("-inf"))
-        p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
-        if TRACK_MAX:
-            mx = tl.maximum(mx, m_tile)
-        p = _dot_operand(p, DOT_F32, F16)
-        acc = acc * alpha[:, None]
-        if DV == 1:
-            acc = tl.dot(p, k, acc)
-        elif dv == 0:
-            acc = tl.dot(p, k_lo, acc)
-        else:
-            acc = tl.dot(p, k_hi, acc)
-        m_i = m_new
-        if PREFETCH:
-            idx = idx_next
+                idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
+            valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV,
+                                                     SCALE64, DOT_F32, F16)
+            acc, m_i, l_i, mx = _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0,
+                                             s1, bs, blk, off, dv, scale2, acc, m_i, l_i, mx,
+                                             FMT, DV, D576, TRACK_MAX, DOT_F32, F16)
+            if PREFETCH:
+                idx = idx_next
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -745,6 +797,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=scale64,
         SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
+        ONE_TILE=one_tile(max_tiles, n_splits),
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
         launch_pdl=pdl)
@@ -770,6 +823,18 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
         if s_rest > 1 and cost < wave_cost(units, s, tiles, sms, overhead):
             return [(0, full, 1), (full, T, s_rest)]
     return [(0, T, s)]
+
+
+# Launches whose splits are at most one tile each run the split kernel without its key loop
+# (``ONE_TILE``), so q's arrival and the gather overlap. H200, tiny launches: 1.01-1.06x
+# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/PERF.md session 27).
+ONE_TILE_FORM = True
+
+
+def one_tile(max_tiles, n_splits):
+    """Whether a portable launch of ``n_splits`` splits over at most ``max_tiles`` tiles per
+    token runs the one-tile form: each split's run is at most ceil(tiles / splits) tiles."""
+    return ONE_TILE_FORM and triton.cdiv(max_tiles, n_splits) == 1
 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in

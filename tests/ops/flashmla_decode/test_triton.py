@@ -349,6 +349,35 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     torch.testing.assert_close(l, rl, atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+@pytest.mark.parametrize("n_splits,one_tile", [(40, True), (8, True), (7, False)])
+def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeypatch):
+    """Splits of at most one key tile run the split kernel without its key loop
+    (``ONE_TILE``): 8 tiles of 32 keys per token in 40 splits (most of them empty) or 8, and
+    in 7 (some splits two tiles: the loop). With the form allowed and forbidden, both agree
+    with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
+    for bit: the same arithmetic in the same order."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    force_tiny_launches(monkeypatch, True)
+    a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
+                    fmt=fmt)
+    ref = _run_decode(a, "reference")
+    forms = record_results(monkeypatch, core, "one_tile")
+    outs = []
+    for allowed in (True, False):
+        monkeypatch.setattr(core, "ONE_TILE_FORM", allowed)
+        forms.clear()
+        outs.append(_run_decode(a, "triton"))
+        assert forms == [allowed and one_tile]
+        if device == "cuda":
+            assert split_kernel_name() == "_split_kernel"
+        check_decode(ref, outs[-1])
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("b,s_q,h,extra_topk,kernel", [
