@@ -90,8 +90,9 @@ def main(argv=None):
     k = compile_split_kernel(a.fmt, a.block_n, a.stages, a.warps // a.dv, a.dv,
                              one_tile=a.one_tile)
     regs, st, ld, smem = ptxas_report(k)
+    form = " one tile" if a.one_tile else ""
     print(f"triton {triton.__version__} sm_90a fmt={a.fmt} BN={a.block_n} stages={a.stages} "
-          f"warps={a.warps // a.dv} dv={a.dv}{' one tile' if a.one_tile else ''}: {regs} registers, spills {st} B stored / "
+          f"warps={a.warps // a.dv} dv={a.dv}{form}: {regs} registers, spills {st} B stored / "
           f"{ld} B loaded, {smem} B shared memory")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
