@@ -96,6 +96,8 @@ EARLY_SLOTS = gl.constexpr(True)
 # route).
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
 V32_RECORD = gl.constexpr(formats.V32.bytes_per_token)     # bytes of a V3.2 record
+V32_SCALES = gl.constexpr(formats.V32.scale_offset)        # its four fp32 scales' byte offset
+V32_ROPE = gl.constexpr(formats.V32.rope_offset)           # its bf16 RoPE dims' byte offset
 # e4m3 panels of the next tile's V3.2 rows that the cluster producer stages by cp.async (the
 # first two pairs: 8 KB, what is left once p shares the RoPE stages: _p_buf); they go to the
 # peer as the first copy batch, so that batch defines them
@@ -711,12 +713,18 @@ def _gather_v32(cache, s0, bs, idx, valid, cb):
     addresses too (their RoPE dims are copied later)."""
     rec = _record(cache, s0, bs, idx, V32_RECORD)
     x0, x1, x2, x3, x4, x5, x6, x7 = _byte_tiles8(rec, valid[:, None], cb)
-    scales = (rec + 512).to(gl.pointer_type(gl.float32))
+    scales = _v32_scales(rec)
     sa = gl.load(scales, mask=valid, other=0.0)
     sb = gl.load(scales + 1, mask=valid, other=0.0)
     sc = gl.load(scales + 2, mask=valid, other=0.0)
     sd = gl.load(scales + 3, mask=valid, other=0.0)
     return rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd
+
+
+@gluon.jit
+def _v32_scales(rec):
+    """Pointers to the four fp32 scales (one per 128 dims) of the V3.2 records at ``rec``."""
+    return (rec + V32_SCALES).to(gl.pointer_type(gl.float32))
 
 
 @gluon.jit
@@ -727,7 +735,7 @@ def _rope_v32(krb, rec, valid, LR: gl.constexpr):
     cp.async covers whole sectors (``_produce_tiles``' bf16 note): H200 V3.2 h64 1.09-1.12x,
     docs/PERF.md session 22."""
     rows: gl.constexpr = gl.SliceLayout(1, LR)
-    rope = gl.convert_layout(rec, rows) + 528
+    rope = gl.convert_layout(rec, rows) + V32_ROPE
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     async_copy.async_copy_global_to_shared(
         krb, rope.to(gl.pointer_type(gl.bfloat16))[:, None] + cr[None, :],
@@ -870,7 +878,7 @@ def _stage_v32(stage_raw, stage_sc, rec, valid, cb):
     for j in gl.static_range(V32_STAGED_PANELS):
         async_copy.async_copy_global_to_shared(
             stage_raw.index(j), rec[:, None] + (64 * j + cb[None, :]), mask=v2)
-    scales = (rec + 512).to(gl.pointer_type(gl.float32))    # one per pair of panels
+    scales = _v32_scales(rec)    # one per pair of panels
     for j in gl.static_range(V32_STAGED_PANELS // 2):
         async_copy.async_copy_global_to_shared(stage_sc.index(j), scales + j, mask=valid)
     async_copy.commit_group()
@@ -882,7 +890,7 @@ def _load_v32_tail(rec, valid, cb):
     ``_byte_tile``s and the scales of their two pairs (zeros where not ``valid``)."""
     gl.static_assert(V32_STAGED_PANELS == 4)
     v2 = valid[:, None]
-    scales = (rec + 512).to(gl.pointer_type(gl.float32)) + 2
+    scales = _v32_scales(rec) + 2
     return (_byte_tile(rec, 4, v2, cb), _byte_tile(rec, 5, v2, cb), _byte_tile(rec, 6, v2, cb),
             _byte_tile(rec, 7, v2, cb), gl.load(scales, mask=valid, other=0.0),
             gl.load(scales + 1, mask=valid, other=0.0))
