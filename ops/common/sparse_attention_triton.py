@@ -39,7 +39,8 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wait,
-                                                pdl_supported, to_bf16, ue8m0_scale)
+                                                launch_capped, pdl_supported, to_bf16,
+                                                ue8m0_scale)
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
 LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
@@ -865,15 +866,42 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
     # 2-byte partials: two warps span a row's 512 dims in 16-byte loads, so all splits of a
     # column sit in one thread; with four, the splits were summed across warps through shared
     # memory and the combine ran up to 4x slower (b64 s_q1 h64: 21.4 against 4.6 µs, H100)
-    _combine_kernel[(t1 - t0, H)](
+    grid = (t1 - t0, H)
+    args = (
         part_o, part_ml, n_splits, t0, H, sink if sink is not None else part_ml, out,
         out.stride(0), out.stride(1), lse if lse is not None else part_ml,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         max_logits if max_logits is not None else part_ml,
         max_logits.stride(0) if max_logits is not None else 0,
         max_logits.stride(1) if max_logits is not None else 0,
-        *_scalar_arg(out_scale, 1.0, part_ml), OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
+        *_scalar_arg(out_scale, 1.0, part_ml))
+    kwargs = dict(
+        OUT_SCALE_T=isinstance(out_scale, torch.Tensor),
         HAS_SINK=sink is not None, HAS_LSE=lse is not None, HAS_MAX=max_logits is not None,
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl,
         num_warps=4 if part_o.element_size() == 4 else 2,
         launch_pdl=pdl)
+    cap = combine_residency(grid[0] * grid[1], _sm_count(part_o.device), pdl)
+    if cap is None:
+        _combine_kernel[grid](*args, **kwargs)
+    else:
+        launch_capped(_combine_kernel, grid, args, kwargs, cap)
+
+
+# Launched early (PDL), the combine's CTAs all land on the SMs the split launch leaves free,
+# as many as fit, and only those SMs merge the partials: H200 batch 2, s_q 2, h128 (72 split
+# programs, 512 combine CTAs): 60 SMs, up to 9 CTAs each, 2.67 µs from release to the last
+# CTA. Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty:
+# 128 SMs, at most 4 each, 1.8 µs; the call 13.96 -> 13.04 µs (docs/PERF.md session 28).
+# Large combines (b64 s_q1 h64: 4,096 CTAs) lost 8 % under a cap of 4, so only small ones
+# are capped: ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
+COMBINE_SPREAD = 8
+
+
+def combine_residency(ctas, sms, pdl):
+    """The per-SM cap on a combine launch of ``ctas`` CTAs (None: uncapped): launched early
+    (``pdl``) and small enough to spread ceil(ctas / sms) to an SM within ``COMBINE_SPREAD``."""
+    if not pdl or COMBINE_SPREAD is None:
+        return None
+    per_sm = triton.cdiv(ctas, sms)
+    return per_sm if per_sm <= COMBINE_SPREAD else None

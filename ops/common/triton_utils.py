@@ -116,3 +116,46 @@ def pdl_supported(device) -> bool:
     """Whether launches on ``device`` may use PDL: CUDA sm_90 or newer, not interpreted."""
     return (device.type == "cuda" and not triton_interpreting()
             and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+# What an sm_80 / sm_90 SM reserves of its shared memory per resident CTA, and the most dynamic
+# shared memory a launch may ask for without opting the kernel in
+RESERVED_SHARED_PER_CTA = 1024
+SHARED_WITHOUT_OPT_IN = 48 * 1024
+
+
+def residency_shared_bytes(ctas_per_sm, shared_per_sm, own):
+    """Dynamic shared memory per CTA that lets at most ``ctas_per_sm`` CTAs of a kernel reside
+    on an SM of ``shared_per_sm`` bytes (``own``: what the kernel uses itself; the SM
+    allocates in 128-byte units plus ``RESERVED_SHARED_PER_CTA`` each), or None where the cap
+    would take more than ``SHARED_WITHOUT_OPT_IN`` or does not bind (no more than ``own``)."""
+    want = shared_per_sm // (ctas_per_sm + 1) - RESERVED_SHARED_PER_CTA + 128
+    if want > SHARED_WITHOUT_OPT_IN or want <= own:
+        return None
+    return want
+
+
+def launch_capped(fn, grid, args, kwargs, ctas_per_sm):
+    """Launch the Triton kernel ``fn`` over ``grid`` with at most ``ctas_per_sm`` of its CTAs on
+    any SM, by asking for more dynamic shared memory than it uses (``residency_shared_bytes``;
+    uncapped where that is not possible). One pass through Triton's argument binding:
+    ``warmup`` finds or compiles the kernel, which is then launched directly with every
+    parameter in signature order, its launch metadata's shared-memory size set for this
+    launch (the compiled kernel is shared by every launch of its specialization)."""
+    kernel = fn.warmup(*args, grid=grid, **kwargs)
+    packed = getattr(kernel, "packed_metadata", None)
+    per_sm = getattr(torch.cuda.get_device_properties(args[0].device),
+                     "shared_memory_per_multiprocessor", None)
+    # Triton 3.6's NVIDIA launch metadata: (warps, CTAs per cluster, shared bytes)
+    want = None
+    if per_sm and isinstance(packed, tuple) and len(packed) == 3:
+        want = residency_shared_bytes(ctas_per_sm, per_sm, packed[2])
+    if want is None:
+        return fn[grid](*args, **kwargs)
+    kernel.packed_metadata = (packed[0], packed[1], want)
+    try:
+        params = list(args) + [kwargs[name] for name in fn.arg_names[len(args):]]
+        kernel[tuple(grid) + (1, ) * (3 - len(grid))](*params)
+    finally:
+        kernel.packed_metadata = packed
+    return kernel

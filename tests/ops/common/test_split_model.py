@@ -1,6 +1,7 @@
 """The split-count cost model of the sparse-attention launch (pure Python, no kernel)."""
 import pytest
 
+from sparse_mla.ops.common import sparse_attention_triton as core
 from sparse_mla.ops.common.sparse_attention_triton import choose_splits, plan_phases
 
 
@@ -64,3 +65,17 @@ def test_plan_phases_cover_every_token_once(T, n_hb, tiles):
     if len(phases) == 2:
         (t0, t1, s1), (_, _, s2) = phases
         assert s1 == 1 and s2 > 1 and (t1 - t0) * n_hb % 132 == 0
+
+
+@pytest.mark.parametrize("ctas,sms,pdl,want", [
+    (512, 132, True, 4), (256, 132, True, 2), (132, 132, True, 1), (1056, 132, True, 8),
+    (1057, 132, True, None), (4096, 132, True, None), (512, 132, False, None)])
+def test_combine_residency(ctas, sms, pdl, want):
+    """Early-launched combines of up to ``COMBINE_SPREAD`` CTAs per SM are capped at
+    ceil(CTAs / SMs) per SM; larger ones and those launched after the split are not."""
+    assert core.combine_residency(ctas, sms, pdl) == want
+
+
+def test_combine_residency_off(monkeypatch):
+    monkeypatch.setattr(core, "COMBINE_SPREAD", None)
+    assert core.combine_residency(512, 132, True) is None

@@ -1,11 +1,14 @@
-"""Exact Triton helpers (software e4m3/bf16 rounding, power-of-two math) against torch."""
+"""Exact Triton helpers (software e4m3/bf16 rounding, power-of-two math) against torch, and the
+launch-residency arithmetic."""
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import quant
-from sparse_mla.ops.common.triton_utils import bf16_soft, ceil_log2, e4m3_bits, e4m3_bits_soft
+from sparse_mla.ops.common.triton_utils import (RESERVED_SHARED_PER_CTA, SHARED_WITHOUT_OPT_IN,
+                                                bf16_soft, ceil_log2, e4m3_bits, e4m3_bits_soft,
+                                                residency_shared_bytes)
 from sparse_mla.tests.helpers import triton_params
 
 
@@ -49,3 +52,26 @@ def test_soft_conversions_match_torch_bit_for_bit(device):
     assert torch.equal(bf.cpu()[fin].view(torch.int16), x[fin].to(torch.bfloat16).view(torch.int16))
     assert bf.cpu()[~fin].isnan().all()
     assert torch.equal(lg.cpu()[fin], quant.ceil_log2(x.abs() + 1e-30)[fin])
+
+
+@pytest.mark.parametrize("shared_per_sm", [233472, 167936, 102400])  # H100/H200, A100, sm_89
+@pytest.mark.parametrize("cap", range(1, 17))
+@pytest.mark.parametrize("own", [0, 16384])
+def test_residency_shared_bytes_fits_exactly_cap_ctas(shared_per_sm, cap, own):
+    """The request lets ``cap`` CTAs share an SM and not one more (each CTA taking its request
+    plus the 1 KB reserve, in 128-byte units), stays within the 48 KB a launch may ask for
+    without opting in, and is never less than what the kernel uses itself."""
+    want = residency_shared_bytes(cap, shared_per_sm, own)
+    if want is None:
+        smallest = shared_per_sm // (cap + 1) - RESERVED_SHARED_PER_CTA + 128
+        assert smallest > SHARED_WITHOUT_OPT_IN or smallest <= own
+        return
+    alloc = -(-(want + RESERVED_SHARED_PER_CTA) // 128) * 128
+    assert cap * alloc <= shared_per_sm < (cap + 1) * alloc
+    assert own < want <= SHARED_WITHOUT_OPT_IN
+
+
+def test_residency_caps_on_hopper():
+    """On an H100 / H200 SM (228 KB) caps of 4 to 16 CTAs are expressible; 1-3 are not."""
+    got = {cap: residency_shared_bytes(cap, 233472, 0) for cap in range(1, 17)}
+    assert [cap for cap, want in got.items() if want is None] == [1, 2, 3]

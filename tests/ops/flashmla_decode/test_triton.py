@@ -400,6 +400,32 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, 
     check_decode(ref, got)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the combine is launched early (PDL) from sm_90 on")
+@pytest.mark.parametrize("b,s_q,h,extra_topk", [(2, 2, 128, 1024), (2, 1, 64, 512)])
+def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
+    """Small early-launched combines run with at most ceil(CTAs / SMs) CTAs per SM
+    (``COMBINE_SPREAD``): the same kernel and arithmetic as uncapped, so bit-identical
+    outputs, both within tolerance of the reference."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    caps = []
+    real = core.launch_capped
+    monkeypatch.setattr(core, "launch_capped", lambda *args: caps.append(args[-1]) or real(*args))
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True,
+                    extra_topk=extra_topk, extra_bs=64, seed=b + h)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert core.LAST_COMBINED and caps == [-(-b * s_q * h // sms)]
+    check_decode(ref, got)
+    monkeypatch.setattr(core, "COMBINE_SPREAD", None)
+    caps.clear()
+    plain = _run_decode(a, "triton")
+    assert caps == [] and core.LAST_COMBINED
+    for x, y in zip(got, plain):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("h", [5, 24])
 def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
