@@ -53,7 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from sparse_mla.ops.common import cluster_ptx, formats
 from sparse_mla.ops.common.sparse_attention_triton import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
-from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
+from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wait,
+                                                launch_compiled)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -205,8 +206,7 @@ def launch_clusters(fn, grid, args, kwargs):
     every parameter in signature order (constexprs included, as the launcher takes them).
     Returns the compiled kernel."""
     kernel = cluster_launchable(fn.warmup(*args, grid=grid, **kwargs))
-    params = list(args) + [kwargs[name] for name in fn.arg_names[len(args):]]
-    kernel[(grid[0] // 2, grid[1], 1)](*params)
+    launch_compiled(kernel, fn, (grid[0] // 2, grid[1]), args, kwargs)
     return kernel
 
 

@@ -135,27 +135,36 @@ def residency_shared_bytes(ctas_per_sm, shared_per_sm, own):
     return want
 
 
+def launch_compiled(kernel, fn, grid, args, kwargs):
+    """Launch ``kernel`` (``fn`` compiled by ``fn.warmup(*args, **kwargs)``) over ``grid``
+    without a second pass through Triton's argument binding: every parameter in signature
+    order, constexprs included, as the compiled launcher takes them."""
+    params = list(args) + [kwargs[name] for name in fn.arg_names[len(args):]]
+    kernel[tuple(grid) + (1, ) * (3 - len(grid))](*params)
+
+
 def launch_capped(fn, grid, args, kwargs, ctas_per_sm):
     """Launch the Triton kernel ``fn`` over ``grid`` with at most ``ctas_per_sm`` of its CTAs on
     any SM, by asking for more dynamic shared memory than it uses (``residency_shared_bytes``;
-    uncapped where that is not possible). One pass through Triton's argument binding:
-    ``warmup`` finds or compiles the kernel, which is then launched directly with every
-    parameter in signature order, its launch metadata's shared-memory size set for this
-    launch (the compiled kernel is shared by every launch of its specialization)."""
-    kernel = fn.warmup(*args, grid=grid, **kwargs)
-    packed = getattr(kernel, "packed_metadata", None)
+    an ordinary launch where that is not possible). ``warmup`` finds or compiles the kernel,
+    whose launch metadata's shared-memory size is set for this launch only (the compiled
+    kernel is shared by every launch of its specialization)."""
     per_sm = getattr(torch.cuda.get_device_properties(args[0].device),
                      "shared_memory_per_multiprocessor", None)
+    if not per_sm or residency_shared_bytes(ctas_per_sm, per_sm, 0) is None:
+        fn[grid](*args, **kwargs)
+        return
+    kernel = fn.warmup(*args, grid=grid, **kwargs)
+    packed = getattr(kernel, "packed_metadata", None)
     # Triton 3.6's NVIDIA launch metadata: (warps, CTAs per cluster, shared bytes)
     want = None
-    if per_sm and isinstance(packed, tuple) and len(packed) == 3:
+    if isinstance(packed, tuple) and len(packed) == 3:
         want = residency_shared_bytes(ctas_per_sm, per_sm, packed[2])
     if want is None:
-        return fn[grid](*args, **kwargs)
+        launch_compiled(kernel, fn, grid, args, kwargs)
+        return
     kernel.packed_metadata = (packed[0], packed[1], want)
     try:
-        params = list(args) + [kwargs[name] for name in fn.arg_names[len(args):]]
-        kernel[tuple(grid) + (1, ) * (3 - len(grid))](*params)
+        launch_compiled(kernel, fn, grid, args, kwargs)
     finally:
         kernel.packed_metadata = packed
-    return kernel
