@@ -1,6 +1,7 @@
 """FlashMLA-semantics decode / prefill: our Triton kernel and FlashMLA side by side, one run.
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_flashmla [--quick]
+      [--only TEXT] [--rounds N]
 
 Times are CUDA-graph replays (GPU time per call). FlashMLA is called directly (legacy SM90
 kernels); ours goes through the op. "FlashMLA µs" reuses one filled scheduler metadata
@@ -10,11 +11,15 @@ FlashMLA's scheduler: the first such layer of a step. Ratio = FlashMLA µs / our
 ours is faster). "portable µs" is the same op with the sm_90 warp-specialized kernel
 turned off (``SPARSE_MLA_GLUON=0``: the portable Triton kernel). Roofline: this run's copy
 bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA| on the output.
+``--rounds N`` times FlashMLA and ours alternately N times per shape: the µs columns are then
+medians over the rounds, the ratio is the median of the rounds' own ratios, and "range" gives
+their lowest and highest (a shape near parity moves 1-1.5 % between runs: docs/PERF.md).
 Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 heads, a q padded
 with zero heads once, outside the timing.
 """
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -67,16 +72,30 @@ def _time(fn):
     return (t, "graph") if t is not None else (harness.time_fn(fn, "cuda"), "eager")
 
 
+def _alternate(vendor, ours, rounds):
+    """``rounds`` (vendor, ours) timings taken in turn, so the card's drift between runs falls
+    on both alike: medians of each, the median of the per-round ratios vendor / ours, and
+    the rounds' lowest and highest ratio."""
+    pairs = [(_time(vendor)[0], _time(ours)[0]) for _ in range(rounds)]
+    ratios = [v / o for v, o in pairs]
+    return (statistics.median(v for v, _ in pairs), statistics.median(o for _, o in pairs),
+            statistics.median(ratios), min(ratios), max(ratios))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
     p.add_argument("--only", default="", help="only the cases whose shape contains this text")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time FlashMLA and ours alternately this many times per shape")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     copy = harness.copy_bandwidth("cuda")
     mm = harness.matmul_rate("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "
           f"matmul {mm / 1e12:,.0f} TFLOP/s (measured now)", flush=True)
-    head = ("shape", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio",
+    head = ("shape", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio", "range",
             "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
     rows = []
     for case in bench.cases("cuda", False):
@@ -94,25 +113,32 @@ def main(argv=None):
                 meta = _fresh_meta()
                 v_out = _flash_mla_decode(pa, meta)     # fills meta: reused from here on
                 v_out = (v_out[0][:, :, :a["q"].shape[2]],)
-                tv, _ = _time(lambda: _flash_mla_decode(pa, meta))
+                vendor = lambda: _flash_mla_decode(pa, meta)  # noqa: E731
                 tv_sched, _ = _time(lambda: _flash_mla_decode(pa, _fresh_meta()))
             else:
                 v_out = _flash_mla_prefill(a)
-                tv, _ = _time(lambda: _flash_mla_prefill(a))
+                vendor = lambda: _flash_mla_prefill(a)  # noqa: E731
                 tv_sched = None
+            vendor()
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            v_out, tv, tv_sched = None, None, None
+            v_out, vendor, tv_sched = None, None, None
             print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
         os.environ["SPARSE_MLA_GLUON"] = "0"
         tp, _ = _time(lambda: case.run(a, "triton"))
         del os.environ["SPARSE_MLA_GLUON"]
         ours = case.run(a, "triton")
-        to, how = _time(lambda: case.run(a, "triton"))
+        mine = lambda: case.run(a, "triton")  # noqa: E731
+        if vendor is None:
+            tv, to, ratio, lo, hi = None, _time(mine)[0], None, None, None
+        else:
+            tv, to, ratio, lo, hi = _alternate(vendor, mine, args.rounds)
         diff = "-" if v_out is None else f"{float((ours[0].float() - v_out[0].float()).abs().max()):.2e}"
         rows.append((case.shape, "-" if tv is None else f"{tv * 1e6:.1f}",
                      "-" if tv_sched is None else f"{tv_sched * 1e6:.1f}", f"{tp * 1e6:.1f}",
                      f"{to * 1e6:.1f}",
-                     "-" if tv is None else f"{tv / to:.2f}", f"{case.flops / to / 1e12:.0f}",
+                     "-" if ratio is None else f"{ratio:.2f}",
+                     "-" if ratio is None or args.rounds == 1 else f"{lo:.3f}-{hi:.3f}",
+                     f"{case.flops / to / 1e12:.0f}",
                      f"{case.bytes / to / 1e9:,.0f}", f"{100 * case.flops / to / mm:.0f}%",
                      f"{100 * case.bytes / to / copy:.0f}%", diff))
         print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
