@@ -439,6 +439,21 @@ def _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, 
 
 
 @triton.jit
+def _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv, scale2, acc, m_i, l_i,
+               mx, FMT: tl.constexpr, DV: tl.constexpr, D576: tl.constexpr,
+               TRACK_MAX: tl.constexpr, SCALE64: tl.constexpr, DOT_F32: tl.constexpr,
+               F16: tl.constexpr):
+    """One tile of the split kernel, in either of its forms: the key rows ``idx`` of the
+    tile's cache (``tile_source``) gathered and decoded, and the running softmax / p·v
+    updated. Returns (acc, m, l, max). (The loop form picks the source before it loads the
+    next tile's ids: picked here, after them, ptxas scheduled the loop differently.)"""
+    valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV, SCALE64,
+                                             DOT_F32, F16)
+    return _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, off, dv,
+                        scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX, DOT_F32, F16)
+
+
+@triton.jit
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
@@ -486,11 +501,9 @@ def _split_kernel(
         # first dot, and q's loads and the gather's are in flight together (sm_90 SASS)
         cache, s0, s1, bs, cap = tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV, SCALE64,
-                                                 DOT_F32, F16)
-        acc, m_i, l_i, mx = _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1,
-                                         bs, blk, off, dv, scale2, acc, m_i, l_i, mx, FMT, DV,
-                                         D576, TRACK_MAX, DOT_F32, F16)
+        acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
+                                       scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
+                                       SCALE64, DOT_F32, F16)
     else:
         # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits
         # on its ids, and that load's latency is otherwise paid in full every iteration
@@ -502,11 +515,9 @@ def _split_kernel(
                                        i1_s0, BN)
             else:
                 idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-            valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV,
-                                                     SCALE64, DOT_F32, F16)
-            acc, m_i, l_i, mx = _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0,
-                                             s1, bs, blk, off, dv, scale2, acc, m_i, l_i, mx,
-                                             FMT, DV, D576, TRACK_MAX, DOT_F32, F16)
+            acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
+                                           scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
+                                           SCALE64, DOT_F32, F16)
             if PREFETCH:
                 idx = idx_next
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit
