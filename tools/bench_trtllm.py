@@ -2,7 +2,7 @@
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_trtllm [--quick]
 
-For each shape (s_q = 2, window 128 + compressed 512 / 1024, h 64 / 128, batch 1 / 64 / 256):
+For each shape (s_q = 2, window 128 + compressed 512 / 1024, h 64 / 128, batch 1 / 4 / 64 / 256):
 our Triton op on a bf16 plain cache, on a per-tensor-fp8 plain cache, and our
 FlashMLA-semantics Triton op on the equivalent V4 584 B workload (same key count per token).
 CUDA-graph-timed; GB/s counts the bytes a perfect kernel moves (each op's own row size);
@@ -16,7 +16,7 @@ from sparse_mla.ops.flashmla_decode import bench as fm_bench
 from sparse_mla.ops.trtllm_decode import bench as tr_bench
 from sparse_mla.tools import harness
 
-SHAPES = [(h, c, b) for h in (64, 128) for c in (512, 1024) for b in (1, 64, 256)]
+SHAPES = [(h, c, b) for h in (64, 128) for c in (512, 1024) for b in (1, 4, 64, 256)]
 
 
 def _trtllm_case(dtype, H, topk_c, B):
@@ -35,7 +35,7 @@ def _timed(case):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="batch 1 and 64 at h 64 only")
+    p.add_argument("--quick", action="store_true", help="batch 1, 4 and 64 at h 64 only")
     args = p.parse_args(argv)
     copy = harness.copy_bandwidth("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s (measured now)",

@@ -1,8 +1,9 @@
 """Benchmark cases for the TRTLLM-gen-semantics DSv4 decode (ops/common/benchcase.py contract).
 
 small=False: bf16 and per-tensor-fp8 plain caches, h 64 / 128, window 128 + compressed 512 /
-1024 (cross product), batch 1 / 64 / 256 with s_q = 2 (MTP, as DESIGN's FlashMLA anchor), long
-context (every SWA column visible, every compressed column valid). SWA pool page 64; compressed
+1024 (cross product), batch 1 / 4 / 64 / 256 with s_q = 2 (MTP, as DESIGN's FlashMLA
+anchor; batch 4 splits the keys and combines, as FlashMLA's batch-2 shapes do), long context
+(every SWA column visible, every compressed column valid). SWA pool page 64; compressed
 pool page 64 with scattered rows. small=True: tiny CPU shapes.
 
 ``bytes`` = KV rows a perfect kernel reads (valid keys x row bytes, per token) + q + out;
@@ -80,7 +81,7 @@ def cases(device: str, small: bool) -> list:
     else:
         grid = [(dt, h, c, b, 2, 8192) for dt in (torch.bfloat16, torch.float8_e4m3fn)
                 for h, c in ((64, 512), (64, 1024), (128, 512), (128, 1024))
-                for b in (1, 64, 256)]
+                for b in (1, 4, 64, 256)]
     for dtype, H, topk_c, B, s_q, ctx in grid:
         T = B * s_q
         row = 1024 if dtype == torch.bfloat16 else 512

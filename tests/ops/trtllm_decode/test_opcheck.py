@@ -60,11 +60,11 @@ def test_bench_cases_small_run_and_agree():
 
 
 def test_bench_full_grid_shapes():
-    """The GPU grid: 2 dtypes x (h, compressed) 4 x batch 3, reference only up to 64 tokens."""
+    """The GPU grid: 2 dtypes x (h, compressed) 4 x batch 4, reference only up to 64 tokens."""
     from sparse_mla.ops.trtllm_decode import bench
     cs = bench.cases("cpu", small=False)
-    assert len(cs) == 24
-    assert sum(c.reference for c in cs) == 8          # the batch-1 cases (2 tokens)
+    assert len(cs) == 32
+    assert sum(c.reference for c in cs) == 16         # batch 1 and 4 (2 and 8 tokens)
     c = next(c for c in cs if c.shape == "bf16 h=128 W=128+1024 B=64 s_q=2")
     assert c.flops == 4 * 128 * 512 * (128 + 1024) * 128
     assert c.bytes == 128 * (1152 * 1024 + 128 * 512 * 2 + 128 * 512 * 2)
