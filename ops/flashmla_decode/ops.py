@@ -95,7 +95,6 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
     bs = checks.paged_cache_block_size("k_cache", k_cache, fmt, block_size)
     checks.expect_dtype("indices", indices, torch.int32)
     checks.expect_shape("indices", indices, (b, s_q, None))
-    topk = indices.shape[2]
     if topk_length is not None:
         checks.expect_dtype("topk_length", topk_length, torch.int32)
         checks.expect_shape("topk_length", topk_length, (b,))
@@ -124,15 +123,23 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
                               topk_length=topk_length, extra_k_cache=extra_k_cache,
                               extra_indices=extra_indices, extra_topk_length=extra_topk_length,
                               attn_sink=attn_sink)
-    if checks.value_checks_enabled(indices, q):
-        for name, lens, width in (("topk_length", topk_length, topk),
-                                  ("extra_topk_length", extra_topk_length,
-                                   None if extra_indices is None else extra_indices.shape[2])):
-            if lens is not None and lens.numel() and (int(lens.min()) < 0
-                                                      or int(lens.max()) > width):
-                raise ValueError(f"{name} must be in [0, {width}] (its indices' last dim), "
-                                 f"got [{int(lens.min())}, {int(lens.max())}]")
+    _check_lengths(q, (("topk_length", topk_length, indices),
+                       ("extra_topk_length", extra_topk_length, extra_indices)))
     return bs, extra_bs
+
+
+def _check_lengths(q, lists):
+    """Each (name, lengths, indices) in ``lists``: lengths in [0, the indices' last dim] (a
+    value check: where ``checks.value_checks_enabled``; it reads the device)."""
+    if not checks.value_checks_enabled(q, *(lens for _, lens, _ in lists)):
+        return
+    for name, lens, indices in lists:
+        if lens is not None and lens.numel():
+            width = indices.shape[-1]
+            lo, hi = int(lens.min()), int(lens.max())
+            if lo < 0 or hi > width:
+                raise ValueError(f"{name} must be in [0, {width}] (its indices' last dim), "
+                                 f"got [{lo}, {hi}]")
 
 
 @torch.library.custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"))
@@ -230,6 +237,7 @@ def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_si
         checks.expect_shape(name, t, (s_q, h))
     checks.expect_same_device(q=q, kv=kv, indices=indices, out=out, max_logits=max_logits,
                               lse=lse, topk_length=topk_length, attn_sink=attn_sink)
+    _check_lengths(q, (("topk_length", topk_length, indices),))
 
 
 @torch.library.custom_op("sparse_mla::flashmla_sparse_prefill",

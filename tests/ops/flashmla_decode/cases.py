@@ -52,6 +52,18 @@ def lengths(b, width, g):
     return lens
 
 
+def garbage_past_length(idx, lens, capacity):
+    """``idx`` with every column at or past its batch row's length replaced by ids a kernel
+    must never dereference there (SPEC §5.1: such entries may hold garbage): INT_MAX, -2,
+    the capacity and past it, a NaN-poisoned unused slot and a real row's slot."""
+    junk = torch.tensor([2 ** 31 - 1, -2, capacity, capacity + 1000, capacity - 1, 0],
+                        dtype=idx.dtype)
+    cols = torch.arange(idx.shape[2])
+    past = cols[None, None, :] >= lens.cpu().long()[:, None, None]
+    fill = junk[(cols + torch.arange(idx.shape[1])[:, None]) % junk.numel()]
+    return torch.where(past, fill.expand_as(idx), idx.cpu()).to(idx.device)
+
+
 def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, extra_bs=2,
                 extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False,
                 pad_bytes=0, extra_pad_bytes=None):
@@ -68,6 +80,8 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
              indices=index_rows(b, s_q, topk, n_main, g).to(device), kv_format=fmt)
     if use_lengths:
         a["topk_length"] = lengths(b, topk, g).to(device)
+        a["indices"] = garbage_past_length(a["indices"], a["topk_length"],
+                                           _capacity(a["k_cache"], bs))
     if extra:
         n_extra = max(extra_topk + 5, 8)
         a["extra_k_cache"] = paged_cache(
@@ -76,13 +90,22 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
         a["extra_indices_in_kvcache"] = index_rows(b, s_q, extra_topk, n_extra, g).to(device)
         if use_lengths:
             a["extra_topk_length"] = lengths(b, extra_topk, g).to(device)
+            a["extra_indices_in_kvcache"] = garbage_past_length(
+                a["extra_indices_in_kvcache"], a["extra_topk_length"],
+                _capacity(a["extra_k_cache"], extra_bs))
     if sink == "random":
+        # ±inf sinks on the first two heads; a single head keeps a finite one (a +inf sink
+        # zeroes every output, and a check of all-zero rows would prove nothing)
         s = torch.randn(h, generator=g)
-        s[0] = float("inf")
         if h > 1:
+            s[0] = float("inf")
             s[1] = float("-inf")
         a["attn_sink"] = s.to(device)
     return a
+
+
+def _capacity(cache, block_size):
+    return cache.shape[0] * block_size
 
 
 def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
@@ -93,7 +116,11 @@ def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
     idx = torch.randint(-2, s_kv + 3, (s_q, 1, topk), generator=g, dtype=torch.int32)
     lens = torch.randint(0, topk + 1, (s_q,), generator=g, dtype=torch.int32)
     lens[0] = topk
+    if s_q > 2:
+        lens[1] = 0                                # a row without keys: out 0, lse +inf
     sink = torch.randn(h, generator=g)
+    if h > 1:
+        sink[0], sink[1] = float("inf"), float("-inf")
     return dict(q=torch.randn(s_q, h, 512, generator=g).clamp(-1, 1).to(torch.bfloat16)
                 .to(device),
                 kv=kv.to(device), indices=idx.to(device), topk_length=lens.to(device),

@@ -74,3 +74,49 @@ def test_prefill_validity_rules_and_max_logits():
                                    atol=1e-6)
         torch.testing.assert_close(out[t].double(), torch.softmax(s, -1) @ keys.double(),
                                    rtol=2 / 128, atol=1e-3)
+
+
+def test_decode_extra_length_and_garbage_past_both_lengths():
+    """Each list has its own length; whatever lies past a length (INT_MAX, -2, a poisoned
+    slot, a real row) is never a key (SPEC §5.1)."""
+    rows = _exact_rows(6)
+    main = formats.alloc_paged_cache("v4", 2, 4, fill=0xFF)
+    quantize_insert_v4(rows[:4].to(torch.bfloat16), main, torch.tensor([0, 1, 2, 5]))
+    extra = formats.alloc_paged_cache("v4", 2, 2, fill=0xFF)
+    quantize_insert_v4(rows[4:].to(torch.bfloat16), extra, torch.tensor([3, 0]))
+    q = torch.randn(2, 1, 2, 512).to(torch.bfloat16)
+    # row 0: main slots 0, 5 (then INT_MAX, 1: past length 3); extra slot 3 (then 0, -2)
+    # row 1: main slot 2 (then 7: poisoned, -2); nothing from extra (length 0)
+    idx = torch.tensor([[[0, -1, 5, 2 ** 31 - 1, 1]], [[2, 7, -2, 0, 1]]], dtype=torch.int32)
+    eidx = torch.tensor([[[3, 0, -2]], [[0, 3, 2 ** 31 - 1]]], dtype=torch.int32)
+    sink = torch.tensor([0.25, -1.0])
+    out, lse = flash_mla_with_kvcache(
+        q, main, idx, topk_length=torch.tensor([3, 1], dtype=torch.int32), attn_sink=sink,
+        extra_k_cache=extra, extra_indices_in_kvcache=eidx,
+        extra_topk_length=torch.tensor([1, 0], dtype=torch.int32), impl="reference")
+    for t, keys in ((0, rows[[0, 3, 4]]), (1, rows[[2]])):
+        exp_o, exp_lse = _expected(q[t, 0].float(), keys, sink.double())
+        torch.testing.assert_close(lse[t, :, 0].double(), exp_lse, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[t, 0].double(), exp_o, rtol=2 / 128, atol=1e-3)
+
+
+def test_prefill_sink_scales_out_but_not_lse_and_empty_rows():
+    kv = torch.randn(5, 1, 512).to(torch.bfloat16)
+    q = torch.randn(3, 2, 512).to(torch.bfloat16)
+    # row 0: ids 1, 4 (5 = s_kv is invalid); row 1: id 2 (the rest past its length); row 2:
+    # length 0
+    idx = torch.tensor([[[1, 5, 4, -1]], [[2, 0, 1, 3]], [[0, 1, 2, 3]]], dtype=torch.int32)
+    sink = torch.tensor([0.5, float("inf")])
+    out, mx, lse = flash_mla_sparse_fwd(q, kv, idx, SCALE, attn_sink=sink,
+                                        topk_length=torch.tensor([4, 1, 0], dtype=torch.int32),
+                                        impl="reference")
+    for t, ids in ((0, [1, 4]), (1, [2])):
+        keys = kv[ids, 0].float()
+        exp_o, exp_lse = _expected(q[t].float(), keys, sink.double())
+        torch.testing.assert_close(lse[t].double(), exp_lse, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[t].double(), exp_o, rtol=2 / 128, atol=1e-3)
+        s = SCALE * (q[t].double() @ keys.double().T)
+        torch.testing.assert_close(mx[t].double(), s.amax(-1), rtol=1e-6, atol=1e-6)
+    assert out[:, 1].eq(0).all()                                 # +inf sink -> 0
+    assert out[2].eq(0).all() and (lse[2] == float("inf")).all()
+    assert (mx[2] == float("-inf")).all()

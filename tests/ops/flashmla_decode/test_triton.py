@@ -10,29 +10,35 @@ from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, record_results,
-                                      split_kernel_name, triton_params)
+                                      requires_cuda, split_kernel_name, triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 
 DEVICES = triton_params()
 
 
+def _check_infinite_then_close(got, want, rtol):
+    """Infinite entries (rows without a valid key: lse +inf, max logit -inf) equal, sign
+    included; the finite ones within ``rtol``."""
+    inf = want.isinf()
+    assert torch.equal(got.isinf(), inf) and torch.equal(got[inf], want[inf])
+    torch.testing.assert_close(got[~inf], want[~inf], atol=1e-6, rtol=rtol)
+
+
 def check_decode(ref, got):
     (ro, rl), (o, l) = ref, got
+    assert ro.float().abs().amax() > 0      # a comparison of all-zero outputs proves nothing
     assert not o.isnan().any()
     torch.testing.assert_close(o.float(), ro.float(), atol=1e-3, rtol=2 / 128)
-    assert torch.equal(l.isinf(), rl.isinf())
-    fin = rl.isfinite()
-    torch.testing.assert_close(l[fin], rl[fin], atol=1e-6, rtol=8 / 65536)
+    _check_infinite_then_close(l, rl, 8 / 65536)
 
 
 def check_prefill(ref, got):
     (ro, rm, rl), (o, m, l) = ref, got
+    assert ro.float().abs().amax() > 0
     assert not o.isnan().any()
     torch.testing.assert_close(o.float(), ro.float(), atol=8e-4, rtol=3 / 128)
     for g, want in ((m, rm), (l, rl)):
-        assert torch.equal(g.isinf(), want.isinf())
-        fin = want.isfinite()
-        torch.testing.assert_close(g[fin], want[fin], atol=1e-6, rtol=2 / 65536)
+        _check_infinite_then_close(g, want, 2 / 65536)
 
 
 def _run_decode(a, impl):
@@ -99,25 +105,99 @@ def test_row_lengths_are_shared_by_the_rows_tokens(device, impl):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_writes_into_given_buffers(device):
-    a = decode_case(device, b=2, s_q=2, h=8, topk=64, extra=False, seed=5)
-    out = torch.full((2, 2, 8, 512), float("nan"), dtype=torch.bfloat16, device=device)
-    lse_store = torch.full((2, 2, 8), float("nan"), device=device)
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_decode_writes_into_given_buffers(device, impl):
+    a = decode_case(device, b=3, s_q=2, h=8, topk=64, extra=False, seed=5)
+    out = torch.full((3, 2, 8, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse_store = torch.full((3, 2, 8), float("nan"), device=device)
     ref = _run_decode(a, "reference")
     q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
     o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse_store.transpose(1, 2),
-                                  impl="triton", **a)
+                                  impl=impl, **a)
     assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse_store.data_ptr()
     check_decode(ref, (out, lse_store.transpose(1, 2)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(7, 4, 40, 128), (64, 128, 300, 256), (33, 16, 2048, 128)])
-def test_prefill_matches_reference(device, shape):
-    s_q, h, s_kv, topk = shape
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_prefill_writes_into_given_buffers(device, impl):
+    a = prefill_case(device, s_q=5, h=4, s_kv=64, topk=64, seed=3)
+    ref = flash_mla_sparse_fwd(impl="reference", **a)
+    bufs = dict(out=torch.full((5, 4, 512), float("nan"), dtype=torch.bfloat16, device=device),
+                max_logits=torch.full((5, 4), float("nan"), device=device),
+                lse=torch.full((5, 4), float("nan"), device=device))
+    got = flash_mla_sparse_fwd(impl=impl, **a, **bufs)
+    assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, bufs.values()))
+    check_prefill(ref, tuple(bufs.values()))
+
+
+@requires_cuda
+def test_lengths_past_the_index_width_read_no_further():
+    """With value checks off (CUDA's default) lengths past the indices' width are not
+    rejected; they must act as the full width, never reading past the index rows."""
+    a = decode_case("cuda", b=3, s_q=2, h=16, topk=64, extra_topk=64, use_lengths=False,
+                    seed=8)
+    full = dict(a, topk_length=torch.full((3,), 64, dtype=torch.int32, device="cuda"),
+                extra_topk_length=torch.full((3,), 64, dtype=torch.int32, device="cuda"))
+    over = dict(full, topk_length=full["topk_length"] + 1000,
+                extra_topk_length=full["extra_topk_length"] + 2 ** 20)
+    want = _run_decode(full, "triton")
+    got = _run_decode(over, "triton")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    check_decode(_run_decode(full, "reference"), got)
+
+
+@requires_cuda
+@pytest.mark.parametrize("route", ["default", "split", "portable"])
+def test_decode_replays_under_cuda_graph(route, monkeypatch):
+    """Captured once with ``out=`` / ``lse=``, replayed after every input changed in place (q,
+    both caches, ids, lengths, sinks): the replay must answer for the new inputs (nothing
+    host-side baked in). Routes: the default tiny launch (batch 2); a split launch with its
+    combine (batch 4, h128: the sm_90 kernel where it runs); the portable kernel forced."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    if route == "portable":
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    b, h = (2, 64) if route == "default" else (4, 128)
+    shape = dict(b=b, s_q=2, h=h, bs=256, topk=128, extra_bs=64, extra_topk=512)
+    a = decode_case("cuda", **shape, seed=40)
+    new = decode_case("cuda", **shape, seed=41)
+    args = {k: v for k, v in a.items() if k not in ("q", "k_cache", "indices")}
+    out = torch.empty(b, 2, h, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(b, 2, h, device="cuda").transpose(1, 2)
+
+    def call():
+        flash_mla_with_kvcache(a["q"], a["k_cache"], a["indices"], out=out, lse=lse,
+                               impl="triton", **args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()                                      # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    if route == "split":
+        assert core.LAST_COMBINED
+        assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
+    elif route == "portable":
+        assert split_kernel_name() == "_split_kernel"
+    for k, v in new.items():
+        if isinstance(v, torch.Tensor):
+            a[k].copy_(v)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_decode(_run_decode(new, "reference"), (out, lse))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(3))
+def test_prefill_matches_reference(device, case):
+    s_q, h, s_kv, topk = [(7, 4, 40, 128), (64, 128, 300, 256), (33, 16, 2048, 128)][case]
     if device == "cpu":
         s_q, h, s_kv, topk = min(s_q, 5), min(h, 4), min(s_kv, 64), 64
-    a = prefill_case(device, s_q=s_q, h=h, s_kv=s_kv, topk=topk, seed=s_q)
+    a = prefill_case(device, s_q=s_q, h=h, s_kv=s_kv, topk=topk, seed=case)
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
     check_prefill((ro, rm, rl), (o, m, l))

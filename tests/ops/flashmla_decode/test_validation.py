@@ -33,7 +33,21 @@ BAD = [
     ("extra indices without cache", dict(extra_k_cache=None), ValueError,
      "need extra_k_cache"),
     ("sink shape", dict(attn_sink=torch.zeros(5)), ValueError, r"attn_sink must have shape \[4\]"),
+    ("sink dtype", dict(attn_sink=torch.zeros(4, dtype=torch.float64)), TypeError,
+     "attn_sink must have dtype float32"),
     ("unknown format", dict(kv_format="v5"), ValueError, "kv_format must be 'v4'"),
+    ("extra_topk_length > extra topk",
+     dict(extra_topk_length=torch.tensor([3, 65], dtype=torch.int32)), ValueError,
+     r"extra_topk_length must be in \[0, 64\]"),
+    ("negative topk_length", dict(topk_length=torch.tensor([-1, 3], dtype=torch.int32)),
+     ValueError, r"topk_length must be in \[0, 64\]"),
+    ("extra indices dtype", dict(extra_indices_in_kvcache=torch.zeros(2, 1, 64,
+                                                                        dtype=torch.int64)),
+     TypeError, "extra_indices_in_kvcache must have dtype int32"),
+    ("extra indices s_q", dict(extra_indices_in_kvcache=torch.zeros(2, 2, 64, dtype=torch.int32)),
+     ValueError, r"extra_indices_in_kvcache must have shape \[2, 1, \*\]"),
+    ("extra cache without indices", dict(extra_indices_in_kvcache=None, extra_topk_length=None),
+     ValueError, "extra_k_cache needs extra_indices_in_kvcache"),
 ]
 
 
@@ -48,16 +62,74 @@ def test_decode_rejects_bad_input_and_writes_nothing(what, over, exc, msg):
     assert out.eq(7).all() and lse.eq(7).all()
 
 
-def test_prefill_rejects_bad_input():
+def _prefill_args(**over):
     a = prefill_case("cpu", s_q=3, h=2, s_kv=10, topk=8)
-    out, mx, lse = torch.empty(3, 2, 512, dtype=torch.bfloat16), torch.empty(3, 2), \
-        torch.empty(3, 2)
-    with pytest.raises(ValueError, match=r"kv must have shape \[\*, 1, 512\]"):
-        flashmla_sparse_prefill(a["q"], a["kv"][:, 0], a["indices"], out, mx, lse, 0.1)
-    with pytest.raises(ValueError, match=r"indices must have shape \[3, 1, \*\]"):
-        flashmla_sparse_prefill(a["q"], a["kv"], a["indices"][:2], out, mx, lse, 0.1)
-    with pytest.raises(ValueError, match=r"lse must have shape \[3, 2\]"):
-        flashmla_sparse_prefill(a["q"], a["kv"], a["indices"], out, mx, lse[:2], 0.1)
+    a.update(over)
+    return a
+
+
+BAD_PREFILL = [
+    ("kv rank", lambda a: dict(kv=a["kv"][:, 0]), ValueError,
+     r"kv must have shape \[\*, 1, 512\]"),
+    ("kv dtype", lambda a: dict(kv=a["kv"].float()), TypeError, "kv must have dtype bfloat16"),
+    ("q dtype", lambda a: dict(q=a["q"].float()), TypeError, "q must have dtype bfloat16"),
+    ("heads > 128", lambda a: dict(q=torch.zeros(3, 129, 512, dtype=torch.bfloat16)),
+     ValueError, "129 heads"),
+    ("indices rows", lambda a: dict(indices=a["indices"][:2]), ValueError,
+     r"indices must have shape \[3, 1, \*\]"),
+    ("indices dtype", lambda a: dict(indices=a["indices"].long()), TypeError,
+     "indices must have dtype int32"),
+    ("topk_length > topk", lambda a: dict(topk_length=torch.tensor([9, 1, 0],
+                                                                    dtype=torch.int32)),
+     ValueError, r"topk_length must be in \[0, 8\]"),
+    ("topk_length shape", lambda a: dict(topk_length=torch.zeros(2, dtype=torch.int32)),
+     ValueError, r"topk_length must have shape \[3\]"),
+    ("sink shape", lambda a: dict(attn_sink=torch.zeros(3)), ValueError,
+     r"attn_sink must have shape \[2\]"),
+]
+
+
+@pytest.mark.parametrize("what,over,exc,msg", BAD_PREFILL, ids=[b[0] for b in BAD_PREFILL])
+def test_prefill_rejects_bad_input_and_writes_nothing(what, over, exc, msg):
+    a = _prefill_args()
+    a.update(over(a))
+    out = torch.full((3, 2, 512), 7.0, dtype=torch.bfloat16)
+    mx, lse = torch.full((3, 2), 7.0), torch.full((3, 2), 7.0)
+    with pytest.raises(exc, match=msg):
+        flashmla_sparse_prefill(a["q"], a["kv"], a["indices"], out, mx, lse, a["sm_scale"],
+                                a["topk_length"], a["attn_sink"])
+    assert out.eq(7).all() and mx.eq(7).all() and lse.eq(7).all()
+
+
+@pytest.mark.parametrize("name,shape,dtype,exc,msg", [
+    ("out", (3, 2, 256), torch.bfloat16, ValueError, r"out must have shape \[3, 2, 512\]"),
+    ("out", (3, 2, 512), torch.float32, TypeError, "out must have dtype bfloat16"),
+    ("max_logits", (3, 3), torch.float32, ValueError, r"max_logits must have shape \[3, 2\]"),
+    ("lse", (3, 2), torch.bfloat16, TypeError, "lse must have dtype float32")])
+def test_prefill_rejects_bad_output_buffers(name, shape, dtype, exc, msg):
+    a = _prefill_args()
+    bufs = dict(out=torch.empty(3, 2, 512, dtype=torch.bfloat16), max_logits=torch.empty(3, 2),
+                lse=torch.empty(3, 2))
+    bufs[name] = torch.empty(shape, dtype=dtype)
+    with pytest.raises(exc, match=msg):
+        flashmla_sparse_prefill(a["q"], a["kv"], a["indices"], bufs["out"], bufs["max_logits"],
+                                bufs["lse"], a["sm_scale"], a["topk_length"], a["attn_sink"])
+
+
+@pytest.mark.parametrize("name,make,exc,msg", [
+    ("out", lambda: torch.empty(2, 1, 4, 256, dtype=torch.bfloat16), ValueError,
+     r"out must have shape \[2, 1, 4, 512\]"),
+    ("out", lambda: torch.empty(2, 1, 4, 512), TypeError, "out must have dtype bfloat16"),
+    ("lse", lambda: torch.empty(2, 1, 4), ValueError, r"lse must have shape \[2, 4, 1\]"),
+    ("lse", lambda: torch.empty(2, 4, 1, dtype=torch.float64), TypeError,
+     "lse must have dtype float32")])
+def test_decode_rejects_bad_output_buffers(name, make, exc, msg):
+    a = _args()
+    bufs = dict(out=torch.empty(2, 1, 4, 512, dtype=torch.bfloat16), lse=torch.empty(2, 4, 1))
+    bufs[name] = make()
+    q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+    with pytest.raises(exc, match=msg):
+        flash_mla_with_kvcache(q, cache, idx, **bufs, **a)
 
 
 def test_opcheck_decode_and_prefill():
