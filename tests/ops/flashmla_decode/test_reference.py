@@ -120,3 +120,38 @@ def test_prefill_sink_scales_out_but_not_lse_and_empty_rows():
     assert out[:, 1].eq(0).all()                                 # +inf sink -> 0
     assert out[2].eq(0).all() and (lse[2] == float("inf")).all()
     assert (mx[2] == float("-inf")).all()
+
+
+def _v32_record(nope, scales, rope):
+    """One 656-byte V3.2 record written byte by byte (SPEC §2.1): 512 e4m3, 4 fp32 scales (one
+    per 128 dims), 64 bf16 RoPE dims."""
+    return torch.cat([nope.to(torch.float8_e4m3fn).view(torch.uint8),
+                      scales.to(torch.float32).view(torch.uint8),
+                      rope.to(torch.bfloat16).view(torch.uint8)])
+
+
+def test_v32_decode_against_hand_built_records():
+    """576-wide scores (512 dequantized dims + 64 RoPE dims), 512-wide values, the default
+    scale 576^-0.5; records built by hand, not by the insert op the reference shares."""
+    g = torch.Generator().manual_seed(4)
+    cache = formats.alloc_paged_cache("v32", 2, 3, fill=0xFF)      # NaN poison elsewhere
+    keys, values = [], []
+    for slot in (0, 2, 4):
+        nope = torch.randint(-8, 9, (512,), generator=g).float() / 4   # exact in e4m3
+        scales = torch.tensor([2.0 ** -3, 2.0 ** -1, 1.0, 2.0 ** -2])
+        rope = torch.randint(-16, 17, (64,), generator=g).float() / 16
+        cache[slot // 3, slot % 3] = _v32_record(nope, scales, rope)
+        v = nope * scales.repeat_interleave(128)
+        keys.append(torch.cat([v, rope]))
+        values.append(v)
+    q = (torch.randint(-4, 5, (1, 1, 2, 576), generator=g).float() / 4).to(torch.bfloat16)
+    idx = torch.tensor([[[4, -1, 0, 2]]], dtype=torch.int32)
+    out, lse = flash_mla_with_kvcache(q, cache, idx, kv_format="v32", impl="reference")
+    k, v = torch.stack([keys[2], keys[0], keys[1]]).double(), \
+        torch.stack([values[2], values[0], values[1]]).double()
+    s = 576 ** -0.5 * (q[0, 0].double() @ k.T)
+    torch.testing.assert_close(lse[0, :, 0].double(), torch.logsumexp(s, -1), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(out[0, 0].double(), torch.softmax(s, -1) @ v, rtol=2 / 128,
+                               atol=1e-3)
+    assert out.shape == (1, 1, 2, 512)
