@@ -73,6 +73,17 @@ def value_checks_enabled(*tensors) -> bool:
     return os.environ.get("SPARSE_MLA_CHECK_VALUES", "") not in ("", "0")
 
 
+def expect_values_in(name: str, t: torch.Tensor, lo: int, hi: int, note: str = "",
+                     entry: str = "entry") -> None:
+    """Every value of ``t`` in [lo, hi], or an error naming the first one outside (a value
+    check: it reads the device once)."""
+    flat = t.reshape(-1)
+    bad = (flat < lo) | (flat > hi)
+    if flat.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name} must be in [{lo}, {hi}]{note}; {entry} {i} has {int(flat[i])}")
+
+
 def expect_slots_in_range(name: str, slots: torch.Tensor, capacity: int) -> None:
     """Negative slots mean "skip"; any other slot must address a row of the cache."""
     if slots.numel() == 0:

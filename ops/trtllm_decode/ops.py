@@ -334,11 +334,9 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
                               cum_seq_lens_q=cum_seq_lens_q, bmm1_scale=bmm1_scale_tensor,
                               bmm2_scale=bmm2_scale_tensor)
     if checks.value_checks_enabled(query, sparse_topk_lens, seq_lens, sparse_indices):
-        lens = sparse_topk_lens.long()
-        if T and (int(lens.min()) < SWA_COLS or int(lens.max()) > topk):
-            t = int(((lens < SWA_COLS) | (lens > topk)).nonzero()[0])
-            raise ValueError(f"sparse_topk_lens must be in [{SWA_COLS}, {topk}] (it counts the "
-                             f"{SWA_COLS} SWA columns; TOPK = {topk}); token {t} has {int(lens[t])}")
+        checks.expect_values_in("sparse_topk_lens", sparse_topk_lens, SWA_COLS, topk,
+                                f" (it counts the {SWA_COLS} SWA columns; TOPK = {topk})",
+                                "token")
         if cum_seq_lens_q is not None:
             ql = _check_requests(cum_seq_lens_q, max_q_len, T)
         else:

@@ -25,7 +25,7 @@ BAD = [
     ("indices batch", dict(indices=torch.zeros(3, 1, 64, dtype=torch.int32)), ValueError,
      r"indices must have shape \[2, 1, \*\]"),
     ("topk_length > topk", dict(topk_length=torch.tensor([65, 1], dtype=torch.int32)),
-     ValueError, r"topk_length must be in \[0, 64\]"),
+     ValueError, r"topk_length must be in \[0, 64\].*batch row 0 has 65"),
     ("topk_length per token", dict(topk_length=torch.tensor([1], dtype=torch.int32)),
      ValueError, r"topk_length must have shape \[2\]"),
     ("extra format differs", dict(extra_k_cache=formats.alloc_paged_cache("v32", 4, 2)),
