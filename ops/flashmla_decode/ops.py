@@ -172,7 +172,12 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
                            block_size=None, extra_block_size=None, out=None, lse=None,
                            impl="auto"):
     """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
-    Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs)."""
+    Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs).
+
+    Index columns past ``topk_length`` / ``extra_topk_length`` may hold anything. Within them,
+    every id outside [0, the cache's slots) marks an unused column (-1 is the usual one) on
+    every implementation: FlashMLA itself skips only -1 (SPEC §5.1), so the vendor path maps
+    the others to -1 before calling it."""
     b, s_q, h = q.shape[:3]
     if out is None:
         out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)

@@ -4,6 +4,11 @@ Only its frozen legacy kernels read the V4 584 B / V3.2 656 B formats, and they 
 here on SM90 (H100/H200) only, so that is all this path accepts. FlashMLA needs 64 or 128
 heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this module pads
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
+FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 an id of -2, -64 or
+INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost) and one at
+or past the capacity read past the cache (docs/PERF.md session 31). The reference and Triton
+paths skip every id outside [0, capacity), so this path writes its padded index lists with
+every such id as -1 (one small kernel per list) and gives their answer.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
@@ -55,6 +62,31 @@ def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(idx, (0, pad), value=-1) if pad else idx
 
 
+@triton.jit
+def _usable_ids_kernel(src, src_s0, dst, K, KP, capacity, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(src + row * src_s0 + cols, mask=cols < K, other=-1)
+    ids = tl.where((ids >= 0) & (ids < capacity), ids, -1)
+    tl.store(dst + row * KP + cols, ids, mask=cols < KP)
+
+
+def _usable_ids(idx: torch.Tensor, capacity: int, multiple: int) -> torch.Tensor:
+    """``idx`` [b, s_q, K] as a new [b, s_q, K rounded up to ``multiple``] list for FlashMLA:
+    ids in [0, capacity) as they are, every other id and the added columns -1."""
+    b, s_q, k = idx.shape
+    kp = -(-k // multiple) * multiple
+    out = torch.empty(b, s_q, kp, dtype=idx.dtype, device=idx.device)
+    flat = idx.reshape(b * s_q, k)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    if out.numel():
+        block = min(triton.next_power_of_2(kp), 1024)
+        _usable_ids_kernel[(b * s_q, triton.cdiv(kp, block))](
+            flat, flat.stride(0), out, k, kp, capacity, BLOCK=block)
+    return out
+
+
 def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tensor:
     """FlashMLA's [num_blocks, block_size, 1, B] view of any accepted cache view."""
     raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
@@ -86,11 +118,13 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     nbytes = 584 if kv_format == "v4" else 656
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
-                  indices=_pad_cols(indices, 64), attn_sink=sink, topk_length=topk_length,
+                  indices=_usable_ids(indices, k_cache.shape[0] * bs, 64), attn_sink=sink,
+                  topk_length=topk_length,
                   use_legacy=True, kv_format="V4" if kv_format == "v4" else "V32")
     if extra_k_cache is not None:
         kwargs.update(extra_k_cache=_paged_4d(extra_k_cache, extra_bs, nbytes),
-                      extra_indices_in_kvcache=_pad_cols(extra_indices, 64),
+                      extra_indices_in_kvcache=_usable_ids(extra_indices,
+                                                           extra_k_cache.shape[0] * extra_bs, 64),
                       extra_topk_length=extra_topk_length)
     o, l = flash_mla.flash_mla_with_kvcache(qp, _paged_4d(k_cache, bs, nbytes), None, None, 512,
                                            meta, **kwargs)

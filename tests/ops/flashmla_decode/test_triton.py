@@ -51,7 +51,11 @@ GPU_GRID = [  # (b, s_q, h, block sizes main/extra, topk, extra_topk, fmt)
     (1, 1, 64, 64, 2, 128, 512, "v4"), (4, 2, 128, 256, 64, 128, 1024, "v4"),
     (74, 1, 16, 53, 61, 128, 64, "v4"), (321, 3, 8, 61, 2, 64, 64, "v4"),
     (4, 3, 1, 2, 53, 64, 128, "v4"), (74, 2, 32, 64, 2, 128, 512, "v4"),
-    (4, 2, 128, 64, None, 256, 0, "v32"), (2, 1, 64, 53, 2, 128, 64, "v32")]
+    (4, 2, 128, 64, None, 256, 0, "v32"), (2, 1, 64, 53, 2, 128, 64, "v32"),
+    (5, 2, 16, 256, None, 192, 0, "v32")]
+# On sm_90 these GPU_GRID shapes are tiny launches that stay on the portable kernel (one head
+# block, at most WS_TINY's units and tiles); every other one runs the sm_90 kernel
+SM90_PORTABLE_CASES = {0, 7}
 CPU_GRID = [(2, 2, 3, 61, 2, 64, 32, "v4"), (1, 1, 16, 2, 53, 32, 0, "v4"),
             (2, 1, 5, 53, 2, 32, 16, "v32")]
 
@@ -61,18 +65,30 @@ def _grid(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["auto", "portable"])
 @pytest.mark.parametrize("case", range(len(GPU_GRID)))
-def test_decode_matches_reference(device, case):
+def test_decode_matches_reference(device, route, case, monkeypatch):
+    """Every grid shape through the automatic route and, on a GPU, through the portable
+    kernel alone (``SPARSE_MLA_GLUON=0``), asserting which split kernel ran."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
     grid = _grid(device)
     if case >= len(grid):
         pytest.skip(f"the {device} grid has {len(grid)} shapes")
+    if route == "portable":
+        if device == "cpu":
+            pytest.skip("the interpreter runs the portable kernel on the automatic route")
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     b, s_q, h, bs, ebs, topk, etopk, fmt = grid[case]
     a = decode_case(device, b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case,
                     noncontig_q=case % 2 == 1)
     ref = _run_decode(a, "reference")
+    monkeypatch.setattr(core, "LAST_SPLIT_KERNEL", None)     # set by this launch, or fail
     got = _run_decode(a, "triton")
     assert last_choice("flashmla_sparse_decode").impl == "triton"
+    if device == "cuda":
+        sm90 = route == "auto" and hopper_with_gluon() and case not in SM90_PORTABLE_CASES
+        assert split_kernel_name() == ("_ws_kernel" if sm90 else "_split_kernel")
     check_decode(ref, got)
 
 

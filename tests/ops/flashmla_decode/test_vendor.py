@@ -8,7 +8,7 @@ import torch
 
 from sparse_mla.ops.common.dispatch import explain
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import CUDA
+from sparse_mla.tests.helpers import CUDA, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check_decode,
                                                                check_prefill)
@@ -44,6 +44,57 @@ def test_vendor_decode_matches_reference_and_triton(b, s_q, h, bs, ebs, topk, et
     ven = _run_decode(a, "vendor")
     check_decode(ref, ven)
     check_decode(ven, _run_decode(a, "triton"))
+
+
+# ids FlashMLA itself skips (-1) or, unguarded, faults on (-2, -64, INT_MAX) or reads past the
+# cache with (the capacity and past it); index (column, id) pairs set within the lengths
+def _out_of_cache_ids(capacity):
+    return [-1, -2, -64, 2 ** 31 - 1, capacity, capacity + 1000]
+
+
+def _plant(idx, ids):
+    """``ids`` written into row 0's first columns of every token (inside any length: the
+    cases give batch row 0 the full width)."""
+    idx = idx.clone()
+    idx[0, :, :len(ids)] = torch.tensor(ids, dtype=idx.dtype, device=idx.device)
+    return idx
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_usable_ids_pad_and_mask_out_of_cache_ids(device):
+    """The vendor path's index lists: ids in [0, capacity) kept, every other id and the
+    padding columns -1; a non-contiguous list is read through its strides."""
+    from sparse_mla.ops.flashmla_decode.vendor import _usable_ids
+    cap = 300
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randint(-5, cap + 5, (3, 2, 2 * 70), generator=g, dtype=torch.int32)
+    idx = wide.to(device)[:, :, ::2]        # 70 columns, stride 2
+    idx[0, 0, :6] = torch.tensor(_out_of_cache_ids(cap), dtype=torch.int32)
+    assert idx.stride(2) == 2
+    got = _usable_ids(idx, cap, 64).cpu()
+    want = torch.where((idx.cpu() >= 0) & (idx.cpu() < cap), idx.cpu(), -1)
+    assert got.shape == (3, 2, 128) and got.is_contiguous()
+    assert torch.equal(got[..., :70], want) and bool((got[..., 70:] == -1).all())
+    assert bool((want[0, 0, :6] == -1).all()) and bool((want >= 0).any())
+
+
+@requires_vendor
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+def test_vendor_skips_every_id_outside_the_cache(fmt):
+    """Within the lengths FlashMLA skips only -1 (SPEC §5.1): without the vendor path's
+    remapping these ids faulted or read past the cache. With it, the answer is the
+    reference's, which skips them all."""
+    v4 = fmt == "v4"
+    a = decode_case("cuda", b=3, s_q=2, h=64, fmt=fmt, bs=64, topk=128, extra=v4,
+                    extra_bs=64, extra_topk=64, use_lengths=v4, sink="random" if v4 else None,
+                    seed=21)
+    cap = a["k_cache"].shape[0] * 64
+    a["indices"] = _plant(a["indices"], _out_of_cache_ids(cap))
+    if v4:
+        ecap = a["extra_k_cache"].shape[0] * 64
+        a["extra_indices_in_kvcache"] = _plant(a["extra_indices_in_kvcache"],
+                                               _out_of_cache_ids(ecap))
+    check_decode(_run_decode(a, "reference"), _run_decode(a, "vendor"))
 
 
 @requires_vendor
