@@ -2,7 +2,9 @@
 
 Every op family registers its implementations on a :class:`Dispatcher`. Each implementation
 comes with a ``check`` that returns ``None`` when it can run on the given arguments or a short
-reason when it cannot. The choice can be forced per call (``impl=``) or for the whole process
+reason when it cannot, and optionally an ``automatic`` check: a reason for the automatic choice
+to pass over an implementation that can run (one measured slower than the next one there);
+forcing it still runs it. The choice can be forced per call (``impl=``) or for the whole process
 with the environment variable ``SPARSE_MLA_IMPL``:
 
 * ``SPARSE_MLA_IMPL=triton`` forces Triton for every op;
@@ -74,16 +76,20 @@ class Dispatcher:
         self._impls: dict = {}
         _REGISTRY[op] = self
 
-    def register(self, name: str, fn: Callable, check: Optional[Check] = None) -> None:
+    def register(self, name: str, fn: Callable, check: Optional[Check] = None,
+                 automatic: Optional[Check] = None) -> None:
         if name not in IMPLS:
             raise ValueError(f"unknown implementation kind {name!r}")
-        self._impls[name] = (fn, check)
+        self._impls[name] = (fn, check, automatic)
 
-    def _reason(self, name: str, args, kwargs) -> Optional[str]:
+    def _reason(self, name: str, args, kwargs, automatic: bool = False) -> Optional[str]:
         if name not in self._impls:
             return f"{self.op} has no {name} implementation"
-        _, check = self._impls[name]
-        return None if check is None else check(*args, **kwargs)
+        _, check, auto_check = self._impls[name]
+        reason = None if check is None else check(*args, **kwargs)
+        if reason is None and automatic and auto_check is not None:
+            reason = auto_check(*args, **kwargs)
+        return reason
 
     def choose(self, impl: Optional[str], *args, **kwargs) -> Choice:
         forced_by = None
@@ -105,7 +111,7 @@ class Dispatcher:
             return Choice(self.op, requested, forced_by, {})
         rejected = {}
         for name in IMPLS:
-            reason = self._reason(name, args, kwargs)
+            reason = self._reason(name, args, kwargs, automatic=True)
             if reason is None:
                 return Choice(self.op, name, None, rejected)
             rejected[name] = reason
@@ -116,7 +122,7 @@ class Dispatcher:
         if not hasattr(_LAST, "choices"):
             _LAST.choices = {}
         _LAST.choices[self.op] = choice
-        fn, _ = self._impls[choice.impl]
+        fn = self._impls[choice.impl][0]
         return fn(*args, **kwargs)
 
 

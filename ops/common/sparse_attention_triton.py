@@ -615,6 +615,14 @@ def gluon_triton_supported(version: str = triton.__version__) -> bool:
         return False
 
 
+def gluon_enabled() -> bool:
+    """Whether the sm_90 Gluon kernel may run in this process at all: Triton 3.6
+    (``GLUON_TRITON``), not interpreted, not turned off by ``SPARSE_MLA_GLUON=0``. Each launch
+    then checks its GPU and cache alignment (``_gluon_module``)."""
+    return (os.environ.get("SPARSE_MLA_GLUON", "1") != "0" and not triton_interpreting()
+            and gluon_triton_supported())
+
+
 def _gluon_module(q, fmt, blocks):
     """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
     Triton 3.6 (``GLUON_TRITON``), keys in the V4 cache (8-byte-aligned blocks; 16-byte-
@@ -624,8 +632,7 @@ def _gluon_module(q, fmt, blocks):
     gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
     block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs,
     bisecting)."""
-    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0" or triton_interpreting() or \
-            not gluon_triton_supported():
+    if not gluon_enabled():
         return None
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return None

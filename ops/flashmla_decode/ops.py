@@ -72,7 +72,7 @@ def _decode_triton(q, k_cache, indices, out, lse, topk_length, extra_k_cache, ex
 
 
 _DECODE = Dispatcher("flashmla_sparse_decode")
-_DECODE.register("vendor", vendor.decode, vendor.decode_check)
+_DECODE.register("vendor", vendor.decode, vendor.decode_check, vendor.decode_automatic)
 _DECODE.register("triton", _decode_triton, lambda q, k_cache, indices, out, *a, **k:
                  triton_check(q, k_cache, indices, out))
 _DECODE.register("reference", _decode_reference)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
 
@@ -130,6 +131,18 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
                                            meta, **kwargs)
     out.copy_(o[:, :, :h])
     lse.copy_(l[:, :h])
+
+
+def decode_automatic(*args, **kwargs):
+    """Why the automatic choice passes this path over where our sm_90 kernel can run: a
+    stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
+    every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape of
+    the benchmark (H200, docs/PERF.md session 31). ``impl="vendor"`` still runs it."""
+    if gluon_enabled():
+        return ("passed over automatically: with its planner run on every call FlashMLA is "
+                "slower here than the Triton kernel (docs/PERF.md session 31); "
+                "impl='vendor' runs it")
+    return None
 
 
 def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):

@@ -30,6 +30,27 @@ def test_automatic_order_and_reasons(monkeypatch):
     assert "rejected vendor: x too small" in str(choice)
 
 
+def test_automatic_check_passes_over_only_the_automatic_choice(monkeypatch):
+    """An ``automatic`` check (e.g. a vendor kernel measured slower than ours) makes the
+    automatic choice skip an implementation that can run, with its reason; forcing it (per
+    call or by the environment) still runs it; an implementation that cannot run keeps its
+    own reason."""
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    d = Dispatcher("toy_prefer")
+    d.register("vendor", lambda x: "vendor", lambda x: None if x > 10 else "x too small",
+               lambda x: "slower here" if x < 100 else None)
+    d.register("triton", lambda x: "triton")
+    assert d(20) == "triton"
+    assert last_choice("toy_prefer").rejected == {"vendor": "slower here"}
+    assert d(200) == "vendor"
+    assert d(5) == "triton" and last_choice("toy_prefer").rejected == {"vendor": "x too small"}
+    assert d(20, impl="vendor") == "vendor"
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "vendor")
+    assert d(20) == "vendor" and last_choice("toy_prefer").forced_by == "SPARSE_MLA_IMPL"
+    with pytest.raises(ImplementationUnavailable, match="x too small"):
+        d(5)
+
+
 def test_forced_per_call_and_by_env(monkeypatch):
     monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
     d = _toy("toy_forced")

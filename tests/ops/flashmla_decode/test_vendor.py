@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sparse_mla.ops.common.dispatch import explain
+from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import CUDA, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
@@ -14,13 +15,21 @@ from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check
                                                                check_prefill)
 
 
+def _explain_decode(a, impl=None):
+    return explain("flashmla_sparse_decode", a["q"], a["k_cache"], a["indices"], None, None,
+                   None, None, None, None, None, 1.0, "v4", 64, None, impl=impl)
+
+
 def _vendor_reason():
+    """Why FlashMLA cannot run here (None where it can), asked as a forced call is: the
+    automatic choice may pass it over where it runs."""
     if not CUDA:
         return "needs a CUDA GPU"
-    a = decode_case("cuda", b=1, s_q=1, h=64, topk=64, extra=False)
-    choice = explain("flashmla_sparse_decode", a["q"], a["k_cache"], a["indices"], None, None,
-                     None, None, None, None, None, 1.0, "v4", 64, None)
-    return choice.rejected.get("vendor")
+    try:
+        _explain_decode(decode_case("cuda", b=1, s_q=1, h=64, topk=64, extra=False), "vendor")
+    except ImplementationUnavailable as exc:
+        return str(exc)
+    return None
 
 
 REASON = _vendor_reason()
@@ -95,6 +104,28 @@ def test_vendor_skips_every_id_outside_the_cache(fmt):
         a["extra_indices_in_kvcache"] = _plant(a["extra_indices_in_kvcache"],
                                                _out_of_cache_ids(ecap))
     check_decode(_run_decode(a, "reference"), _run_decode(a, "vendor"))
+
+
+@requires_vendor
+def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monkeypatch):
+    """Decode: FlashMLA, planned on every call, was slower than our kernel on every measured
+    shape (PERF.md session 31), so the automatic choice takes Triton there and says why;
+    without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill stays
+    FlashMLA's (faster than ours)."""
+    from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    if not gluon_enabled():
+        pytest.skip("the sm_90 kernel cannot run with this Triton")
+    a = decode_case("cuda", b=1, s_q=1, h=64, topk=64, extra=False)
+    choice = _explain_decode(a)
+    assert choice.impl == "triton" and choice.forced_by is None
+    assert choice.rejected["vendor"].startswith("passed over automatically")
+    assert _explain_decode(a, "vendor").impl == "vendor"
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    assert _explain_decode(a).impl == "vendor"
+    p = prefill_case("cuda", s_q=4, h=64, s_kv=200, topk=128, seed=0)
+    assert explain("flashmla_sparse_prefill", p["q"], p["kv"], p["indices"], None, None, None,
+                   None, None, 1.0).impl == "vendor"
 
 
 @requires_vendor
