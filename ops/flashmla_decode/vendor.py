@@ -4,11 +4,11 @@ Only its frozen legacy kernels read the V4 584 B / V3.2 656 B formats, and they 
 here on SM90 (H100/H200) only, so that is all this path accepts. FlashMLA needs 64 or 128
 heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this module pads
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
-FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 an id of -2, -64 or
-INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost) and one at
-or past the capacity read past the cache (docs/PERF.md session 31). The reference and Triton
-paths skip every id outside [0, capacity), so this path writes its padded index lists with
-every such id as -1 (one small kernel per list) and gives their answer.
+FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 and H100 an id of -2,
+-64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
+one at or past the capacity read past the cache (docs/PERF.md session 31). The reference and
+Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
+with every such id as -1 (one small kernel per list) and gives their answer.
 """
 from __future__ import annotations
 
@@ -136,8 +136,8 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
 def decode_automatic(*args, **kwargs):
     """Why the automatic choice passes this path over where our sm_90 kernel can run: a
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
-    every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape of
-    the benchmark (H200, docs/PERF.md session 31). ``impl="vendor"`` still runs it."""
+    every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape
+    measured (H200 and H100, docs/PERF.md session 31). ``impl="vendor"`` still runs it."""
     if gluon_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
                 "slower here than the Triton kernel (docs/PERF.md session 31); "
