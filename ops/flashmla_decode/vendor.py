@@ -64,10 +64,10 @@ def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 @triton.jit
-def _usable_ids_kernel(src, src_s0, dst, K, KP, capacity, BLOCK: tl.constexpr):
+def _usable_ids_kernel(src, src_s0, src_s1, dst, K, KP, capacity, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(src + row * src_s0 + cols, mask=cols < K, other=-1)
+    ids = tl.load(src + row * src_s0 + cols * src_s1, mask=cols < K, other=-1)
     ids = tl.where((ids >= 0) & (ids < capacity), ids, -1)
     tl.store(dst + row * KP + cols, ids, mask=cols < KP)
 
@@ -79,12 +79,10 @@ def _usable_ids(idx: torch.Tensor, capacity: int, multiple: int) -> torch.Tensor
     kp = -(-k // multiple) * multiple
     out = torch.empty(b, s_q, kp, dtype=idx.dtype, device=idx.device)
     flat = idx.reshape(b * s_q, k)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
     if out.numel():
         block = min(triton.next_power_of_2(kp), 1024)
         _usable_ids_kernel[(b * s_q, triton.cdiv(kp, block))](
-            flat, flat.stride(0), out, k, kp, capacity, BLOCK=block)
+            flat, flat.stride(0), flat.stride(1), out, k, kp, capacity, BLOCK=block)
     return out
 
 
