@@ -84,3 +84,17 @@ def record_results(monkeypatch, owner, name: str) -> list:
         return results[-1]
     monkeypatch.setattr(owner, name, wrapper)
     return results
+
+
+def gapped(t: torch.Tensor, fill) -> torch.Tensor:
+    """A view with ``t``'s values on ``t``'s device whose every stride is doubled: the
+    elements between them hold ``fill``, so a kernel that reads the view as if it were
+    contiguous picks those up (and a wrong answer) instead of the real ones."""
+    wide = torch.full([2 * n for n in t.shape], fill, dtype=t.dtype, device=t.device)
+    view = wide[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    if t.dim() and t.shape[-1] > 1:
+        # what a kernel taking the view by base pointer (and its row strides) would read
+        misread = view.as_strided(view.shape, view.stride()[:-1] + (1,))
+        assert not torch.equal(misread, t), "fill equals the values: the view tests nothing"
+    return view

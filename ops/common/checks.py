@@ -42,6 +42,18 @@ def expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
                          f"got strides {t.stride()}")
 
 
+def unit_stride(t):
+    """``t`` with a unit stride in its last dimension: ``t`` itself, or a contiguous copy.
+
+    Kernels here and FlashMLA's take index lists, lengths and sinks by base pointer (index
+    lists with their row stride), so an argument given as a strided view, e.g. every second
+    column of a wider list, is copied first: read as it is, its elements are the wrong ones
+    (docs/PERF.md session 32). None passes through."""
+    if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
 def expect_same_device(**tensors) -> None:
     devs = {n: t.device for n, t in tensors.items() if t is not None}
     if len(set(devs.values())) > 1:

@@ -35,7 +35,8 @@ class KeySource:
         strides of dims 0, 1 free, last dim contiguous).
     indices: ``[T, K]`` int32 slot ids (``block * block_size + offset``), any strides.
     lengths: int32 number of leading columns that may be used, one entry per
-        ``tokens_per_length`` consecutive tokens (``[T // tokens_per_length]``), or None.
+        ``tokens_per_length`` consecutive tokens (``[T // tokens_per_length]``), or None; any
+        stride.
     tokens_per_length: tokens sharing one ``lengths`` entry (FlashMLA's lengths are per batch
         row of s_q tokens). Kernels index ``lengths[t // tokens_per_length]``, so no per-token
         copy (a kernel launch per call) is made.
@@ -135,6 +136,10 @@ def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
     and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
     contiguous). ``scale`` / ``out_scale`` may be one-element fp32 tensors on q's device:
-    the kernels read them, so nothing syncs with the host."""
+    the kernels read them, so nothing syncs with the host. Index lists, lengths and the sink
+    may be strided views: the kernels need unit-stride ones, made here (a copy only where the
+    view has gaps)."""
     from sparse_mla.ops.common import sparse_attention_triton as kernels
-    kernels.run(q, sources, sink, scale, out, lse, out_scale, max_logits)
+    sources = [dataclasses.replace(s, indices=checks.unit_stride(s.indices),
+                                   lengths=checks.unit_stride(s.lengths)) for s in sources]
+    kernels.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale, max_logits)

@@ -8,7 +8,9 @@ FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 and H100 a
 -64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
 one at or past the capacity read past the cache (docs/PERF.md session 31). The reference and
 Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
-with every such id as -1 (one small kernel per list) and gives their answer.
+with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA also
+refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
+those are copied to unit stride first (``checks.unit_stride``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
@@ -117,14 +120,14 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     nbytes = 584 if kv_format == "v4" else 656
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
-                  indices=_usable_ids(indices, k_cache.shape[0] * bs, 64), attn_sink=sink,
-                  topk_length=topk_length,
+                  indices=_usable_ids(indices, k_cache.shape[0] * bs, 64),
+                  attn_sink=unit_stride(sink), topk_length=unit_stride(topk_length),
                   use_legacy=True, kv_format="V4" if kv_format == "v4" else "V32")
     if extra_k_cache is not None:
         kwargs.update(extra_k_cache=_paged_4d(extra_k_cache, extra_bs, nbytes),
                       extra_indices_in_kvcache=_usable_ids(extra_indices,
                                                            extra_k_cache.shape[0] * extra_bs, 64),
-                      extra_topk_length=extra_topk_length)
+                      extra_topk_length=unit_stride(extra_topk_length))
     o, l = flash_mla.flash_mla_with_kvcache(qp, _paged_4d(k_cache, bs, nbytes), None, None, 512,
                                            meta, **kwargs)
     out.copy_(o[:, :, :h])
@@ -155,8 +158,9 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=1)
-    o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512, sink,
-                                             topk_length, use_legacy=True)
+    o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, unit_stride(_pad_cols(indices, 128)), scale,
+                                             512, unit_stride(sink), unit_stride(topk_length),
+                                             use_legacy=True)
     out.copy_(o[:, :h])
     max_logits.copy_(m[:, :h])
     lse.copy_(l[:, :h])

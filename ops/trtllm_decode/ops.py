@@ -433,22 +433,25 @@ def dsv4_vendor_arguments(query, swa_kv_cache, sparse_indices, compressed_kv_cac
     Returns ``{"function": name in flashinfer.decode, "kwargs": {...}, "copy_out":
     (padded_out, out) or None}``. Heads are padded up to the next count FlashInfer's DSv4 check
     accepts (8, 16, 32, 64, 128): q pad heads are zeros, sink pad heads -inf, and the padded
-    output's first ``H`` heads are copied into ``out`` afterwards. Caches, indices, lengths and
-    the layout pass unchanged (3-D stays 3-D). A tensor ``bmm1_scale`` is passed as the tensor
+    output's first ``H`` heads are copied into ``out`` afterwards. Caches and the layout pass
+    unchanged (3-D stays 3-D); indices, lengths and sinks too, unless strided in their last
+    dimension (then as unit-stride copies: whether FlashInfer reads them by base pointer is
+    unverified, it does not run on SM90). A tensor ``bmm1_scale`` is passed as the tensor
     in natural units: FlashInfer multiplies it by log2(e) itself (a float is converted in C++).
-    Allocates only the padded copies; imports nothing; launches nothing.
+    Makes only those copies (no other allocation or launch); imports nothing.
     """
     H = query.shape[-2]
     Hp = _pad_heads(H, FLASHINFER_DSV4_HEADS)
     q, s, padded_out = pad_heads(query, sinks, Hp, out_dim=V_DIM)
     o, copy_out = (out, None) if padded_out is None else (padded_out, (padded_out, out))
+    us = checks.unit_stride     # strided lists reach FlashInfer as unit-stride copies
     kwargs = dict(
         query=q, swa_kv_cache=swa_kv_cache, workspace_buffer=workspace_buffer,
-        sparse_indices=sparse_indices, compressed_kv_cache=compressed_kv_cache,
-        sparse_topk_lens=sparse_topk_lens, seq_lens=seq_lens, out=o,
+        sparse_indices=us(sparse_indices), compressed_kv_cache=compressed_kv_cache,
+        sparse_topk_lens=us(sparse_topk_lens), seq_lens=us(seq_lens), out=o,
         bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
         bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
-        sinks=s, kv_layout=kv_layout, cum_seq_lens_q=cum_seq_lens_q,
+        sinks=us(s), kv_layout=kv_layout, cum_seq_lens_q=us(cum_seq_lens_q),
         max_q_len=max_q_len, backend="trtllm-gen")
     return {"function": "trtllm_batch_decode_sparse_mla_dsv4", "kwargs": kwargs,
             "copy_out": copy_out}
@@ -700,13 +703,13 @@ def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scal
     cache = kv_cache.unsqueeze(1) if kv_cache.dim() == 3 else kv_cache
     kwargs = dict(
         query=q, kv_cache=cache, workspace_buffer=workspace_buffer, qk_nope_head_dim=128,
-        kv_lora_rank=512, qk_rope_head_dim=64, block_tables=bt, seq_lens=seq_lens,
-        max_seq_len=K, sparse_mla_top_k=K, out=o,
+        kv_lora_rank=512, qk_rope_head_dim=64, block_tables=checks.unit_stride(bt),
+        seq_lens=checks.unit_stride(seq_lens), max_seq_len=K, sparse_mla_top_k=K, out=o,
         bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
         bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
-        sinks=None if s is None else [s], backend="trtllm-gen")
+        sinks=None if s is None else [checks.unit_stride(s)], backend="trtllm-gen")
     if cum_seq_lens_q is not None:
-        kwargs.update(cum_seq_lens_q=cum_seq_lens_q, max_q_len=max_q_len)
+        kwargs.update(cum_seq_lens_q=checks.unit_stride(cum_seq_lens_q), max_q_len=max_q_len)
     return {"function": "trtllm_batch_decode_with_kv_cache_mla", "kwargs": kwargs,
             "copy_out": copy_out}
 

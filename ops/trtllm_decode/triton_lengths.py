@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, pdl_supported
 from sparse_mla.ops.trtllm_decode.ops import SWA_COLS
 
@@ -62,6 +63,9 @@ def _lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
 
 
 def _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, topk_lens, dsv4):
+    # the kernel reads each list by base pointer
+    seq_lens, cum_seq_lens_q, topk_lens = map(checks.unit_stride,
+                                              (seq_lens, cum_seq_lens_q, topk_lens))
     dev = seq_lens.device
     a = torch.empty(T, dtype=torch.int32, device=dev)
     b = torch.empty(T if dsv4 else 0, dtype=torch.int32, device=dev)

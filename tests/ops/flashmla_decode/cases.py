@@ -109,15 +109,24 @@ def _capacity(cache, block_size):
 
 
 def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
+    """Every 7th kv row is NaN and only columns past their row's ``topk_length`` point at
+    them (SPEC §5.2 warns that FlashMLA may leak such a row); the rest hold ids in
+    [-2, s_kv + 3), some of them invalid."""
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn(s_kv + 4, 1, 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
     kv[s_kv:] = float("nan")                       # rows beyond s_kv: never valid
+    unused = torch.arange(0, s_kv, 7)
+    kv[unused] = float("nan")
     kv = kv[:s_kv]
     idx = torch.randint(-2, s_kv + 3, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    idx = torch.where((idx >= 0) & (idx < s_kv) & (idx % 7 == 0), idx + 1, idx)
     lens = torch.randint(0, topk + 1, (s_q,), generator=g, dtype=torch.int32)
     lens[0] = topk
     if s_q > 2:
         lens[1] = 0                                # a row without keys: out 0, lse +inf
+    past = torch.arange(topk)[None, :] >= lens[:, None].long()
+    idx[:, 0] = torch.where(past, unused[torch.arange(topk) % unused.numel()].to(idx.dtype),
+                            idx[:, 0])
     sink = torch.randn(h, generator=g)
     if h > 1:
         sink[0], sink[1] = float("inf"), float("-inf")

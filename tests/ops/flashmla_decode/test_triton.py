@@ -9,8 +9,9 @@ import torch
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, record_results,
-                                      requires_cuda, split_kernel_name, triton_params)
+from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
+                                      record_results, requires_cuda, split_kernel_name,
+                                      triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 
 DEVICES = triton_params()
@@ -145,6 +146,45 @@ def test_prefill_writes_into_given_buffers(device, impl):
     got = flash_mla_sparse_fwd(impl=impl, **a, **bufs)
     assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, bufs.values()))
     check_prefill(ref, tuple(bufs.values()))
+
+
+# what lies between a strided argument's elements: a real row's slot id, length 1, NaN sink
+GAP_FILL = {"indices": 0, "extra_indices_in_kvcache": 0, "topk_length": 1,
+            "extra_topk_length": 1, "attn_sink": float("nan")}
+
+
+def strided_decode_args(device, fmt, h=4):
+    """(case, [(argument name, the case with that argument as a strided view)])."""
+    a = decode_case(device, b=2, s_q=2, h=h, fmt=fmt, bs=61, topk=64, extra=fmt == "v4",
+                    extra_topk=32, use_lengths=fmt == "v4", seed=17)
+    return a, [(k, {**a, k: gapped(a[k], GAP_FILL[k])}) for k in GAP_FILL if k in a]
+
+
+def strided_prefill_args(device, h):
+    a = prefill_case(device, s_q=6, h=h, s_kv=64, topk=128, seed=19)
+    return a, [(k, {**a, k: gapped(a[k], GAP_FILL[k])})
+               for k in ("indices", "topk_length", "attn_sink")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+def test_decode_takes_strided_lists_lengths_and_sink(device, fmt):
+    """Every index list, length list and the sink given as a view with gaps: the kernels
+    take them by base pointer, so the op must not hand them the view as it is."""
+    a, cases = strided_decode_args(device, fmt)
+    ref = _run_decode(a, "reference")
+    for name, b in cases:
+        check_decode(ref, _run_decode(b, "reference"))
+        check_decode(ref, _run_decode(b, "triton"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_takes_strided_lists_lengths_and_sink(device):
+    a, cases = strided_prefill_args(device, 4)
+    ref = flash_mla_sparse_fwd(impl="reference", **a)
+    for name, b in cases:
+        check_prefill(ref, flash_mla_sparse_fwd(impl="reference", **b))
+        check_prefill(ref, flash_mla_sparse_fwd(impl="triton", **b))
 
 
 @requires_cuda

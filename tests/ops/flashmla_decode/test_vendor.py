@@ -12,7 +12,9 @@ from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_
 from sparse_mla.tests.helpers import CUDA, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check_decode,
-                                                               check_prefill)
+                                                               check_prefill,
+                                                               strided_decode_args,
+                                                               strided_prefill_args)
 
 
 def _explain_decode(a, impl=None):
@@ -143,6 +145,29 @@ def test_vendor_prefill_matches_reference(h):
     ven = flash_mla_sparse_fwd(impl="vendor", **a)
     check_prefill(ref, ven)
     check_prefill(ven, flash_mla_sparse_fwd(impl="triton", **a))
+
+
+@requires_vendor
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+@pytest.mark.parametrize("h", [4, 64])
+def test_vendor_decode_takes_strided_lengths_and_sink(fmt, h):
+    """FlashMLA refuses strided lengths and sinks (RuntimeError, docs/PERF.md session 32);
+    the op accepts them, so the vendor path copies them. At 64 heads the sink reaches FlashMLA
+    unpadded."""
+    a, cases = strided_decode_args("cuda", fmt, h)
+    ref = _run_decode(a, "reference")
+    for name, b in cases:
+        check_decode(ref, _run_decode(b, "vendor"))
+
+
+@requires_vendor
+@pytest.mark.parametrize("h", [4, 128])
+def test_vendor_prefill_takes_strided_lists_lengths_and_sink(h):
+    """The same for prefill, whose index list FlashMLA also refuses strided."""
+    a, cases = strided_prefill_args("cuda", h)
+    ref = flash_mla_sparse_fwd(impl="reference", **a)
+    for name, b in cases:
+        check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **b))
 
 
 @pytest.mark.parametrize("h,padded", [(1, 64), (16, 64), (64, 64), (65, 128), (128, 128)])

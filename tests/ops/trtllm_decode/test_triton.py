@@ -10,9 +10,9 @@ import torch
 
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import last_choice
-from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, hopper_with_gluon,
-                                      record_results, seeded, split_kernel_name,
-                                      triton_params)
+from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
+                                      hopper_with_gluon, record_results, seeded,
+                                      split_kernel_name, triton_params)
 from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -136,7 +136,28 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
-def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None):
+# what lies between a strided argument's elements (tests/helpers.gapped)
+GAP_FILL = {"sparse_indices": 0, "sparse_topk_lens": 200, "seq_lens": 1, "sinks": float("nan"),
+            "cum_seq_lens_q": 0, "block_tables": 0}
+
+
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("dense", [False, True], ids=["varlen", "dense"])
+def test_dsv4_takes_strided_lists_lengths_and_sinks(device, dense):
+    """Each index, length and sink argument as a view with gaps, made on the device (a
+    host-to-device copy would make it contiguous): the attention and lengths kernels take
+    them by base pointer, so the op must not hand them the view as it is."""
+    x = _batch(21, 16, BF16)
+    if dense:
+        x = _dense(_batch(22, 16, BF16, q_lens=(2, 2, 2, 2), seq=(5, 200, 129, 2)), 4, 2)
+    ref = _run(x, "cpu", "reference")
+    y = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    for name in [k for k in GAP_FILL if k in y]:
+        tri = _run({**y, name: gapped(y[name], GAP_FILL[name])}, device, "triton")
+        torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
+def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None, gap=None):
     """Reference and Triton outputs of the V3.2 op on one poisoned pool; ``check`` runs right
     after the Triton launch (which kernel ran)."""
     g = seeded(99 + H)
@@ -151,9 +172,12 @@ def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None):
     outs = []
     for dev, impl in (("cpu", "reference"), (device, "triton")):
         out = torch.full((T, H, 512), float("nan"), dtype=BF16, device=dev)
+        lists = {"block_tables": bt.to(dev), "seq_lens": counts.to(dev)}
+        if impl == "triton" and gap is not None:
+            lists[gap] = gapped(lists[gap], GAP_FILL[gap])
         td.trtllm_batch_decode_with_kv_cache_mla(
-            q.to(dev), cache.to(dtype).to(dev), None, 128, 512, 64, bt.to(dev),
-            counts.to(dev), K, K, out=out, bmm1_scale=576 ** -0.5, impl=impl)
+            q.to(dev), cache.to(dtype).to(dev), None, 128, 512, 64, lists["block_tables"],
+            lists["seq_lens"], K, K, out=out, bmm1_scale=576 ** -0.5, impl=impl)
         if impl == "triton" and check is not None:
             check()
         outs.append(out.cpu().float())
@@ -162,8 +186,10 @@ def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None):
 
 
 @pytest.mark.parametrize("device", triton_params())
-def test_v32_triton_matches_reference(device):
-    ref, tri = _v32_outputs(device, 16, BF16)
+@pytest.mark.parametrize("gap", [None, "block_tables", "seq_lens"])
+def test_v32_triton_matches_reference(device, gap):
+    """``gap``: that argument is a strided view (tests/helpers.gapped)."""
+    ref, tri = _v32_outputs(device, 16, BF16, gap=gap)
     torch.testing.assert_close(tri, ref, **TOL)
 
 
