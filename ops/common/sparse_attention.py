@@ -129,6 +129,13 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
     return (out, lse, mx) if return_max_logits else (out, lse)
 
 
+def _unit_strides(src: KeySource) -> KeySource:
+    idx, lens = checks.unit_stride(src.indices), checks.unit_stride(src.lengths)
+    if idx is src.indices and lens is src.lengths:
+        return src          # the usual case: no copy, no new object on the decode hot path
+    return dataclasses.replace(src, indices=idx, lengths=lens)
+
+
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
                             sink: Optional[torch.Tensor], scale, out: torch.Tensor,
                             lse: Optional[torch.Tensor] = None, out_scale=1.0,
@@ -140,6 +147,5 @@ def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
     may be strided views: the kernels need unit-stride ones, made here (a copy only where the
     view has gaps)."""
     from sparse_mla.ops.common import sparse_attention_triton as kernels
-    sources = [dataclasses.replace(s, indices=checks.unit_stride(s.indices),
-                                   lengths=checks.unit_stride(s.lengths)) for s in sources]
+    sources = [_unit_strides(s) for s in sources]
     kernels.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale, max_logits)
