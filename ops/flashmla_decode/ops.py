@@ -42,13 +42,14 @@ def _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
     return srcs
 
 
-def _flat(t: Tensor, shape, name):
-    """A view of ``t`` with ``shape`` that writes through (no copy), or a clear error."""
+def _token_rows(t: Tensor, shape):
+    """``(rows, target)``: ``t`` viewed as ``shape`` (tokens flattened) for the kernels to
+    write through, target None; or, where ``t``'s strides allow no such view (``lse`` as a
+    contiguous [b, h, s_q] buffer with s_q > 1), a new buffer and ``t`` to copy it into."""
     try:
-        return t.view(shape)
+        return t.view(shape), None
     except RuntimeError:
-        raise ValueError(f"{name} must be viewable as {list(shape)} without a copy "
-                         f"(got strides {t.stride()})") from None
+        return torch.empty(shape, dtype=t.dtype, device=t.device), t
 
 
 def _decode_reference(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
@@ -66,9 +67,12 @@ def _decode_triton(q, k_cache, indices, out, lse, topk_length, extra_k_cache, ex
     b, s_q, h, d = q.shape
     srcs = _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                            extra_topk_length, kv_format, bs, extra_bs)
-    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale,
-                            _flat(out, (b * s_q, h, 512), "out"),
-                            _flat(lse.transpose(1, 2), (b * s_q, h), "lse.transpose(1, 2)"))
+    o_rows, o_target = _token_rows(out, (b * s_q, h, 512))
+    l_rows, l_target = _token_rows(lse.transpose(1, 2), (b * s_q, h))
+    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows)
+    for rows, target in ((o_rows, o_target), (l_rows, l_target)):
+        if target is not None:
+            target.copy_(rows.view(target.shape))
 
 
 _DECODE = Dispatcher("flashmla_sparse_decode")

@@ -121,18 +121,29 @@ def test_row_lengths_are_shared_by_the_rows_tokens(device, impl):
     assert torch.equal(l.transpose(1, 2).reshape(b * s_q, h), fl.transpose(1, 2).reshape(-1, h))
 
 
+def given_buffers(device, b, s_q, h, layout):
+    """NaN-filled ``(out, lse)`` for the ``out=`` / ``lse=`` call. "flashmla": the layouts
+    FlashMLA returns (lse a transposed view of [b, s_q, h]). "own": a contiguous [b, h, s_q]
+    lse and an out stored s_q-major: neither flattens to token rows without a copy."""
+    if layout == "flashmla":
+        return (torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=device),
+                torch.full((b, s_q, h), float("nan"), device=device).transpose(1, 2))
+    return (torch.full((s_q, b, h, 512), float("nan"), dtype=torch.bfloat16,
+                       device=device).transpose(0, 1),
+            torch.full((b, h, s_q), float("nan"), device=device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_decode_writes_into_given_buffers(device, impl):
+@pytest.mark.parametrize("layout", ["flashmla", "own"])
+def test_decode_writes_into_given_buffers(device, impl, layout):
     a = decode_case(device, b=3, s_q=2, h=8, topk=64, extra=False, seed=5)
-    out = torch.full((3, 2, 8, 512), float("nan"), dtype=torch.bfloat16, device=device)
-    lse_store = torch.full((3, 2, 8), float("nan"), device=device)
+    out, lse = given_buffers(device, 3, 2, 8, layout)
     ref = _run_decode(a, "reference")
     q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
-    o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse_store.transpose(1, 2),
-                                  impl=impl, **a)
-    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse_store.data_ptr()
-    check_decode(ref, (out, lse_store.transpose(1, 2)))
+    o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse, impl=impl, **a)
+    assert o is out and l is lse
+    check_decode(ref, (out, lse))
 
 
 @pytest.mark.parametrize("device", DEVICES)

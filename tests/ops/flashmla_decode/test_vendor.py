@@ -12,7 +12,7 @@ from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_
 from sparse_mla.tests.helpers import CUDA, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check_decode,
-                                                               check_prefill,
+                                                               check_prefill, given_buffers,
                                                                strided_decode_args,
                                                                strided_prefill_args)
 
@@ -198,14 +198,13 @@ def test_pad_for_flash_mla_adds_zero_heads_and_minus_inf_sinks(h, head_dim):
 
 
 @requires_vendor
-def test_vendor_writes_into_given_buffers():
+@pytest.mark.parametrize("layout", ["flashmla", "own"])
+def test_vendor_writes_into_given_buffers(layout):
     a = decode_case("cuda", b=3, s_q=2, h=64, topk=64, bs=64, extra=True, extra_bs=64,
                     extra_topk=128, seed=9)
-    out = torch.full((3, 2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse_store = torch.full((3, 2, 64), float("nan"), device="cuda")
+    out, lse = given_buffers("cuda", 3, 2, 64, layout)
     ref = _run_decode(a, "reference")
     q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
-    o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse_store.transpose(1, 2),
-                                  impl="vendor", **a)
-    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse_store.data_ptr()
-    check_decode(ref, (out, lse_store.transpose(1, 2)))
+    o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse, impl="vendor", **a)
+    assert o is out and l is lse
+    check_decode(ref, (out, lse))
