@@ -35,10 +35,13 @@ def _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                     extra_topk_length, kv_format, bs, extra_bs):
     b, s_q = indices.shape[0], indices.shape[1]
     # FlashMLA's lengths are per batch row [b]: every s_q token of the row shares them
-    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, -1), topk_length, s_q)]
+    # (the widths are spelled out: -1 cannot be inferred for an empty batch)
+    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, indices.shape[-1]),
+                      topk_length, s_q)]
     if extra_k_cache is not None:
         srcs.append(KeySource(extra_k_cache, kv_format, extra_bs,
-                              extra_indices.reshape(b * s_q, -1), extra_topk_length, s_q))
+                              extra_indices.reshape(b * s_q, extra_indices.shape[-1]),
+                              extra_topk_length, s_q))
     return srcs
 
 

@@ -76,10 +76,12 @@ def _usable_ids_kernel(src, src_s0, src_s1, dst, K, KP, capacity, BLOCK: tl.cons
 
 
 def _usable_ids(idx: torch.Tensor, capacity: int, multiple: int) -> torch.Tensor:
-    """``idx`` [b, s_q, K] as a new [b, s_q, K rounded up to ``multiple``] list for FlashMLA:
-    ids in [0, capacity) as they are, every other id and the added columns -1."""
+    """``idx`` [b, s_q, K] as a new [b, s_q, K rounded up to ``multiple`` (at least one)]
+    list for FlashMLA: ids in [0, capacity) as they are, every other id and the added columns
+    -1."""
     b, s_q, k = idx.shape
-    kp = -(-k // multiple) * multiple
+    # at least one block of columns: FlashMLA's decode rejects an empty list (RuntimeError)
+    kp = max(-(-k // multiple), 1) * multiple
     out = torch.empty(b, s_q, kp, dtype=idx.dtype, device=idx.device)
     flat = idx.reshape(b * s_q, k)
     if out.numel():
@@ -109,6 +111,8 @@ def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extr
         return why
     if kv_format == "v32" and (topk_length is not None or extra_k_cache is not None):
         return "FlashMLA's V3.2 kernels on SM90 take neither topk_length nor an extra cache"
+    if q.shape[0] * q.shape[1] == 0:
+        return "FlashMLA's decode rejects an empty batch (RuntimeError)"
     return None
 
 
@@ -151,6 +155,8 @@ def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, 
     if reason:
         return reason
     mod, why = _flash_mla()
+    if why is None and (q.shape[0] == 0 or indices.shape[-1] == 0):
+        return "FlashMLA's prefill asserts s_q > 0 and topk > 0"
     return why
 
 

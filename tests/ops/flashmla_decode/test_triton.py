@@ -159,6 +159,61 @@ def test_prefill_writes_into_given_buffers(device, impl):
     check_prefill(ref, tuple(bufs.values()))
 
 
+def empty_decode_case(device, empty):
+    """A decode case with ``empty`` (b / s_q / topk / extra_topk) at 0."""
+    a = decode_case(device, b=3, s_q=2, h=8, topk=64, bs=61, extra=True, extra_topk=64,
+                    extra_bs=2, seed=23)
+    if empty in ("b", "s_q"):
+        dim = 0 if empty == "b" else 1
+        for k in ("q", "indices", "extra_indices_in_kvcache"):
+            a[k] = a[k].narrow(dim, 0, 0)
+        if empty == "b":
+            a["topk_length"], a["extra_topk_length"] = (a[k][:0] for k in ("topk_length",
+                                                                            "extra_topk_length"))
+    else:
+        key, lens = (("indices", "topk_length") if empty == "topk" else
+                     ("extra_indices_in_kvcache", "extra_topk_length"))
+        a[key] = a[key][:, :, :0]
+        a[lens] = torch.zeros_like(a[lens])
+    return a
+
+
+def check_same(ref, got):
+    """Equal shapes; then check_decode / check_prefill, or equality where nothing is finite
+    or there is nothing at all (those checks need a nonzero output)."""
+    assert [t.shape for t in got] == [t.shape for t in ref]
+    if ref[0].numel() and ref[0].float().abs().amax() > 0:
+        (check_decode if len(ref) == 2 else check_prefill)(ref, got)
+    else:
+        assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", ["b", "s_q", "topk", "extra_topk"])
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_decode_of_empty_batches_and_lists(device, empty, impl):
+    """An empty batch returns empty outputs; an empty key list is a list with no valid key.
+    On an SM90 GPU with the wheel "auto" may take FlashMLA, which rejects empty batches."""
+    a = empty_decode_case(device, empty)
+    check_same(_run_decode(a, "reference"), _run_decode(a, impl))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", ["s_q", "topk", "s_kv"])
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_prefill_of_empty_queries_keys_and_lists(device, empty, impl):
+    """FlashMLA's prefill asserts s_q > 0 and topk > 0: the automatic choice must not send
+    it those."""
+    a = prefill_case(device, s_q=5, h=8, s_kv=64, topk=64, seed=29)
+    if empty == "s_q":
+        a.update(q=a["q"][:0], indices=a["indices"][:0], topk_length=a["topk_length"][:0])
+    elif empty == "topk":
+        a.update(indices=a["indices"][:, :, :0], topk_length=torch.zeros_like(a["topk_length"]))
+    else:
+        a["kv"] = a["kv"][:0]
+    check_same(flash_mla_sparse_fwd(impl="reference", **a), flash_mla_sparse_fwd(impl=impl, **a))
+
+
 # what lies between a strided argument's elements: a real row's slot id, length 1, NaN sink
 GAP_FILL = {"indices": 0, "extra_indices_in_kvcache": 0, "topk_length": 1,
             "extra_topk_length": 1, "attn_sink": float("nan")}

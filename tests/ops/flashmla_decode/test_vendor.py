@@ -12,7 +12,8 @@ from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_
 from sparse_mla.tests.helpers import CUDA, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check_decode,
-                                                               check_prefill, given_buffers,
+                                                               check_prefill, check_same,
+                                                               empty_decode_case, given_buffers,
                                                                strided_decode_args,
                                                                strided_prefill_args)
 
@@ -87,6 +88,9 @@ def test_usable_ids_pad_and_mask_out_of_cache_ids(device):
     assert got.shape == (3, 2, 128) and got.is_contiguous()
     assert torch.equal(got[..., :70], want) and bool((got[..., 70:] == -1).all())
     assert bool((want[0, 0, :6] == -1).all()) and bool((want >= 0).any())
+    # an empty list becomes one block of -1 (FlashMLA rejects width 0)
+    empty = _usable_ids(idx[:, :, :0], cap, 64).cpu()
+    assert empty.shape == (3, 2, 64) and bool((empty == -1).all())
 
 
 @requires_vendor
@@ -168,6 +172,28 @@ def test_vendor_prefill_takes_strided_lists_lengths_and_sink(h):
     ref = flash_mla_sparse_fwd(impl="reference", **a)
     for name, b in cases:
         check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **b))
+
+
+@requires_vendor
+@pytest.mark.parametrize("empty", ["topk", "extra_topk"])
+def test_vendor_decode_of_empty_lists(empty):
+    """An empty index list reaches FlashMLA as one block of -1 (it rejects width 0)."""
+    a = empty_decode_case("cuda", empty)
+    check_same(_run_decode(a, "reference"), _run_decode(a, "vendor"))
+
+
+@requires_vendor
+def test_vendor_passes_empty_problems_over():
+    """Shapes FlashMLA rejects: an empty decode batch, prefill with s_q 0 or topk 0."""
+    for empty in ("b", "s_q"):
+        a = empty_decode_case("cuda", empty)
+        with pytest.raises(ImplementationUnavailable, match="empty batch"):
+            _explain_decode(a, "vendor")
+    p = prefill_case("cuda", s_q=4, h=64, s_kv=200, topk=128, seed=0)
+    for q, idx in ((p["q"][:0], p["indices"][:0]), (p["q"], p["indices"][:, :, :0])):
+        with pytest.raises(ImplementationUnavailable, match="s_q > 0 and topk > 0"):
+            explain("flashmla_sparse_prefill", q, p["kv"], idx, None, None, None, None, None,
+                    1.0, impl="vendor")
 
 
 @pytest.mark.parametrize("h,padded", [(1, 64), (16, 64), (64, 64), (65, 128), (128, 128)])
