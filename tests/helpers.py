@@ -13,17 +13,23 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 def triton_devices():
     """Devices on which the Triton implementation is exercised in this process: CUDA when
-    present, and CPU when the Triton interpreter is on (a dedicated Bazel target)."""
+    present; the second GPU too where there are two ("cuda:1" while the current device
+    stays 0: the ops must launch on their tensors' GPU); CPU when the Triton interpreter is
+    on (a dedicated Bazel target)."""
     devs = []
     if CUDA:
         devs.append("cuda")
+        if torch.cuda.device_count() > 1:
+            devs.append("cuda:1")
     if INTERPRETING:
         devs.append("cpu")
     return devs
 
 
 def triton_params():
-    devs = triton_devices()
+    """``triton_devices`` as pytest parameters (the second GPU's id is "cuda1", so that
+    ``-k cuda1`` selects its runs)."""
+    devs = [pytest.param(d, id=d.replace(":", "")) for d in triton_devices()]
     if devs:
         return devs
     return [pytest.param("cuda", marks=pytest.mark.skip(

@@ -1,5 +1,7 @@
 """Exact Triton helpers (software e4m3/bf16 rounding, power-of-two math) against torch, and the
 launch-residency arithmetic."""
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -43,11 +45,14 @@ def test_soft_conversions_match_torch_bit_for_bit(device):
     e4_hw = torch.empty(n, dtype=torch.uint8, device=device)
     bf = torch.empty(n, dtype=torch.bfloat16, device=device)
     lg = torch.empty(n, dtype=torch.int32, device=device)
-    _convert[(1,)](x.to(device), e4, e4_hw, bf, lg, n, HW=device == "cuda")
+    hw = device != "cpu"
+    # a raw launch runs on the current GPU: switch to the tensors' one (cuda:1)
+    with torch.cuda.device(torch.device(device)) if hw else contextlib.nullcontext():
+        _convert[(1,)](x.to(device), e4, e4_hw, bf, lg, n, HW=hw)
     fin = ~x.isnan()
     assert torch.equal(e4.cpu()[fin], quant.e4m3(x)[fin])
     assert (e4.cpu()[~fin] & 0x7F).eq(0x7F).all()
-    if device == "cuda":                                  # the hardware path agrees as well
+    if hw:                                                # the hardware path agrees as well
         assert torch.equal(e4_hw.cpu()[fin], e4.cpu()[fin])
     assert torch.equal(bf.cpu()[fin].view(torch.int16), x[fin].to(torch.bfloat16).view(torch.int16))
     assert bf.cpu()[~fin].isnan().all()

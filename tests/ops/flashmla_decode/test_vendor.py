@@ -3,6 +3,8 @@
 Runs only where FlashMLA runs: an SM90 GPU with the wheel installed. Elsewhere each test is
 skipped with the dispatcher's own reason.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -83,13 +85,15 @@ def test_usable_ids_pad_and_mask_out_of_cache_ids(device):
     idx = wide.to(device)[:, :, ::2]        # 70 columns, stride 2
     idx[0, 0, :6] = torch.tensor(_out_of_cache_ids(cap), dtype=torch.int32)
     assert idx.stride(2) == 2
-    got = _usable_ids(idx, cap, 64).cpu()
+    # called directly, not through the op: a raw launch runs on the current GPU
+    with torch.cuda.device(idx.device) if idx.is_cuda else contextlib.nullcontext():
+        got = _usable_ids(idx, cap, 64).cpu()
+        empty = _usable_ids(idx[:, :, :0], cap, 64).cpu()
     want = torch.where((idx.cpu() >= 0) & (idx.cpu() < cap), idx.cpu(), -1)
     assert got.shape == (3, 2, 128) and got.is_contiguous()
     assert torch.equal(got[..., :70], want) and bool((got[..., 70:] == -1).all())
     assert bool((want[0, 0, :6] == -1).all()) and bool((want >= 0).any())
     # an empty list becomes one block of -1 (FlashMLA rejects width 0)
-    empty = _usable_ids(idx[:, :, :0], cap, 64).cpu()
     assert empty.shape == (3, 2, 64) and bool((empty == -1).all())
 
 
