@@ -10,7 +10,8 @@ one at or past the capacity read past the cache (docs/PERF.md session 31). The r
 Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
 with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA also
 refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
-those are copied to unit stride first (``checks.unit_stride``).
+those are copied to unit stride first (``checks.unit_stride``), and it reads past an index
+list given a length past its width, so lengths reach it clamped to [0, width].
 """
 from __future__ import annotations
 
@@ -91,6 +92,14 @@ def _usable_ids(idx: torch.Tensor, capacity: int, multiple: int) -> torch.Tensor
     return out
 
 
+def _usable_lengths(lengths: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:
+    """``lengths`` clamped to [0, width] (a new contiguous list). The op clamps them so
+    (``KeySource.usable``); FlashMLA reads index columns up to a length past the list's
+    width (an H200 faulted at 5000 over a 64-wide list) and answered otherwise than the
+    reference for negative ones (docs/PERF.md session 32)."""
+    return None if lengths is None else lengths.clamp(0, width)
+
+
 def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tensor:
     """FlashMLA's [num_blocks, block_size, 1, B] view of any accepted cache view."""
     raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
@@ -125,13 +134,15 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
                   indices=_usable_ids(indices, k_cache.shape[0] * bs, 64),
-                  attn_sink=unit_stride(sink), topk_length=unit_stride(topk_length),
+                  attn_sink=unit_stride(sink),
+                  topk_length=_usable_lengths(topk_length, indices.shape[-1]),
                   use_legacy=True, kv_format="V4" if kv_format == "v4" else "V32")
     if extra_k_cache is not None:
         kwargs.update(extra_k_cache=_paged_4d(extra_k_cache, extra_bs, nbytes),
                       extra_indices_in_kvcache=_usable_ids(extra_indices,
                                                            extra_k_cache.shape[0] * extra_bs, 64),
-                      extra_topk_length=unit_stride(extra_topk_length))
+                      extra_topk_length=_usable_lengths(extra_topk_length,
+                                                        extra_indices.shape[-1]))
     o, l = flash_mla.flash_mla_with_kvcache(qp, _paged_4d(k_cache, bs, nbytes), None, None, 512,
                                            meta, **kwargs)
     out.copy_(o[:, :, :h])
@@ -165,7 +176,8 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     h = q.shape[1]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=1)
     o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, unit_stride(_pad_cols(indices, 128)), scale,
-                                             512, unit_stride(sink), unit_stride(topk_length),
+                                             512, unit_stride(sink),
+                                             _usable_lengths(topk_length, indices.shape[-1]),
                                              use_legacy=True)
     out.copy_(o[:, :h])
     max_logits.copy_(m[:, :h])

@@ -187,6 +187,31 @@ def test_vendor_decode_of_empty_lists(empty):
 
 
 @requires_vendor
+@pytest.mark.parametrize("length", ["past", "far", "negative"])
+def test_vendor_clamps_lengths_to_the_index_width(length):
+    """Lengths past their list's width count as the width, negative ones as 0, on every
+    route. FlashMLA itself read past the list (5000 over 64 columns faulted on an H200) and
+    differed for negative lengths. Every id here is a usable row, so nothing masks a misread."""
+    a = decode_case("cuda", b=4, s_q=2, h=64, topk=64, bs=64, extra=True, extra_bs=64,
+                    extra_topk=128, use_lengths=False, seed=31)
+    for key, width in (("topk_length", 64), ("extra_topk_length", 128)):
+        a[key] = torch.full((4,), {"past": width + 1, "far": 80 * width, "negative": -3}[length],
+                            dtype=torch.int32, device="cuda")
+        a[key][0] = width // 2
+    ref = _run_decode(a, "reference")
+    check_decode(ref, _run_decode(a, "vendor"))
+    check_decode(ref, _run_decode(a, "triton"))
+    p = prefill_case("cuda", s_q=8, h=64, s_kv=300, topk=128, seed=31)
+    unused = (p["indices"] >= 0) & (p["indices"] < 300) & (p["indices"] % 7 == 0)
+    p["indices"] = torch.where(unused, p["indices"] + 1, p["indices"])   # no NaN row left
+    p["topk_length"].fill_({"past": 129, "far": 10240, "negative": -3}[length])
+    p["topk_length"][0] = 64
+    ref = flash_mla_sparse_fwd(impl="reference", **p)
+    check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **p))
+    check_prefill(ref, flash_mla_sparse_fwd(impl="triton", **p))
+
+
+@requires_vendor
 def test_vendor_passes_empty_problems_over():
     """Shapes FlashMLA rejects: an empty decode batch, prefill with s_q 0 or topk 0."""
     for empty in ("b", "s_q"):
