@@ -22,6 +22,8 @@ import os
 import threading
 from typing import Callable, Optional
 
+import torch
+
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 
 IMPLS = ("vendor", "triton", "reference")
@@ -123,7 +125,23 @@ class Dispatcher:
             _LAST.choices = {}
         _LAST.choices[self.op] = choice
         fn = self._impls[choice.impl][0]
-        return fn(*args, **kwargs)
+        dev = cuda_device_of(args, kwargs)
+        if dev is None or dev == torch.cuda.current_device():
+            return fn(*args, **kwargs)
+        # Triton launches on the current GPU, whatever its arguments' device: on an H200 pair
+        # every op on cuda:1 failed ("Pointer argument cannot be accessed from Triton") while
+        # the current device was 0, as in one process that spreads a model over GPUs
+        with torch.cuda.device(dev):
+            return fn(*args, **kwargs)
+
+
+def cuda_device_of(args, kwargs) -> Optional[int]:
+    """The index of the first CUDA tensor among the arguments (the ops check that all share
+    one device), or None where there is none."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+            return a.device.index if a.device.index is not None else torch.cuda.current_device()
+    return None
 
 
 def last_choice(op: str) -> Optional[Choice]:

@@ -90,3 +90,15 @@ def test_cache_insert_reports_what_ran(monkeypatch):
             quantize_insert_v4(k, cache, torch.tensor([0]), impl="triton")
     with pytest.raises(ImplementationUnavailable, match="no vendor wheel ships this op"):
         quantize_insert_v4(k, cache, torch.tensor([0]), impl="vendor")
+
+
+def test_cuda_device_of_names_the_first_cuda_tensor():
+    """The GPU the dispatcher switches to for a call (Triton launches on the current one;
+    every op test also runs on cuda:1 where there are two GPUs: tests/helpers.py)."""
+    from sparse_mla.ops.common.dispatch import cuda_device_of
+    cpu = torch.zeros(2)
+    assert cuda_device_of((cpu, 3, None), {"x": cpu}) is None
+    assert cuda_device_of((), {}) is None
+    if torch.cuda.is_available():
+        last = torch.cuda.device_count() - 1
+        assert cuda_device_of((cpu, 1.0), {"t": torch.zeros(1, device=f"cuda:{last}")}) == last
