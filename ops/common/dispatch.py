@@ -129,8 +129,8 @@ class Dispatcher:
         if dev is None or dev == torch.cuda.current_device():
             return fn(*args, **kwargs)
         # Triton launches on the current GPU, whatever its arguments' device: on an H200 pair
-        # every op on cuda:1 failed ("Pointer argument cannot be accessed from Triton") while
-        # the current device was 0, as in one process that spreads a model over GPUs
+        # the op tests on cuda:1 failed ("Pointer argument cannot be accessed from Triton")
+        # while the current device was 0, as in one process that spreads a model over GPUs
         with torch.cuda.device(dev):
             return fn(*args, **kwargs)
 

@@ -93,10 +93,10 @@ def _usable_ids(idx: torch.Tensor, capacity: int, multiple: int) -> torch.Tensor
 
 
 def _usable_lengths(lengths: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:
-    """``lengths`` clamped to [0, width] (a new contiguous list). The op clamps them so
-    (``KeySource.usable``); FlashMLA reads index columns up to a length past the list's
-    width (an H200 faulted at 5000 over a 64-wide list) and answered otherwise than the
-    reference for negative ones (docs/PERF.md session 32)."""
+    """``lengths`` clamped to [0, width] (a new contiguous list), as the op defines them
+    (``KeySource.usable``). FlashMLA reads index columns up to a length past the list's width
+    (an H200 faulted at 5000 over a 64-wide list) and gave another answer than the reference
+    for negative ones (docs/PERF.md session 32)."""
     return None if lengths is None else lengths.clamp(0, width)
 
 
