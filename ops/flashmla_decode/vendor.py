@@ -63,8 +63,10 @@ def pad_for_flash_mla(q: torch.Tensor, attn_sink, head_dim: int):
 
 
 def _pad_cols(idx: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``idx`` padded with -1 columns to a multiple of ``multiple``, with a unit last stride
+    (FlashMLA's prefill refuses others): no copy where it has both already."""
     pad = (-idx.shape[-1]) % multiple
-    return F.pad(idx, (0, pad), value=-1) if pad else idx
+    return F.pad(idx, (0, pad), value=-1) if pad else unit_stride(idx)
 
 
 @triton.jit
@@ -175,8 +177,8 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=1)
-    o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, unit_stride(_pad_cols(indices, 128)), scale,
-                                             512, unit_stride(sink),
+    o, m, l = flash_mla.flash_mla_sparse_fwd(qp, kv, _pad_cols(indices, 128), scale, 512,
+                                             unit_stride(sink),
                                              _usable_lengths(topk_length, indices.shape[-1]),
                                              use_legacy=True)
     out.copy_(o[:, :h])

@@ -168,8 +168,8 @@ def empty_decode_case(device, empty):
         for k in ("q", "indices", "extra_indices_in_kvcache"):
             a[k] = a[k].narrow(dim, 0, 0)
         if empty == "b":
-            a["topk_length"], a["extra_topk_length"] = (a[k][:0] for k in ("topk_length",
-                                                                            "extra_topk_length"))
+            for k in ("topk_length", "extra_topk_length"):
+                a[k] = a[k][:0]
     else:
         key, lens = (("indices", "topk_length") if empty == "topk" else
                      ("extra_indices_in_kvcache", "extra_topk_length"))
