@@ -36,6 +36,13 @@ def triton_params():
         reason="Triton needs CUDA here, or TRITON_INTERPRET=1 (the *_interpret_test targets)"))]
 
 
+def cuda_params():
+    """The CUDA devices of ``triton_params`` (for GPU-only behaviour), or one skipped
+    parameter where this process has no GPU."""
+    devs = [pytest.param(d, id=d.replace(":", "")) for d in triton_devices() if d != "cpu"]
+    return devs or [pytest.param("cuda", marks=pytest.mark.skip(reason="needs CUDA"))]
+
+
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A copy of every byte of ``t``'s whole allocation (padding between blocks included), so a
     test can prove an op wrote nothing outside the bytes it was asked to write."""

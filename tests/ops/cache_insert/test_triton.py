@@ -10,7 +10,8 @@ from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain, gather_d
                                          qnorm_rope_kv_insert_v4, quantize_insert_v32,
                                          quantize_insert_v4)
 from sparse_mla.ops.common import formats
-from sparse_mla.tests.helpers import INTERPRETING, seeded, storage_bytes, triton_params
+from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, seeded, storage_bytes,
+                                      triton_params)
 
 DEVICES = triton_params()
 POISON = 0xFF
@@ -184,8 +185,7 @@ def test_gather_dequant_matches_reference(device, fmt, bs):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="GPU-only behaviour")
-@pytest.mark.parametrize("device", [d for d in DEVICES if d == "cuda"] or
-                         [pytest.param("cuda", marks=pytest.mark.skip(reason="needs CUDA"))])
+@pytest.mark.parametrize("device", cuda_params())
 def test_cuda_out_of_range_slots_are_skipped_not_written(device, monkeypatch):
     """Without value checks (no host sync) a slot beyond the cache is skipped by the kernel;
     with SPARSE_MLA_CHECK_VALUES=1 the op raises before writing."""
