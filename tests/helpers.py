@@ -1,6 +1,7 @@
 """Shared test utilities: devices to test on, poisoned caches, byte-level comparisons."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -41,6 +42,17 @@ def cuda_params():
     parameter where this process has no GPU."""
     devs = [pytest.param(d, id=d.replace(":", "")) for d in triton_devices() if d != "cpu"]
     return devs or [pytest.param("cuda", marks=pytest.mark.skip(reason="needs CUDA"))]
+
+
+@contextlib.contextmanager
+def naming(label: str):
+    """Adds ``label`` to any failure raised inside the block, so a test that loops over
+    cases (one argument after another) reports which case failed."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"case: {label}")
+        raise
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:

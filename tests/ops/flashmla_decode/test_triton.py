@@ -9,7 +9,7 @@ import torch
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
+from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon, naming,
                                       record_results, requires_cuda, split_kernel_name,
                                       triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
@@ -240,8 +240,9 @@ def test_decode_takes_strided_lists_lengths_and_sink(device, fmt):
     a, cases = strided_decode_args(device, fmt)
     ref = _run_decode(a, "reference")
     for name, b in cases:
-        check_decode(ref, _run_decode(b, "reference"))
-        check_decode(ref, _run_decode(b, "triton"))
+        with naming(name):
+            check_decode(ref, _run_decode(b, "reference"))
+            check_decode(ref, _run_decode(b, "triton"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -249,8 +250,9 @@ def test_prefill_takes_strided_lists_lengths_and_sink(device):
     a, cases = strided_prefill_args(device, 4)
     ref = flash_mla_sparse_fwd(impl="reference", **a)
     for name, b in cases:
-        check_prefill(ref, flash_mla_sparse_fwd(impl="reference", **b))
-        check_prefill(ref, flash_mla_sparse_fwd(impl="triton", **b))
+        with naming(name):
+            check_prefill(ref, flash_mla_sparse_fwd(impl="reference", **b))
+            check_prefill(ref, flash_mla_sparse_fwd(impl="triton", **b))
 
 
 @requires_cuda

@@ -11,7 +11,7 @@ import torch
 from sparse_mla.ops.common.dispatch import explain
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import CUDA, triton_params
+from sparse_mla.tests.helpers import CUDA, naming, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, check_decode,
                                                                check_prefill, check_same,
@@ -165,7 +165,8 @@ def test_vendor_decode_takes_strided_lengths_and_sink(fmt, h):
     a, cases = strided_decode_args("cuda", fmt, h)
     ref = _run_decode(a, "reference")
     for name, b in cases:
-        check_decode(ref, _run_decode(b, "vendor"))
+        with naming(name):
+            check_decode(ref, _run_decode(b, "vendor"))
 
 
 @requires_vendor
@@ -175,7 +176,8 @@ def test_vendor_prefill_takes_strided_lists_lengths_and_sink(h):
     a, cases = strided_prefill_args("cuda", h)
     ref = flash_mla_sparse_fwd(impl="reference", **a)
     for name, b in cases:
-        check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **b))
+        with naming(name):
+            check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **b))
 
 
 @requires_vendor

@@ -11,7 +11,7 @@ import torch
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
-                                      hopper_with_gluon, record_results, seeded,
+                                      hopper_with_gluon, naming, record_results, seeded,
                                       split_kernel_name, triton_params)
 from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
 
@@ -153,8 +153,9 @@ def test_dsv4_takes_strided_lists_lengths_and_sinks(device, dense):
     ref = _run(x, "cpu", "reference")
     y = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     for name in [k for k in GAP_FILL if k in y]:
-        tri = _run({**y, name: gapped(y[name], GAP_FILL[name])}, device, "triton")
-        torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+        with naming(name):
+            tri = _run({**y, name: gapped(y[name], GAP_FILL[name])}, device, "triton")
+            torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
 def _v32_outputs(device, H, dtype, T=5, K=16, pages=4, check=None, gap=None):
