@@ -42,11 +42,21 @@ def _flash_mla():
 def _device_reason(t: torch.Tensor) -> Optional[str]:
     if t.device.type != "cuda":
         return f"FlashMLA needs CUDA tensors, got {t.device.type}"
-    major, minor = torch.cuda.get_device_capability(t.device)
-    if (major, minor) != (9, 0):
-        return (f"FlashMLA's legacy V4/V3.2 kernels are used on SM90 only (verified there); "
-                f"this GPU is SM{major}{minor}")
-    return None
+    return capability_reason(*torch.cuda.get_device_capability(t.device))
+
+
+def capability_reason(major: int, minor: int) -> Optional[str]:
+    """Why FlashMLA does not run this op on an SM``major````minor`` GPU, or None (SM90)."""
+    if (major, minor) == (9, 0):
+        return None
+    if major == 10:
+        # SPEC §10: the wheel's current SM100 kernels read only the V4.1 formats (528 B fp8,
+        # 288 B fp4), which this op does not take; its legacy kernels were verified on SM90
+        return (f"FlashMLA's SM100 kernels read only the V4.1 cache formats, not V4 (584 B) "
+                f"or V3.2 (656 B); its legacy kernels are used on SM90 only (this GPU is "
+                f"SM{major}{minor})")
+    return (f"FlashMLA's legacy V4/V3.2 kernels are used on SM90 only (verified there); "
+            f"this GPU is SM{major}{minor}")
 
 
 def flash_mla_heads(h: int) -> int:

@@ -104,6 +104,32 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
     return a
 
 
+def out_of_cache_ids(capacity):
+    """Ids a decode kernel must skip inside the lengths: -1 and every other id outside
+    [0, capacity). FlashMLA itself skips only -1; unguarded, it faults on -2, -64 and INT_MAX
+    and reads past the cache at the capacity and beyond (docs/PERF.md session 31)."""
+    return [-1, -2, -64, 2 ** 31 - 1, capacity, capacity + 1000]
+
+
+def plant(idx, ids):
+    """``ids`` written into row 0's first columns of every token (inside any length: the
+    cases give batch row 0 the full width)."""
+    idx = idx.clone()
+    idx[0, :, :len(ids)] = torch.tensor(ids, dtype=idx.dtype, device=idx.device)
+    return idx
+
+
+def cache_view(cache, view):
+    """``cache`` ([nb, bs, B] uint8) as another view the op accepts over the same bytes:
+    FlashMLA's "4-D" [nb, bs, 1, B], a "2-D" [nb, bytes per block] view (the caller passes
+    block_size), or typed as "float8_e4m3fn" / "int8"."""
+    if view == "4-D":
+        return cache.unsqueeze(-2)
+    if view == "2-D":
+        return cache.as_strided((cache.shape[0], cache.stride(0)), (cache.stride(0), 1))
+    return cache.view(getattr(torch, view))
+
+
 def _capacity(cache, block_size):
     return cache.shape[0] * block_size
 
@@ -120,6 +146,8 @@ def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
     kv = kv[:s_kv]
     idx = torch.randint(-2, s_kv + 3, (s_q, 1, topk), generator=g, dtype=torch.int32)
     idx = torch.where((idx >= 0) & (idx < s_kv) & (idx % 7 == 0), idx + 1, idx)
+    extreme = torch.tensor([-2 ** 31, 2 ** 31 - 1, s_kv + 1000], dtype=torch.int32)[:topk]
+    idx[0, 0, :extreme.numel()] = extreme          # row 0 keeps its whole width: all used
     lens = torch.randint(0, topk + 1, (s_q,), generator=g, dtype=torch.int32)
     lens[0] = topk
     if s_q > 2:

@@ -12,7 +12,8 @@ from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_
 from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon, naming,
                                       record_results, requires_cuda, split_kernel_name,
                                       triton_params)
-from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
+from sparse_mla.tests.ops.flashmla_decode.cases import (cache_view, decode_case,
+                                                        out_of_cache_ids, plant, prefill_case)
 
 DEVICES = triton_params()
 
@@ -25,11 +26,21 @@ def _check_infinite_then_close(got, want, rtol):
     torch.testing.assert_close(got[~inf], want[~inf], atol=1e-6, rtol=rtol)
 
 
-def check_decode(ref, got):
+def cosine_diff(x, y):
+    """FlashMLA's whole-tensor criterion: 1 - 2<x, y> / (|x|^2 + |y|^2), in float64."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def check_decode(ref, got, cosine=5e-6):
+    """SPEC §9's decode tolerances (FlashMLA's tests): elementwise, then ``cosine`` on the
+    whole output (None: not checked)."""
     (ro, rl), (o, l) = ref, got
     assert ro.float().abs().amax() > 0      # a comparison of all-zero outputs proves nothing
     assert not o.isnan().any()
     torch.testing.assert_close(o.float(), ro.float(), atol=1e-3, rtol=2 / 128)
+    if cosine is not None:
+        assert cosine_diff(o, ro) < cosine
     _check_infinite_then_close(l, rl, 8 / 65536)
 
 
@@ -99,6 +110,51 @@ def test_decode_without_lengths_or_sink(device, use_lengths, sink):
     a = decode_case(device, b=3, s_q=1, h=4, bs=61, topk=64, extra=True, extra_topk=32,
                     use_lengths=use_lengths, sink=sink, seed=11)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
+
+
+def planted_out_of_cache_ids(a, bs=61, extra_bs=2):
+    """``(a with out-of-cache ids planted in each list, a with -1 in their place)``."""
+    bad, minus = dict(a), dict(a)
+    for key, cache, block in (("indices", "k_cache", bs),
+                              ("extra_indices_in_kvcache", "extra_k_cache", extra_bs)):
+        if key in a:
+            ids = out_of_cache_ids(a[cache].shape[0] * block)
+            bad[key] = plant(a[key], ids)
+            minus[key] = plant(a[key], [-1] * len(ids))
+    return bad, minus
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+def test_decode_skips_every_id_outside_the_cache(device, fmt):
+    """Inside the lengths, every id outside [0, capacity) (-2, -64, INT_MAX, the capacity and
+    past it) is an unused column like -1: the answer is the one with -1 in their place."""
+    v4 = fmt == "v4"
+    a = decode_case(device, b=3, s_q=2, h=4, fmt=fmt, bs=61, topk=64, extra=v4, extra_bs=2,
+                    extra_topk=32, use_lengths=v4, seed=23)
+    bad, minus = planted_out_of_cache_ids(a)
+    want = _run_decode(minus, "reference")
+    for impl in ("reference", "triton"):
+        with naming(impl):
+            check_decode(want, _run_decode(bad, impl))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("view", ["4-D", "2-D", "float8_e4m3fn", "int8"])
+def test_decode_takes_every_cache_view(device, view):
+    """Both caches as FlashMLA's 4-D view, as 2-D [blocks, bytes] views with block sizes, or
+    typed as e4m3 / int8 bytes: the answer of the uint8 [blocks, block_size, 584] views."""
+    a = decode_case(device, b=2, s_q=2, h=4, bs=61, topk=64, extra=True, extra_bs=2,
+                    extra_topk=32, seed=29)
+    v = dict(a, k_cache=cache_view(a["k_cache"], view),
+             extra_k_cache=cache_view(a["extra_k_cache"], view))
+    if view == "2-D":
+        v.update(block_size=61, extra_block_size=2)
+    for impl in ("reference", "triton"):
+        with naming(impl):
+            want, got = _run_decode(a, impl), _run_decode(v, impl)
+            assert all(torch.equal(x, y) for x, y in zip(want, got))
+    check_decode(_run_decode(a, "reference"), got)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -271,17 +327,10 @@ def test_lengths_past_the_index_width_read_no_further():
     check_decode(_run_decode(full, "reference"), got)
 
 
-@requires_cuda
-@pytest.mark.parametrize("route", ["default", "split", "portable"])
-def test_decode_replays_under_cuda_graph(route, monkeypatch):
-    """Captured once with ``out=`` / ``lse=``, replayed after every input changed in place (q,
-    both caches, ids, lengths, sinks): the replay must answer for the new inputs (nothing
-    host-side baked in). Routes: the default tiny launch (batch 2); a split launch with its
-    combine (batch 4, h128: the sm_90 kernel where it runs); the portable kernel forced."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    if route == "portable":
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    b, h = (2, 64) if route == "default" else (4, 128)
+def captured_replay(b, h, impl):
+    """One decode call (s_q 2, window 128 + 512) captured into a CUDA graph with ``out=`` /
+    ``lse=``, then every input changed in place (q, both caches, ids, lengths, sinks) and the
+    graph replayed: ``(the new inputs, (out, lse))``."""
     shape = dict(b=b, s_q=2, h=h, bs=256, topk=128, extra_bs=64, extra_topk=512)
     a = decode_case("cuda", **shape, seed=40)
     new = decode_case("cuda", **shape, seed=41)
@@ -291,7 +340,7 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
 
     def call():
         flash_mla_with_kvcache(a["q"], a["k_cache"], a["indices"], out=out, lse=lse,
-                               impl="triton", **args)
+                               impl=impl, **args)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -300,11 +349,6 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    if route == "split":
-        assert core.LAST_COMBINED
-        assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
-    elif route == "portable":
-        assert split_kernel_name() == "_split_kernel"
     for k, v in new.items():
         if isinstance(v, torch.Tensor):
             a[k].copy_(v)
@@ -312,7 +356,25 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    check_decode(_run_decode(new, "reference"), (out, lse))
+    return new, (out, lse)
+
+
+@requires_cuda
+@pytest.mark.parametrize("route", ["default", "split", "portable"])
+def test_decode_replays_under_cuda_graph(route, monkeypatch):
+    """The replay must answer for the new inputs (nothing host-side baked in). Routes: the
+    default tiny launch (batch 2); a split launch with its combine (batch 4, h128: the sm_90
+    kernel where it runs); the portable kernel forced."""
+    from sparse_mla.ops.common import sparse_attention_triton as core
+    if route == "portable":
+        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    new, got = captured_replay(*((2, 64) if route == "default" else (4, 128)), "triton")
+    if route == "split":    # what the captured launch ran
+        assert core.LAST_COMBINED
+        assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
+    elif route == "portable":
+        assert split_kernel_name() == "_split_kernel"
+    check_decode(_run_decode(new, "reference"), got)
 
 
 @pytest.mark.parametrize("device", DEVICES)
