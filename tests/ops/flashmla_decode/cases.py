@@ -8,7 +8,7 @@ few near-zero outputs (bf16 P in P·V), measured on an H200.
 import torch
 
 from sparse_mla.ops.cache_insert import quantize_insert_v32, quantize_insert_v4
-from sparse_mla.ops.common import formats
+from sparse_mla.ops.common import checks, formats
 
 POISON = 0xFF           # e4m3 0xFF is NaN: a kernel that reads an unused row produces NaN
 
@@ -119,14 +119,14 @@ def plant(idx, ids):
     return idx
 
 
-def cache_view(cache, view):
+def cache_view(cache, view, block_size, fmt="v4"):
     """``cache`` ([nb, bs, B] uint8) as another view the op accepts over the same bytes:
-    FlashMLA's "4-D" [nb, bs, 1, B], a "2-D" [nb, bytes per block] view (the caller passes
+    FlashMLA's "4-D" [nb, bs, 1, B], a "2-D" [nb, bs * B] view (the caller passes
     block_size), or typed as "float8_e4m3fn" / "int8"."""
     if view == "4-D":
         return cache.unsqueeze(-2)
     if view == "2-D":
-        return cache.as_strided((cache.shape[0], cache.stride(0)), (cache.stride(0), 1))
+        return checks.block_bytes_view(cache, formats.get_format(fmt), block_size)
     return cache.view(getattr(torch, view))
 
 

@@ -146,15 +146,17 @@ def test_decode_takes_every_cache_view(device, view):
     typed as e4m3 / int8 bytes: the answer of the uint8 [blocks, block_size, 584] views."""
     a = decode_case(device, b=2, s_q=2, h=4, bs=61, topk=64, extra=True, extra_bs=2,
                     extra_topk=32, seed=29)
-    v = dict(a, k_cache=cache_view(a["k_cache"], view),
-             extra_k_cache=cache_view(a["extra_k_cache"], view))
+    v = dict(a, k_cache=cache_view(a["k_cache"], view, 61),
+             extra_k_cache=cache_view(a["extra_k_cache"], view, 2))
     if view == "2-D":
         v.update(block_size=61, extra_block_size=2)
+    runs = {}
     for impl in ("reference", "triton"):
         with naming(impl):
-            want, got = _run_decode(a, impl), _run_decode(v, impl)
-            assert all(torch.equal(x, y) for x, y in zip(want, got))
-    check_decode(_run_decode(a, "reference"), got)
+            runs[impl] = _run_decode(a, impl)
+            got = _run_decode(v, impl)
+            assert all(torch.equal(x, y) for x, y in zip(runs[impl], got))
+    check_decode(runs["reference"], runs["triton"])
 
 
 @pytest.mark.parametrize("device", DEVICES)

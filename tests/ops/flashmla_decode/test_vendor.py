@@ -13,10 +13,10 @@ from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import CUDA, naming, triton_params
 from sparse_mla.tests.ops.flashmla_decode.cases import (cache_view, decode_case,
-                                                        out_of_cache_ids, plant,
-                                                        prefill_case)
+                                                        out_of_cache_ids, prefill_case)
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, captured_replay,
                                                                check_decode,
+                                                               planted_out_of_cache_ids,
                                                                check_prefill, check_same,
                                                                empty_decode_case, given_buffers,
                                                                strided_decode_args,
@@ -104,12 +104,7 @@ def test_vendor_skips_every_id_outside_the_cache(fmt):
     a = decode_case("cuda", b=3, s_q=2, h=64, fmt=fmt, bs=64, topk=128, extra=v4,
                     extra_bs=64, extra_topk=64, use_lengths=v4, sink="random" if v4 else None,
                     seed=21)
-    cap = a["k_cache"].shape[0] * 64
-    a["indices"] = plant(a["indices"], out_of_cache_ids(cap))
-    if v4:
-        ecap = a["extra_k_cache"].shape[0] * 64
-        a["extra_indices_in_kvcache"] = plant(a["extra_indices_in_kvcache"],
-                                               out_of_cache_ids(ecap))
+    a, _ = planted_out_of_cache_ids(a, bs=64, extra_bs=64)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "vendor"), vendor_cosine(fmt))
 
 
@@ -120,8 +115,8 @@ def test_vendor_decode_takes_every_cache_view(view):
     the same bytes: the answer of the uint8 3-D caches."""
     a = decode_case("cuda", b=2, s_q=2, h=64, bs=61, topk=64, extra=True, extra_bs=2,
                     extra_topk=64, seed=31)
-    v = dict(a, k_cache=cache_view(a["k_cache"], view),
-             extra_k_cache=cache_view(a["extra_k_cache"], view))
+    v = dict(a, k_cache=cache_view(a["k_cache"], view, 61),
+             extra_k_cache=cache_view(a["extra_k_cache"], view, 2))
     if view == "2-D":
         v.update(block_size=61, extra_block_size=2)
     got = _run_decode(v, "vendor")
