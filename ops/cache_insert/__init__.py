@@ -3,6 +3,7 @@ from sparse_mla.ops.cache_insert.ops import (  # noqa: F401
     fused_qnorm_rope_insert_plain,
     fused_qnorm_rope_insert_v4,
     gather_dequant,
+    insert_plain,
     qnorm_rope_kv_insert_v4,
     quantize_insert_v32,
     quantize_insert_v4,

@@ -213,25 +213,13 @@ _FUSED_PLAIN = _dispatcher("fused_qnorm_rope_insert_plain", reference.fused_inse
 def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                           kv_scale, q_scale_inv):
     n, h = _check_rope_inputs(q, kv, positions, cos_sin_cache)
-    checks.expect_dtype("k_cache", k_cache, (torch.bfloat16, torch.float8_e4m3fn))
-    if k_cache.dim() != 3 or k_cache.shape[2] != formats.HEAD_DIM:
-        raise ValueError(f"k_cache must have shape [num_blocks, block_size, 512], "
-                         f"got {list(k_cache.shape)}")
-    checks.expect_last_dim_contiguous("k_cache", k_cache)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = _check_plain_cache(k_cache)
     _check_q_out(q_out, n, h, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     if q_out.shape[1] != h:
         raise ValueError(f"q_out must have exactly {h} heads for a plain cache (the TRTLLM "
                          f"glue pads heads itself), got {q_out.shape[1]}")
     for name, t in (("kv_scale", kv_scale), ("q_scale_inv", q_scale_inv)):
-        if fp8:
-            if t is None:
-                raise ValueError(f"{name} is required for a float8_e4m3fn cache")
-            checks.expect_dtype(name, t, torch.float32)
-            if t.numel() != 1:
-                raise ValueError(f"{name} must hold one scalar, got shape {list(t.shape)}")
-        elif t is not None:
-            raise ValueError(f"{name} applies only to a float8_e4m3fn cache")
+        _check_scale(name, t, fp8)
     _check_slots(slot_mapping, n, k_cache.shape[0] * k_cache.shape[1], q)
     checks.expect_same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping,
                               positions=positions, cos_sin_cache=cos_sin_cache, q_out=q_out,
@@ -258,6 +246,58 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale=No
       q_scale_inv=None, eps=1e-6, apply_q_norm=True, impl="auto"):
     _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                           kv_scale, q_scale_inv)
+
+
+# ---------------------------------------------------------------------------------------------
+# insert finished rows (the compressor's) into a plain bf16 / per-tensor fp8 cache (SPEC §3.3)
+
+_PLAIN_INSERT = _dispatcher("insert_plain", reference.insert_plain, triton_kernels.insert_plain,
+                            0, 1, 2)
+
+
+def _check_plain_cache(k_cache):
+    checks.expect_dtype("k_cache", k_cache, (torch.bfloat16, torch.float8_e4m3fn))
+    if k_cache.dim() != 3 or k_cache.shape[2] != formats.HEAD_DIM:
+        raise ValueError(f"k_cache must have shape [num_blocks, block_size, 512], "
+                         f"got {list(k_cache.shape)}")
+    checks.expect_last_dim_contiguous("k_cache", k_cache)
+    return k_cache.dtype == torch.float8_e4m3fn
+
+
+def _check_scale(name, t, fp8):
+    if fp8:
+        if t is None:
+            raise ValueError(f"{name} is required for a float8_e4m3fn cache")
+        checks.expect_dtype(name, t, torch.float32)
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one scalar, got shape {list(t.shape)}")
+    elif t is not None:
+        raise ValueError(f"{name} applies only to a float8_e4m3fn cache")
+
+
+def _validate_plain_insert(k, k_cache, slot_mapping, kv_scale):
+    fp8 = _check_plain_cache(k_cache)
+    n = k.shape[0] if k.dim() == 2 else -1
+    _check_rows("k", k, n, formats.HEAD_DIM)
+    _check_scale("kv_scale", kv_scale, fp8)
+    _check_slots(slot_mapping, n, k_cache.shape[0] * k_cache.shape[1], k)
+    checks.expect_same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping,
+                              kv_scale=kv_scale)
+
+
+@torch.library.custom_op("sparse_mla::insert_plain", mutates_args=("k_cache",))
+def insert_plain(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
+                 kv_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
+    """Row ``t`` of ``k`` [N, 512] (already normed and rotated: the compressor's output) goes to
+    ``k_cache[slot // bs, slot % bs]`` as bf16, or for an fp8 cache as e4m3 of
+    ``k * (1 / kv_scale)`` (one-element fp32 device tensor). Slots < 0 are skipped."""
+    _validate_plain_insert(k, k_cache, slot_mapping, kv_scale)
+    _PLAIN_INSERT(k, k_cache, slot_mapping, kv_scale, impl=impl)
+
+
+@insert_plain.register_fake
+def _(k, k_cache, slot_mapping, kv_scale=None, impl="auto"):
+    _validate_plain_insert(k, k_cache, slot_mapping, kv_scale)
 
 
 # ---------------------------------------------------------------------------------------------

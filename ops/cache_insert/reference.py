@@ -85,6 +85,18 @@ def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
     k_cache[slots // bs, slots % bs] = rows
 
 
+def insert_plain(k, k_cache, slot_mapping, kv_scale):
+    """SPEC §3.3 item 4: a finished row stored as bf16 or as e4m3 of ``k * (1 / kv_scale)``."""
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    rows = k[tok].float()
+    if k_cache.dtype == torch.bfloat16:
+        out = rows.to(torch.bfloat16)
+    else:
+        out = quant.e4m3(rows * torch.reciprocal(kv_scale.float().reshape(()))).view(k_cache.dtype)
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = out
+
+
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                    fmt_name):
     """SPEC §3.4: request r's positions [seq_len - gather_len, seq_len) → out[r, offset + i]."""

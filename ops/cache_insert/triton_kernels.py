@@ -135,6 +135,23 @@ def _fused_insert_kernel(
 
 
 @triton.jit
+def _plain_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity,
+                         BS, kv_scale_ptr, FP8: tl.constexpr, TPP: tl.constexpr,
+                         SOFT: tl.constexpr):
+    d = tl.arange(0, 512)
+    for i in tl.static_range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < capacity):
+            x = tl.load(k_ptr + tok.to(tl.int64) * k_stride + d).to(tl.float32)
+            dst = cache_ptr + (slot // BS) * c_s0 + (slot % BS) * c_s1 + d
+            if FP8:
+                tl.store(dst, e4m3_sat(x * (1.0 / tl.load(kv_scale_ptr)), SOFT))
+            else:
+                tl.store(dst, to_bf16(x, SOFT))
+
+
+@triton.jit
 def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, n_tokens,
                        capacity, BS, TPP: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
     for i in tl.static_range(TPP):
@@ -220,6 +237,19 @@ def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
                             slot_mapping, n, k_cache.shape[0] * block_size, block_size, TPP=tpp,
                             SOFT=soft_fp8(),
                             num_warps=CONFIG["insert_warps"], **_LAUNCH)
+
+
+def insert_plain(k, k_cache, slot_mapping, kv_scale):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    tpp = CONFIG["tokens_per_program"]
+    _plain_insert_kernel[(triton.cdiv(n, tpp),)](
+        k, k.stride(0), k_cache.view(torch.uint8) if fp8 else k_cache, k_cache.stride(0),
+        k_cache.stride(1), slot_mapping, n, nb * bs, bs, kv_scale if fp8 else slot_mapping,
+        FP8=fp8, TPP=tpp, SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):

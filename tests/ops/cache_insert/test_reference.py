@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain, gather_dequant,
+                                         insert_plain,
                                          qnorm_rope_kv_insert_v4, quantize_insert_v32,
                                          quantize_insert_v4)
 from sparse_mla.ops.common import formats
@@ -174,6 +175,19 @@ def test_plain_bf16_and_fp8_hand_values():
     assert q8[0, 0, 0].float().item() == 4.0 and q8[0, 0, 448].float().item() == -4.0
     assert cache8[1, 2, 0].float().item() == 4.0 and cache8[1, 2, 449].float().item() == 4.0
     assert cache8[1, 3].float().isnan().all()
+
+
+def test_insert_plain_hand_values_and_skips():
+    rows = torch.tensor([[1.0] * 512, [3.0] * 512, [-600.0] * 512])
+    cache = torch.full((2, 2, 512), float("nan")).to(torch.bfloat16)
+    insert_plain(rows, cache, torch.tensor([3, -1, 0]))
+    assert bool((cache[1, 1] == 1.0).all()) and bool((cache[0, 0] == -600.0).all())
+    assert bool(cache[0, 1].isnan().all()) and bool(cache[1, 0].isnan().all())
+    c8 = torch.full((2, 2, 512), float("nan")).to(torch.float8_e4m3fn)
+    insert_plain(rows, c8, torch.tensor([3, -1, 0]), torch.tensor([0.5]))
+    assert bool((c8[1, 1].float() == 2.0).all())           # 1 / 0.5
+    assert bool((c8[0, 0].float() == -448.0).all())        # -1200 saturates
+    assert bool(c8[0, 1].float().isnan().all())
 
 
 def test_gather_dequant_ranges_offsets_and_skips():

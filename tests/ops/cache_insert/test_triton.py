@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain, gather_dequant,
-                                         qnorm_rope_kv_insert_v4, quantize_insert_v32,
+                                         insert_plain, qnorm_rope_kv_insert_v4, quantize_insert_v32,
                                          quantize_insert_v4)
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, seeded, storage_bytes,
@@ -150,6 +150,24 @@ def test_plain_insert_matches_reference(device, fp8, heads):
         res.append((q_out.view(torch.uint8).cpu(), storage_bytes(cache).cpu()))
     assert torch.equal(res[0][0], res[1][0])
     assert torch.equal(res[0][1], res[1][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_insert_plain_matches_reference(device, fp8):
+    g = seeded(40 + fp8)
+    n = _n_tokens(device, 700)
+    bs, nb = 2, n // 2 + 3
+    k = _rand((n, 512), g, 0.05, torch.float32)     # fp32 rows: the bf16 rounding is the op's
+    slots = _slots(n, nb * bs, g)
+    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    scale = torch.tensor([0.0173], device=device) if fp8 else None
+    res = []
+    for impl in ("reference", "triton"):
+        cache = torch.full((nb, 2 * bs, 512), float("nan"), device=device).to(dt)[:, :bs]
+        insert_plain(k.to(device), cache, slots.to(device), scale, impl=impl)
+        res.append(storage_bytes(cache).cpu())
+    assert torch.equal(res[0], res[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

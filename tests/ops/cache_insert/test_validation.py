@@ -4,7 +4,7 @@ import torch
 
 from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain,
                                          fused_qnorm_rope_insert_v4, gather_dequant,
-                                         quantize_insert_v32, quantize_insert_v4)
+                                         insert_plain, quantize_insert_v32, quantize_insert_v4)
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.helpers import storage_bytes
 
@@ -137,6 +137,24 @@ def test_plain_insert_scale_rules():
                                       q_out=q.clone())
 
 
+def test_insert_plain_rejects_bad_input_and_writes_nothing():
+    rows = torch.zeros(3, 512)
+    c16 = torch.full((2, 4, 512), 7.0, dtype=torch.bfloat16)
+    c8 = torch.zeros(2, 4, 512, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="kv_scale is required"):
+        insert_plain(rows, c8, slots)
+    with pytest.raises(ValueError, match="kv_scale applies only"):
+        insert_plain(rows, c16, slots, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"k_cache must have shape \[num_blocks, block_size, 512\]"):
+        insert_plain(rows, c16.view(2, 2048), slots)
+    with pytest.raises(ValueError, match="slot_mapping must be 1-D with at most 3"):
+        insert_plain(rows, c16, torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match=r"slot_mapping"):
+        insert_plain(rows, c16, torch.tensor([0, 1, 8]))
+    assert bool((c16 == 7.0).all())
+
+
 def test_v32_and_gather_reject_bad_input():
     cache = formats.alloc_paged_cache("v32", 1, 4, fill=POISON)
     before = storage_bytes(cache)
@@ -197,6 +215,9 @@ def test_opcheck_every_op():
     _opcheck(fused_qnorm_rope_insert_plain,
              (a["q"], a["kv"], c8, a["slot_mapping"], a["positions"], a["cos_sin_cache"], q8,
               torch.tensor([0.5]), torch.tensor([2.0])),
+             ("test_autograd_registration", "test_faketensor"))
+    _opcheck(insert_plain, (k, c16, torch.tensor([0, -1, 6])))
+    _opcheck(insert_plain, (k, c8, torch.tensor([0, -1, 6]), torch.tensor([0.5])),
              ("test_autograd_registration", "test_faketensor"))
     out = torch.zeros(2, 6, 512, dtype=torch.bfloat16)
     _opcheck(gather_dequant, (out, cache, torch.tensor([3, 5]), torch.tensor([2, 5]),

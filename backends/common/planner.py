@@ -1,0 +1,148 @@
+"""The index planner: SPEC §4's index tensors for one step, into buffers sized once.
+
+Every buffer is allocated at construction from the layer config's capacities, and a step
+writes slices of them: stable addresses, no allocation and no host sync on the decode path,
+so a uniform decode step can be captured in a CUDA graph and replayed with the batch tensors
+updated in place. Prefill planning reads host copies of the request lengths (prefill runs
+eagerly, as in vLLM).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+from torch import Tensor
+
+from sparse_mla.backends.common.batch import BatchDescription, LayerKind
+from sparse_mla.backends.common.config import LayerConfig
+from sparse_mla.ops import index_combine as ic
+
+I32 = torch.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Prefill requests ``[r0, r1)`` (indices among the prefills) and their tokens
+    ``[t0, t1)`` (batch rows), gathered together: request b owns workspace rows
+    ``[b*M, b*M + M)``, compressed entries first (``N`` rows), then its window context."""
+
+    r0: int
+    r1: int
+    t0: int
+    t1: int
+    N: int
+    M: int
+
+
+class IndexPlanner:
+    """Per-token metadata and the decode index lists shared by both backends."""
+
+    def __init__(self, cfg: LayerConfig, device, impl: str = "auto"):
+        self.cfg = cfg
+        self.impl = impl
+        T, R, W = cfg.max_num_tokens, cfg.max_num_reqs, cfg.window
+        kw = dict(dtype=I32, device=device)
+        self.token_ids = torch.arange(T, **kw)
+        self.token_to_req = torch.zeros(T, **kw)
+        self.is_valid = torch.zeros(T, dtype=torch.bool, device=device)
+        self.swa_indices = torch.full((T, W), -1, **kw)
+        self.swa_lens = torch.zeros(T, **kw)
+        K = cfg.compressed_width
+        self.compressed_indices = torch.full((T, K), -1, **kw)
+        self.compressed_lens = torch.zeros(T, **kw)
+        # C128A prefill rows: request-local ids 0..n-1 (converted by the backend's combine).
+        self.c128a_prefill = torch.full((T, K if cfg.kind is LayerKind.C128A else 0), -1, **kw)
+        self.no_topk = torch.empty(T, 0, **kw)      # SWA-only layers have no compressed list
+        self.query_lens = torch.zeros(R, **kw)
+        self.gather_lens = torch.zeros(R, **kw)
+        self.entries = torch.zeros(R, **kw)          # seq_len // ratio
+
+    def tokens(self, batch: BatchDescription, T: int) -> None:
+        """token_to_req (``R`` for rows past the last request: padding) and is_valid."""
+        R = batch.num_reqs
+        torch.searchsorted(batch.query_start_loc[1:R + 1], self.token_ids[:T], right=True,
+                           out_int32=True, out=self.token_to_req[:T])
+        torch.ge(batch.swa_slot_mapping, 0, out=self.is_valid[:T])
+
+    def decode_window(self, batch: BatchDescription) -> None:
+        Td = batch.num_decode_tokens
+        ic.swa_indices_and_lens(batch.query_start_loc, batch.seq_lens, self.token_to_req,
+                                self.is_valid, batch.swa_block_table, self.swa_indices[:Td],
+                                self.swa_lens[:Td], self.cfg.swa_block_size, self.cfg.window,
+                                impl=self.impl)
+
+    def compressed_lists(self, batch: BatchDescription, Tp: int) -> None:
+        """C4A decode rows: the indexer's top-k as global slots; C128A: every completed
+        entry (decode rows global, prefill rows request-local)."""
+        cfg, Td = self.cfg, batch.num_decode_tokens
+        if cfg.kind is LayerKind.C4A and Td:
+            ic.global_topk_indices_and_lens(
+                batch.topk_indices[:Td], self.token_to_req, batch.compressed_block_table,
+                self.is_valid[:Td], self.compressed_indices[:Td], self.compressed_lens[:Td],
+                cfg.compressed_block_size, self.impl)
+        elif cfg.kind is LayerKind.C128A and Td + Tp:
+            ic.c128a_indices_and_lens(
+                batch.positions, batch.swa_slot_mapping, self.token_to_req,
+                batch.compressed_block_table, self.compressed_indices[:Td],
+                self.compressed_lens[:Td], self.c128a_prefill[:Tp],
+                cfg.compressed_block_size, cfg.kind.ratio, self.impl)
+
+    def prefill_topk(self, batch: BatchDescription, t0: int, t1: int) -> Tensor:
+        """Request-local compressed ids of prefill rows ``[t0, t1)`` (batch rows)."""
+        kind, Td = self.cfg.kind, batch.num_decode_tokens
+        if kind is LayerKind.C4A:
+            return batch.topk_indices[t0:t1]
+        if kind is LayerKind.C128A:
+            return self.c128a_prefill[t0 - Td:t1 - Td]
+        return self.no_topk[t0:t1]
+
+    @property
+    def prefill_topk_width(self) -> int:
+        """The ``topk`` the combine ops take: top-k, the C128A list width, or 0."""
+        return self.cfg.compressed_width
+
+    def request_lengths(self, batch: BatchDescription) -> None:
+        """Device: query_lens, gather_lens = q + min(prefix, W - 1), entries = seq // ratio."""
+        R, W = batch.num_reqs, self.cfg.window
+        qsl, seq = batch.query_start_loc, batch.seq_lens
+        ql, gl = self.query_lens[:R], self.gather_lens[:R]
+        torch.sub(qsl[1:R + 1], qsl[:R], out=ql)
+        torch.sub(seq, ql, out=gl)
+        torch.clamp(gl, max=W - 1, out=gl)
+        gl.add_(ql)
+        if self.cfg.kind.compressed:
+            torch.div(seq, self.cfg.kind.ratio, rounding_mode="floor", out=self.entries[:R])
+
+    def host_lengths(self, batch: BatchDescription):
+        qsl = batch.query_start_loc_cpu
+        seq = batch.seq_lens_cpu
+        if qsl is None:
+            qsl = batch.query_start_loc.cpu()
+        if seq is None:
+            seq = batch.seq_lens.cpu()
+        return qsl.long(), seq.long()
+
+    def prefill_chunks(self, batch: BatchDescription) -> List[PrefillChunk]:
+        """Prefill requests packed into chunks whose gathered rows fit the workspace: a chunk
+        of ``c`` requests takes ``c * M`` rows, ``M = max N + max gather_len`` over it."""
+        cfg = self.cfg
+        Rd, Rp = batch.num_decodes, batch.num_prefills
+        qsl, seq = self.host_lengths(batch)
+        seq = seq[Rd:Rd + Rp]
+        ql = qsl[Rd + 1:Rd + Rp + 1] - qsl[Rd:Rd + Rp]
+        n = seq // cfg.kind.ratio if cfg.kind.compressed else torch.zeros_like(seq)
+        gl = ql + torch.clamp(seq - ql, max=cfg.window - 1)
+        chunks, r0 = [], 0
+        while r0 < Rp:
+            r1, N, G = r0 + 1, int(n[r0]), int(gl[r0])
+            while r1 < Rp:
+                N2, G2 = max(N, int(n[r1])), max(G, int(gl[r1]))
+                if (r1 + 1 - r0) * (N2 + G2) > cfg.prefill_workspace_rows:
+                    break
+                N, G, r1 = N2, G2, r1 + 1
+            t0 = int(qsl[Rd + r0]) - int(qsl[Rd]) + batch.num_decode_tokens
+            t1 = int(qsl[Rd + r1]) - int(qsl[Rd]) + batch.num_decode_tokens
+            chunks.append(PrefillChunk(r0, r1, t0, t1, N, N + G))
+            r0 = r1
+        return chunks

@@ -1,0 +1,69 @@
+"""A cache's description (what a backend allocates, what an engine sizes its pool by)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from sparse_mla.ops.common import formats
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """``format``: a ``formats`` name ("v4", "plain_bf16", "plain_fp8"). ``page_bytes``: bytes
+    per block as allocated (the 584 B layout rounds up to a multiple of 576, SPEC §2.2)."""
+
+    name: str
+    format: str
+    block_size: int
+    dtype: torch.dtype
+    bytes_per_token: int
+    page_bytes: int
+    alignment: int
+
+    @classmethod
+    def paged_v4(cls, name: str, block_size: int) -> "CacheSpec":
+        fmt = formats.V4
+        return cls(name, fmt.name, block_size, torch.uint8, fmt.bytes_per_token,
+                   fmt.page_bytes(block_size), fmt.block_alignment)
+
+    @classmethod
+    def plain(cls, name: str, block_size: int, dtype: torch.dtype) -> "CacheSpec":
+        fmt = formats.PLAIN_BF16 if dtype == torch.bfloat16 else formats.PLAIN_FP8
+        if dtype != fmt.dtype:
+            raise ValueError(f"a plain cache is bfloat16 or float8_e4m3fn, got {dtype}")
+        row = fmt.head_dim * dtype.itemsize
+        return cls(name, fmt.name, block_size, dtype, row, block_size * row, row)
+
+    @property
+    def shape_per_block(self):
+        if self.format == "v4":
+            return (self.block_size, self.bytes_per_token)
+        return (self.block_size, formats.HEAD_DIM)
+
+    def num_blocks_for(self, num_bytes: int) -> int:
+        return num_bytes // self.page_bytes
+
+    def allocate(self, num_blocks: int, device="cpu", fill: Optional[int] = None):
+        """``[num_blocks, block_size, bytes_per_token]`` uint8 (584 B layout, pages padded as
+        vLLM pads them) or ``[num_blocks, block_size, 512]`` bf16 / e4m3. ``fill`` sets every
+        byte (0xFF: NaN rows, as tests poison caches)."""
+        if self.format == "v4":
+            return formats.alloc_paged_cache(self.format, num_blocks, self.block_size,
+                                             device=device, page_bytes=self.page_bytes,
+                                             fill=fill)
+        cache = torch.empty(num_blocks, self.block_size, formats.HEAD_DIM, dtype=self.dtype,
+                            device=device)
+        if fill is not None:
+            cache.view(torch.uint8).fill_(fill)
+        return cache
+
+    def bytes_for(self, num_blocks: int) -> int:
+        return num_blocks * self.page_bytes
+
+    def __str__(self):
+        per_tok = math.ceil(self.page_bytes / self.block_size)
+        return (f"{self.name}: {self.format}, block {self.block_size} tokens, "
+                f"{self.page_bytes} B/page (~{per_tok} B/token)")

@@ -1,0 +1,92 @@
+"""One attention step of a whole batch, backend against the dense step oracle (SPEC §4-§7):
+mixed decode / prefill batches, MTP decodes, chunked prefills with context, prefills from
+position 0, positions < 127 and (p+1) < ratio, graph padding, block sizes, head counts — on
+poisoned caches that must stay untouched outside each step's slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_mla.backends.common import LayerKind
+from sparse_mla.tests.backends.cases import BACKENDS, KINDS, Harness, config
+from sparse_mla.tests.helpers import CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+# Three steps: (1) two prefills from position 0; (2) an MTP decode, a second prefill chunk
+# with context and a new prefill, plus graph padding after the prefills; (3) MTP decodes of
+# 1-3 tokens with graph padding after them.
+SCRIPT = (
+    dict(decodes=[], prefills=[(0, 200), (1, 150)]),
+    dict(decodes=[(0, 2)], prefills=[(1, 60), (2, 140)], pad_tokens=3),
+    dict(decodes=[(0, 1), (1, 3), (2, 1)], prefills=[], pad_tokens=2),
+)
+
+
+def run_script(h: Harness, script=SCRIPT):
+    for i, kw in enumerate(script):
+        out, st = h.step(**kw)
+        h.check(out, st, f"step {i}")
+    return h
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_mixed_steps_match_oracle(device, backend, kind):
+    run_script(Harness(backend, config(kind), device, seed=hash((backend, kind.name)) % 1000))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_swa_block_256(device, backend, kind):
+    # vLLM's 256-token pages; C128A keeps its 2-entry compressed blocks (256 // 128).
+    run_script(Harness(backend, config(kind, swa_block_size=256), device, seed=7))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
+@pytest.mark.parametrize("heads", (1, 16, 64, 128))
+def test_head_counts(device, backend, heads):
+    # Shorter script for the wide head counts (the CPU reference's cost grows with heads).
+    script = (dict(decodes=[], prefills=[(0, 140)]),
+              dict(decodes=[(0, 2)], prefills=[(1, 40)], pad_tokens=1))
+    run_script(Harness(backend, config(LayerKind.C128A, heads=heads), device, seed=heads),
+               script)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_chunks_split_by_workspace(device):
+    """A workspace that holds one request at a time: three prefills run as three chunks
+    (and the planner says so), same answer as the oracle."""
+    cfg = config(LayerKind.C4A, prefill_workspace_rows=300)
+    h = Harness("flashmla", cfg, device, seed=3)
+    st = h.sim.step([], [(0, 120), (1, 100), (2, 90)])
+    chunks = h.backend.planner.prefill_chunks(st.batch)
+    assert [(c.r0, c.r1) for c in chunks] == [(0, 1), (1, 2), (2, 3)]
+    h.check(h.run(st), st)
+    wide = Harness("flashmla", config(LayerKind.C4A), device, seed=3)
+    st = wide.sim.step([], [(0, 120), (1, 100), (2, 90)])
+    assert len(wide.backend.planner.prefill_chunks(st.batch)) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_decode_requests(device):
+    """A decode batch padded with empty requests and padding tokens (a CUDA-graph batch):
+    real rows match, padding rows are zero."""
+    h = Harness("flashmla", config(LayerKind.C4A), device, seed=5)
+    h.step([], [(0, 90), (1, 30)])
+    out, st = h.step([(0, 2), (1, 2)], [], pad_tokens=4, pad_reqs=2)
+    h.check(out, st, "padded decode")
+    assert torch.count_nonzero(out[4:]) == 0
+
+
+def test_explain_names_each_op():
+    h = Harness("flashmla", config(LayerKind.C4A), "cpu")
+    h.step([], [(0, 20)])
+    h.step([(0, 1)], [])
+    ran = {op: c.impl for op, c in h.backend.explain().items() if c is not None}
+    assert ran["flashmla_sparse_decode"] == "reference"
+    assert ran["flashmla_sparse_prefill"] == "reference"
+    assert "fused_qnorm_rope_insert_v4" in ran
