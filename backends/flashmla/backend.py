@@ -30,8 +30,8 @@ class FlashMLABackend(Backend):
            "global_topk_indices_and_lens", "c128a_indices_and_lens", "flashmla_sparse_decode",
            "gather_dequant", "combine_topk_swa_indices", "flashmla_sparse_prefill")
 
-    def __init__(self, config, device="cpu", impl="auto", attention_impl=None):
-        super().__init__(config, device, impl, attention_impl)
+    def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None):
+        super().__init__(config, device, impl, attention_impl, planner)
         T, H = config.max_num_tokens, config.num_heads
         dev = self.device
         self.q_rot = torch.zeros(T, H, D, dtype=torch.bfloat16, device=dev)
@@ -70,19 +70,14 @@ class FlashMLABackend(Backend):
         return q_rot
 
     def _attend(self, q_rot, caches, batch, attn_sink, out):
-        planner, T = self.planner, q_rot.shape[0]
-        Td, Tp = batch.num_decode_tokens, batch.num_prefill_tokens
-        planner.tokens(batch, T)
-        planner.compressed_lists(batch, Tp)
-        if Td:
+        if batch.num_decode_tokens:
+            self.planner.c4a_decode(batch)
             self._decode(q_rot, caches, batch, attn_sink, out)
-        if Tp:
+        if batch.num_prefill_tokens:
             self._prefill(q_rot, caches, batch, attn_sink, out)
-        self._zero_padding(batch, out)
 
     def _decode(self, q_rot, caches, batch, attn_sink, out):
         cfg, p, Td = self.config, self.planner, batch.num_decode_tokens
-        p.decode_window(batch)
         extra = {}
         if cfg.kind.compressed:
             extra = dict(extra_k_cache=caches["compressed"],
@@ -97,7 +92,6 @@ class FlashMLABackend(Backend):
 
     def _prefill(self, q_rot, caches, batch, attn_sink, out):
         cfg, p, Rd = self.config, self.planner, batch.num_decodes
-        p.request_lengths(batch)
         topk = p.prefill_topk_width
         for ch in p.prefill_chunks(batch):
             a, b = Rd + ch.r0, Rd + ch.r1

@@ -4,9 +4,8 @@ the oracle, and the FlashMLA-layout and plain-bf16 backends agree with each othe
 from __future__ import annotations
 
 import pytest
-import torch
 
-from sparse_mla.tests.backends.cases import KINDS, Harness, config
+from sparse_mla.tests.backends.cases import KINDS, Harness, check_rows, config
 from sparse_mla.tests.helpers import CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -43,9 +42,9 @@ def test_lifecycle_flashmla_and_trtllm_agree(device, kind):
             h.check(out, st, f"step {steps}")
             outs.append(out)
         # Same inputs (same seed, same schedule); the caches differ (fp8 tiles vs bf16 rows),
-        # so the two agree within the oracle's bound of each other, not bit for bit.
-        torch.testing.assert_close(outs[0].double(), outs[1].double(), rtol=4 / 128,
-                                   atol=2e-2)
+        # so the two agree as two answers near the oracle do, not bit for bit: each within
+        # REL_L2 of the oracle, each other within twice that plus the fp8 tiles' own error.
+        check_rows(outs[0], outs[1].double().cpu(), f"flashmla vs trtllm, step {steps}")
         for h in pair:
             for r in done:
                 h.sim.finish(r)
