@@ -155,6 +155,11 @@ def _case(kind, h, lens, device, vendor):
                                        ours.prefill_max_logits[:n], ours.prefill_lse[:n],
                                        cfg.softmax_scale, lens_, sink)
     res["attn"] = harness.time_graph(attn)
+    res["write"] = harness.time_graph(
+        lambda: ours._write(q, kv, caches, batch, cos_sin, comp, True))
+    res["plan"] = harness.time_graph(lambda: ours.plan(batch, T))
+    if not Td:
+        res.update(_prefill_parts(ours, caches, batch))
     res["op"] = fd.flashmla_sparse_decode if Td else None
     if vendor:
         theirs = FlashMLABackend(cfg, device, attention_impl="vendor")
@@ -164,6 +169,30 @@ def _case(kind, h, lens, device, vendor):
         theirs.forward(q, kv, caches, batch, cos_sin, sink, out, comp)
         res["vendor_err"] = float((out.float() - ref.float()).abs().max())
     return res
+
+
+def _prefill_parts(be, caches, batch):
+    """GPU µs of the prefill's gathers and index combine (one chunk), as ``_prefill`` runs them."""
+    from sparse_mla.ops import index_combine as ic
+    cfg, p = be.config, be.planner
+    ch = p.prefill_chunks(batch)[0]
+    a, b = batch.num_decodes + ch.r0, batch.num_decodes + ch.r1
+    kv = be.workspace[:(b - a) * ch.M].view(b - a, ch.M, 512)
+
+    def gather():
+        if cfg.kind.compressed:
+            ci.gather_dequant(kv, caches["compressed"], p.entries[a:b], None,
+                              batch.compressed_block_table[a:b], cfg.compressed_block_size, 0)
+        ci.gather_dequant(kv, caches["swa"], batch.seq_lens[a:b], p.gather_lens[a:b],
+                          batch.swa_block_table[a:b], cfg.swa_block_size, ch.N)
+    n = ch.t1 - ch.t0
+
+    def combine():
+        ic.combine_topk_swa_indices(p.prefill_topk(batch, ch.t0, ch.t1),
+                                    batch.query_start_loc[a:b + 1], batch.seq_lens[a:b],
+                                    p.gather_lens[a:b], be.combined[:n], be.combined_lens[:n],
+                                    cfg.window, cfg.kind.ratio, p.prefill_topk_width, ch.M, ch.N)
+    return {"gather": harness.time_graph(gather), "combine": harness.time_graph(combine)}
 
 
 def _vendor_available():
@@ -216,6 +245,8 @@ def _print_row(name, r):
           f"/{_us(minus(r['layer'], r['attn'])):>5s}  FlashMLA step/layer {_us(vs):>7s}/"
           f"{_us(vl):>7s}  layer ratio {ratio}  max|diff| {r.get('vendor_err', '-')}",
           flush=True)
+    parts = [f"{k} {_us(r[k])}" for k in ("write", "plan", "gather", "combine") if k in r]
+    print(f"{'':30s} parts µs: " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

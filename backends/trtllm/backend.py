@@ -21,9 +21,24 @@ from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common import formats
+from sparse_mla.ops.trtllm_decode.ops import WORKSPACE_BYTES
 
 D = formats.HEAD_DIM
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_WORKSPACES: dict = {}
+
+
+def _workspace(device):
+    """FlashInfer's zeroed split-K workspace, one per CUDA device as vLLM allocates it (None
+    on CPU). Always passed: torch 2.11's custom-op wrapper drops a trailing argument left at
+    its default and then fails to bump the version of the mutated workspace (IndexError, seen
+    on the H200); torch 2.13 does not."""
+    if device.type != "cuda":
+        return None
+    key = str(device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _WORKSPACES[key]
 
 
 class TrtllmBackend(Backend):
@@ -104,11 +119,11 @@ class TrtllmBackend(Backend):
             kind.ratio, p.prefill_topk_width, kind is LayerKind.C4A, impl=self.impl)
         comp = caches["compressed"] if kind.compressed else caches["swa"]
 
+        ws = _workspace(self.device)
+
         def run(rows, seq_lens, cu, max_q_len):
-            # FlashInfer's call shape (positional: torch 2.11's custom-op wrapper fails on a
-            # mutated argument, the workspace, left to its default)
             td.trtllm_batch_decode_sparse_mla_dsv4(
-                q_rot[rows], caches["swa"], None, idx[rows], comp, lens[rows], seq_lens,
+                q_rot[rows], caches["swa"], ws, idx[rows], comp, lens[rows], seq_lens,
                 out[rows], self.bmm1, self.bmm2, attn_sink, "HND", cu, max_q_len,
                 impl=self.attention_impl)
         if Td:
