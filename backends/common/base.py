@@ -7,6 +7,7 @@ every input, so a bad batch raises before any cache byte is written.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -86,7 +87,9 @@ class Backend:
         """The step's shared index lists (token → request, decode windows, C128A lists). Call
         once per step for all layers sharing this planner, then ``forward(..., planned=True)``
         per layer; ``forward`` without ``planned`` plans by itself."""
-        self.planner.plan(batch, num_tokens)
+        with _ops_run(self.OPS) as ran:
+            self.planner.plan(batch, num_tokens)
+        self.planner.choices = ran
 
     def forward(self, q: Tensor, kv: Tensor, caches, batch: BatchDescription,
                 cos_sin_cache: Tensor, attn_sink: Tensor, out: Tensor,
@@ -95,16 +98,20 @@ class Backend:
         """The whole step: validate, write the caches, attend. Returns ``out``."""
         self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv)
         self._check_out(out, attn_sink, q.shape[0])
-        q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm)
+        with _ops_run(self.OPS) as ran:
+            q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv,
+                                apply_q_norm)
+        self._choices = ran
         if not planned:
             self.plan(batch, q.shape[0])
         self._run_attention(q_rot, caches, batch, attn_sink, out)
         return out
 
     def _run_attention(self, q_rot, caches, batch, attn_sink, out):
-        self._attend(q_rot, caches, batch, attn_sink, out)
+        with _ops_run(self.OPS) as ran:
+            self._attend(q_rot, caches, batch, attn_sink, out)
         self._zero_padding(batch, out)
-        self._choices = {op: dispatch.last_choice(op) for op in self.OPS}
+        self._choices.update(ran)
 
     def write(self, q: Tensor, kv: Tensor, caches, batch: BatchDescription,
               cos_sin_cache: Tensor, compressed_kv: Optional[Tensor] = None,
@@ -112,13 +119,18 @@ class Backend:
         """Caches written; returns q normed and rotated as :meth:`attend` takes it (a view of
         a persistent buffer, valid until the next step)."""
         self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv)
-        return self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm)
+        with _ops_run(self.OPS) as ran:
+            q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv,
+                                apply_q_norm)
+        self._choices = ran
+        return q_rot
 
     def attend(self, q_rot: Tensor, caches, batch: BatchDescription, attn_sink: Tensor,
                out: Tensor, planned: bool = False) -> Tensor:
         """Attention of already-rotated queries over the caches as they stand."""
         self.validate(q_rot, caches, batch)
         self._check_out(out, attn_sink, q_rot.shape[0])
+        self._choices = {}
         if not planned:
             self.plan(batch, q_rot.shape[0])
         self._run_attention(q_rot, caches, batch, attn_sink, out)
@@ -137,13 +149,28 @@ class Backend:
         if out.shape[0] > batch.num_tokens:
             out[batch.num_tokens:].zero_()
 
-    def explain(self) -> Dict[str, Optional[dispatch.Choice]]:
-        """The implementation each op ran in this backend's last step, and why the others
-        were not chosen (``dispatch.Choice``; None for an op the step did not need)."""
-        return dict(self._choices)
+    def explain(self) -> Dict[str, dispatch.Choice]:
+        """The implementation each op of this backend's last step ran (the shared plan's ops
+        included), and why the others were not chosen (``dispatch.Choice``)."""
+        return {**getattr(self.planner, "choices", {}), **self._choices}
 
     def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm):
         raise NotImplementedError
 
     def _attend(self, q_rot, caches, batch, attn_sink, out):
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _ops_run(ops):
+    """Collects the ``dispatch.Choice`` of every op in ``ops`` that ran inside the block (a
+    call records a new Choice object, so one that is not the object seen before ran)."""
+    before = {op: dispatch.last_choice(op) for op in ops}
+    ran: Dict[str, dispatch.Choice] = {}
+    try:
+        yield ran
+    finally:
+        for op in ops:
+            c = dispatch.last_choice(op)
+            if c is not None and c is not before[op]:
+                ran[op] = c

@@ -83,14 +83,18 @@ def test_padded_decode_requests(device):
     assert torch.count_nonzero(out[4:]) == 0
 
 
-def test_explain_names_each_op():
+def test_explain_names_the_ops_of_the_last_step():
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
     h.step([], [(0, 20)])
-    h.step([(0, 1)], [])
-    ran = {op: c.impl for op, c in h.backend.explain().items() if c is not None}
-    assert ran["flashmla_sparse_decode"] == "reference"
+    ran = {op: c.impl for op, c in h.backend.explain().items()}
     assert ran["flashmla_sparse_prefill"] == "reference"
-    assert "fused_qnorm_rope_insert_v4" in ran
+    assert "flashmla_sparse_decode" not in ran and "global_topk_indices_and_lens" not in ran
+    h.step([(0, 1)], [])
+    ran = {op: c.impl for op, c in h.backend.explain().items()}
+    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4",
+                        "swa_indices_and_lens", "global_topk_indices_and_lens",
+                        "flashmla_sparse_decode"}
+    assert set(ran.values()) == {"reference"}
 
 
 @pytest.mark.parametrize("kind", (LayerKind.SWA_ONLY, LayerKind.C4A), ids=lambda k: k.name)
