@@ -8,7 +8,8 @@ from sparse_mla.backends.common import LayerConfig, LayerKind
 from sparse_mla.backends.flashmla import FlashMLABackend
 from sparse_mla.backends.trtllm import TrtllmBackend
 from sparse_mla.tests.backends import oracle
-from sparse_mla.tests.backends.sim import Simulator, storage_bytes, written_bytes_mask
+from sparse_mla.tests.backends.sim import Simulator, written_bytes_mask
+from sparse_mla.tests.helpers import storage_bytes
 
 # The oracle is exact (float64) math; the kernels round q, P and the output to bf16. SPEC §9's
 # element bounds (atol 1e-3) are FlashMLA's, calibrated on its generator's rows of |x| ~ 0.1,
@@ -84,7 +85,7 @@ class Harness:
         for name, cache in self.caches.items():
             bs = self.cfg.swa_block_size if name == "swa" else self.cfg.compressed_block_size
             mask = written_bytes_mask(cache, self.written[name], self.fmt, bs)
-            raw = storage_bytes(cache)
+            raw = storage_bytes(cache).cpu()
             stray = (raw[~mask] != 0xFF).nonzero()
             assert stray.numel() == 0, (f"{self.name}: {name} cache byte "
                                         f"{int(stray[0])} written outside the step's slots")

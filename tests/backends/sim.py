@@ -202,9 +202,3 @@ def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) ->
             a = base + b * s0 + o * cache.stride(1) * cache.element_size()
             mask[a:a + row] = True
     return mask
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    flat.set_(t.untyped_storage())
-    return flat.cpu().clone()
