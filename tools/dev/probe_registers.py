@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the attention core's split kernel for sm_90a,
 compiled on this machine: no GPU needed (Triton's own ptxas does the register allocation).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.probe_registers \\
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.probe_registers \\
       [--fmt v4|v32|plain_bf16|plain_fp8] [--block-n 64] [--stages 2] [--warps 8] [--dv 1] \\
       [--one-tile] [--dump DIR]
 

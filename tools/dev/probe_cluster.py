@@ -1,6 +1,6 @@
 """Can a Gluon kernel share shared memory across a 2-CTA cluster on this GPU (sm_90)?
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.probe_cluster [--ctas 264]
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.probe_cluster [--ctas 264]
 
 FlashMLA's h128 decode halves each CTA's fp8 dequantization by sharing the dequantized rows
 between the two CTAs of a cluster (docs/PERF.md, sessions 9-11). Triton 3.6 Gluon has no API
