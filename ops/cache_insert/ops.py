@@ -11,18 +11,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.cache_insert import reference, triton_kernels
+from sparse_mla.ops.cache_insert import reference, triton_kernels, vendor
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.opdef import custom_op
 
 FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-NO_VENDOR = no_vendor("no vendor wheel ships this op (vLLM's are in its own _C)")
 MAX_HEADS = 128
 
 
 def _dispatcher(name, ref_fn, triton_fn, *tensor_args):
     d = Dispatcher(name)
-    d.register("vendor", None, NO_VENDOR)
+    d.register("vendor", None, vendor.CHECK)
     d.register("triton", triton_fn, lambda *a, **k: triton_check(*[a[i] for i in tensor_args]))
     d.register("reference", ref_fn)
     return d
@@ -96,7 +96,7 @@ def _validate_v4_insert(k, k_cache, slot_mapping, block_size):
     return bs
 
 
-@torch.library.custom_op("sparse_mla::quantize_insert_v4", mutates_args=("k_cache",))
+@custom_op("sparse_mla::quantize_insert_v4", mutates_args=("k_cache",))
 def quantize_insert_v4(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                        block_size: Optional[int] = None, impl: str = "auto") -> None:
     """Quantize rows ``k`` [N, 512] into a V4 584 B paged cache at ``slot_mapping`` (−1 skips).
@@ -133,7 +133,7 @@ def _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_f
     return bs
 
 
-@torch.library.custom_op("sparse_mla::quantize_insert_v32", mutates_args=("kv_cache",))
+@custom_op("sparse_mla::quantize_insert_v32", mutates_args=("kv_cache",))
 def quantize_insert_v32(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                         block_size: Optional[int] = None, scale_format: str = "fp32",
                         impl: str = "auto") -> None:
@@ -165,12 +165,21 @@ def _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
     return bs
 
 
-@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_v4",
-                         mutates_args=("k_cache", "q_out"))
+@custom_op("sparse_mla::fused_qnorm_rope_insert_v4",
+           mutates_args=("k_cache", "q_out"))
 def fused_qnorm_rope_insert_v4(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                                positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
                                eps: float = 1e-6, block_size: Optional[int] = None,
                                apply_q_norm: bool = True, impl: str = "auto") -> None:
+    """vLLM's fused V4 SWA insert (docs/semantics.md §3.1), writing ``q_out`` and ``k_cache``.
+
+    ``q`` ``[N, H, 512]``: each head optionally RMS-normed without weight (``apply_q_norm``,
+    ``eps``), then GPT-J RoPE on dims 448..511 at ``positions[t]``, into ``q_out``
+    ``[N, Hp >= H, 512]`` bf16 (heads ``H..Hp`` written as zeros). ``kv`` ``[N, 512]``: RoPE at
+    the same position, then quantized (§2.2) into the V4 584 B ``k_cache`` at
+    ``slot_mapping[t]`` for ``t < len(slot_mapping)``; -1 skips. ``cos_sin_cache`` fp32
+    ``[max_pos, 64]`` (cos then sin). ``qnorm_rope_kv_insert_v4`` is vLLM's signature.
+    """
     bs = _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                             block_size)
     _FUSED_V4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps, bs,
@@ -238,8 +247,8 @@ def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache
                               kv_scale=kv_scale, q_scale_inv=q_scale_inv)
 
 
-@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
-                         mutates_args=("k_cache", "q_out"))
+@custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
+           mutates_args=("k_cache", "q_out"))
 def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                                   positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
                                   kv_scale: Optional[Tensor] = None,
@@ -300,7 +309,7 @@ def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_siz
     return bs
 
 
-@torch.library.custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
+@custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
 def gather_dequant(out: Tensor, k_cache: Tensor, seq_lens: Tensor, gather_lens: Optional[Tensor],
                    block_table: Tensor, block_size: Optional[int] = None, offset: int = 0,
                    cache_format: str = "v4", impl: str = "auto") -> None:

@@ -105,11 +105,14 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         keep = (blk >= 0) & (blk < nb) & (dst >= 0) & (dst < max_tokens)
         blk, o, dst = blk[keep], (pos % block_size)[keep], dst[keep]
         if fmt is formats.V4:
-            data_cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(576, device=o.device)
-            scale_cols = fmt.token_scale_addr(block_size, o).unsqueeze(1) + torch.arange(8, device=o.device)
+            data_cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
+                         + torch.arange(fmt.token_data_bytes, device=o.device))
+            scale_cols = (fmt.token_scale_addr(block_size, o).unsqueeze(1)
+                          + torch.arange(fmt.scale_offset, device=o.device))
             rows = quant.dequantize_v4(blocks[blk.unsqueeze(1), data_cols],
                                        blocks[blk.unsqueeze(1), scale_cols])
         else:
-            cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(656, device=o.device)
+            cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
+                    + torch.arange(fmt.token_data_bytes, device=o.device))
             rows = quant.dequantize_v32(blocks[blk.unsqueeze(1), cols])
         out[r, dst] = rows

@@ -88,11 +88,11 @@ def dequantize_v4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def dequantize_v32(rec: torch.Tensor) -> torch.Tensor:
     """Records [N, 656] uint8 → bf16 rows [N, 576] (512 dequantized latent + 64 RoPE)."""
-    n = rec.shape[0]
-    q = rec[:, :512].contiguous().view(FP8).float().reshape(n, 4, 128)
-    scale = rec[:, 512:528].contiguous().view(torch.float32).reshape(n, 4, 1)
-    nope = (q * scale).reshape(n, 512).to(torch.bfloat16)
-    rope = rec[:, 528:656].contiguous().view(torch.bfloat16)
+    n, f = rec.shape[0], formats.V32
+    q = rec[:, :f.data_bytes].contiguous().view(FP8).float().reshape(n, f.num_scales, f.tile)
+    scale = rec[:, f.scale_offset:f.rope_offset].contiguous().view(torch.float32)
+    nope = (q * scale.reshape(n, f.num_scales, 1)).reshape(n, f.data_bytes).to(torch.bfloat16)
+    rope = rec[:, f.rope_offset:f.bytes_per_token].contiguous().view(torch.bfloat16)
     return torch.cat([nope, rope], dim=1)
 
 

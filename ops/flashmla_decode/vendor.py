@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
@@ -142,7 +143,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)
-    nbytes = 584 if kv_format == "v4" else 656
+    nbytes = formats.get_format(kv_format).bytes_per_token
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
                   indices=_usable_ids(indices, k_cache.shape[0] * bs, 64),

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
-from sparse_mla.ops.index_combine import reference, triton_kernels
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.opdef import custom_op
+from sparse_mla.ops.index_combine import reference, triton_kernels, vendor
 
 I32 = torch.int32
-NO_VENDOR = no_vendor("no vendor package ships this index-metadata kernel")
 C128A_ALIGNMENT = 128        # FlashMLA decode needs extra_topk % 64 == 0; vLLM pads to 128
 PREFILL_ALIGNMENT = 128      # FlashMLA sparse prefill needs topk % 128 == 0 (SM90)
 TRTLLM_ALIGNMENT = 4         # TRTLLM-gen loads index rows with 16-byte cp.async
@@ -37,7 +37,7 @@ def round_up(x: int, m: int) -> int:
 
 def _dispatcher(name, ref_fn, triton_fn):
     d = Dispatcher(name)
-    d.register("vendor", None, NO_VENDOR)
+    d.register("vendor", None, vendor.CHECK)
     d.register("triton", triton_fn, lambda *a, **k: triton_check(
         *[x for x in a if isinstance(x, torch.Tensor)]))
     d.register("reference", ref_fn)
@@ -182,8 +182,8 @@ def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_va
                                 "top-k index")
 
 
-@torch.library.custom_op("sparse_mla::global_topk_indices_and_lens",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::global_topk_indices_and_lens",
+           mutates_args=("out_indices", "out_lens"))
 def global_topk_indices_and_lens(topk_indices: Tensor, token_to_req_indices: Tensor,
                                  block_table: Tensor, is_valid_token: Tensor, out_indices: Tensor,
                                  out_lens: Tensor, block_size: int, impl: str = "auto") -> None:
@@ -277,8 +277,8 @@ def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
                              f"(block_table rows)")
 
 
-@torch.library.custom_op("sparse_mla::convert_req_index_to_global",
-                         mutates_args=("out", "valid_counts"))
+@custom_op("sparse_mla::convert_req_index_to_global",
+           mutates_args=("out", "valid_counts"))
 def convert_req_index_to_global(req_id: Tensor, block_table: Tensor, token_indices: Tensor,
                                 out: Tensor, valid_counts: Optional[Tensor],
                                 prefill_workspace_request_ids: Optional[Tensor],
@@ -381,8 +381,8 @@ def _validate_swa(query_start_loc, seq_lens, token_to_req_indices, is_valid_toke
         _check_table_covers("block_table", block_table, req, pos, block_size, "position")
 
 
-@torch.library.custom_op("sparse_mla::swa_indices_and_lens",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::swa_indices_and_lens",
+           mutates_args=("out_indices", "out_lens"))
 def swa_indices_and_lens(query_start_loc: Tensor, seq_lens: Tensor, token_to_req_indices: Tensor,
                          is_valid_token: Tensor, block_table: Tensor, out_indices: Tensor,
                          out_lens: Tensor, block_size: int, window_size: int = 128,
@@ -468,8 +468,8 @@ def _validate_c128a(positions, slot_mapping, token_to_req_indices, block_table, 
                             "compressed entry")
 
 
-@torch.library.custom_op("sparse_mla::c128a_indices_and_lens",
-                         mutates_args=("out_decode", "out_decode_lens", "out_prefill"))
+@custom_op("sparse_mla::c128a_indices_and_lens",
+           mutates_args=("out_decode", "out_decode_lens", "out_prefill"))
 def c128a_indices_and_lens(positions: Tensor, slot_mapping: Tensor, token_to_req_indices: Tensor,
                            block_table: Tensor, out_decode: Tensor, out_decode_lens: Tensor,
                            out_prefill: Tensor, block_size: int, compress_ratio: int = 128,
@@ -571,8 +571,8 @@ def _validate_combine(topk_indices, query_start_loc, seq_lens, gather_lens, out_
                                      f"top-k ids must be request-local")
 
 
-@torch.library.custom_op("sparse_mla::combine_topk_swa_indices",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::combine_topk_swa_indices",
+           mutates_args=("out_indices", "out_lens"))
 def combine_topk_swa_indices(topk_indices: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
                              gather_lens: Tensor, out_indices: Tensor, out_lens: Tensor,
                              window_size: int, compress_ratio: int, topk: int, M: int, N: int,
@@ -701,8 +701,8 @@ def _validate_mixed(decode_swa_indices, decode_compressed_indices, decode_compre
                                     compressed_block_size, "compressed index")
 
 
-@torch.library.custom_op("sparse_mla::flashinfer_mixed_sparse_indices",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::flashinfer_mixed_sparse_indices",
+           mutates_args=("out_indices", "out_lens"))
 def flashinfer_mixed_sparse_indices(
         decode_swa_indices: Tensor, decode_compressed_indices: Optional[Tensor],
         decode_compressed_topk_lens: Optional[Tensor], prefill_topk_indices: Tensor,

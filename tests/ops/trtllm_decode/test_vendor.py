@@ -7,7 +7,7 @@ import torch
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import explain, triton_interpreting
 from sparse_mla.ops.common.errors import ImplementationUnavailable
-from sparse_mla.tests.ops.trtllm_decode.expect import I32
+from sparse_mla.tests.ops.trtllm_decode.cases import I32
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
