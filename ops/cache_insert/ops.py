@@ -1,4 +1,4 @@
-"""The cache-insert ops (SPEC §2, §3) as ``sparse_mla::`` custom ops.
+"""The cache-insert ops (docs/semantics.md §2, §3) as ``sparse_mla::`` custom ops.
 
 Each op: validate (raises before anything is written) → dispatch (triton or reference; no
 vendor kernel exists for cache writes) → implementation. The fake implementations validate
@@ -81,7 +81,7 @@ def _check_q_out(q_out, n, h, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# quantize + insert into a V4 584 B cache (SPEC §2.2, §3.4)
+# quantize + insert into a V4 584 B cache (docs/semantics.md §2.2, §3.4)
 
 _V4_INSERT = _dispatcher("quantize_insert_v4", reference.quantize_insert_v4,
                          triton_kernels.quantize_insert_v4, 0, 1, 2)
@@ -114,7 +114,7 @@ def _(k, k_cache, slot_mapping, block_size=None, impl="auto"):
 
 
 # ---------------------------------------------------------------------------------------------
-# V3.2 656 B insert (SPEC §2.1)
+# V3.2 656 B insert (docs/semantics.md §2.1)
 
 _V32_INSERT = _dispatcher("quantize_insert_v32", reference.quantize_insert_v32,
                           triton_kernels.quantize_insert_v32, 0, 1, 2, 3)
@@ -148,7 +148,7 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, block_size=None, scale_format="fp32", 
 
 
 # ---------------------------------------------------------------------------------------------
-# fused q-norm + RoPE + kv insert into the V4 SWA cache (SPEC §3.1)
+# fused q-norm + RoPE + kv insert into the V4 SWA cache (docs/semantics.md §3.1)
 
 _FUSED_V4 = _dispatcher("fused_qnorm_rope_insert_v4", reference.fused_insert_v4,
                         triton_kernels.fused_insert_v4, 0, 1, 2, 3, 4, 5, 6)
@@ -213,7 +213,7 @@ def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cac
 
 
 # ---------------------------------------------------------------------------------------------
-# fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (SPEC §3.2)
+# fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (docs/semantics.md §3.2)
 
 _FUSED_PLAIN = _dispatcher("fused_qnorm_rope_insert_plain", reference.fused_insert_plain,
                            triton_kernels.fused_insert_plain, 0, 1, 2, 3, 4, 5, 6)
@@ -254,8 +254,8 @@ def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_m
                                   kv_scale: Optional[Tensor] = None,
                                   q_scale_inv: Optional[Tensor] = None, eps: float = 1e-6,
                                   apply_q_norm: bool = True, impl: str = "auto") -> None:
-    """SPEC §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an fp8 cache);
-    kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
+    """docs/semantics.md §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an
+    fp8 cache); kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
     _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                           kv_scale, q_scale_inv)
     _FUSED_PLAIN(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale,
@@ -270,7 +270,7 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale=No
 
 
 # ---------------------------------------------------------------------------------------------
-# gather + dequantize a request range into a bf16 workspace (SPEC §3.4)
+# gather + dequantize a request range into a bf16 workspace (docs/semantics.md §3.4)
 
 _GATHER = _dispatcher("gather_dequant", reference.gather_dequant, triton_kernels.gather_dequant,
                       0, 1, 2, 4)

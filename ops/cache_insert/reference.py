@@ -1,4 +1,5 @@
-"""PyTorch reference for the cache-insert family (SPEC §2, §3): the oracle and the CPU kernel.
+"""PyTorch reference for the cache-insert family (docs/semantics.md §2, §3): the oracle and
+the CPU kernel.
 
 Arguments arrive validated (see ops.py). Writes go through byte views built from each cache's
 ``stride(0)``, so padded pages are addressed exactly as the kernels address them.
@@ -43,7 +44,8 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
 
 
 def rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm):
-    """SPEC §3.1 q path: optional weightless RMSNorm, forward GPT-J RoPE; fp32 [N, H, 512]."""
+    """The q path of docs/semantics.md §3.1: optional weightless RMSNorm, forward GPT-J RoPE;
+    fp32 [N, H, 512]."""
     qf = quant.rms_norm_no_weight(q, eps) if apply_q_norm else q.float()
     return quant.rope_gptj(qf, cos_sin_cache[positions.long()].unsqueeze(1))
 
@@ -87,7 +89,8 @@ def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
 
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                    fmt_name):
-    """SPEC §3.4: request r's positions [seq_len - gather_len, seq_len) → out[r, offset + i]."""
+    """docs/semantics.md §3.4: request r's positions [seq_len - gather_len, seq_len) go to
+    out[r, offset + i]."""
     fmt = formats.get_format(fmt_name)
     blocks = checks.block_bytes_view(k_cache, fmt, block_size)
     max_tokens = out.shape[1]

@@ -18,9 +18,9 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, soft_fp8,
                                                 to_bf16, ue8m0_scale)
 
-MODE_V4 = 0          # 584 B paged cache (SPEC §2.2)
-MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (SPEC §2.3)
-MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (SPEC §2.3)
+MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
+MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
+MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (docs/semantics.md §2.3)
 
 _LAUNCH = dict(enable_fp_fusion=False)
 
@@ -55,7 +55,7 @@ def _rotate(row_ptr, x, d, live, pos, cs_ptr, cs_stride, mul):
 @triton.jit
 def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     """Quantize one token ``y`` [8, 64] fp32 (tiles 0..6 NoPE, tile 7 the rotated RoPE dims)
-    and write its data record and scale bytes (SPEC §2.2)."""
+    and write its data record and scale bytes (docs/semantics.md §2.2)."""
     t = tl.arange(0, 8)[:, None]
     c = tl.arange(0, 64)[None, :]
     nope = t < 7

@@ -157,7 +157,7 @@ class Dispatcher:
             if reason is not None:
                 raise ImplementationUnavailable(
                     f"{self.op}: implementation {requested!r} was forced by {forced_by} "
-                    f"but cannot run: {reason}")
+                    f"but cannot run: {reason}", reason)
             return Choice(self.op, requested, forced_by, {})
         rejected = {}
         for name in IMPLS:

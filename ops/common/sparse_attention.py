@@ -3,8 +3,8 @@
 A query token attends to the union of up to two key lists ("sources"), each naming rows of one
 KV cache by slot id. K = V: the same row is used for q·k (all ``D_qk`` dims) and for the output
 (its first 512 dims). With an attention sink the output is scaled by ``sigmoid(lse - sink)``
-(SPEC §5.1, §6): sink = -inf changes nothing, +inf zeroes the output; no valid key gives output
-0 and lse = +inf whatever the sink.
+(docs/semantics.md §5.1, §6): sink = -inf changes nothing, +inf zeroes the output; no valid key
+gives output 0 and lse = +inf whatever the sink.
 
 Key validity in a source: column ``j < lengths[t]`` (all columns when ``lengths`` is None) and
 ``0 <= indices[t, j] < num_blocks * block_size``. (FlashMLA treats only -1 as invalid; other

@@ -15,7 +15,8 @@ from sparse_mla.ops.common.benchcase import BenchCase
 from sparse_mla.ops.flashmla_decode import ops
 
 WINDOW = 128
-# FlashMLA-range data (outputs |o| < 1): SPEC §9's abs 1e-3 + rel 2/128 as one max-abs bound
+# FlashMLA-range data (outputs |o| < 1): docs/semantics.md §9's abs 1e-3 + rel 2/128 as one
+# max-abs bound
 TOLERANCE = 1e-3 + 2 / 128
 
 

@@ -1,4 +1,5 @@
-"""FlashMLA-semantics sparse decode and prefill (SPEC §5) as ``sparse_mla::`` custom ops.
+"""FlashMLA-semantics sparse decode and prefill (docs/semantics.md §5) as ``sparse_mla::``
+custom ops.
 
 Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
 list, an optional extra (compressed) key list and an attention sink. Prefill:
@@ -110,7 +111,7 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            softmax_scale: Optional[float] = None, kv_format: str = "v4",
                            block_size: Optional[int] = None,
                            extra_block_size: Optional[int] = None, impl: str = "auto") -> None:
-    """SPEC §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
+    """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
     bs, extra_bs = _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                                     extra_indices, extra_topk_length, attn_sink, kv_format,
                                     block_size, extra_block_size)
@@ -137,8 +138,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 
     Index columns past ``topk_length`` / ``extra_topk_length`` may hold anything. Within them,
     every id outside [0, the cache's slots) marks an unused column (-1 is the usual one) on
-    every implementation: FlashMLA itself skips only -1 (SPEC §5.1), so the vendor path maps
-    the others to -1 before calling it."""
+    every implementation: FlashMLA itself skips only -1 (docs/semantics.md §5.1), so the vendor path
+    maps the others to -1 before calling it."""
     b, s_q, h = q.shape[:3]
     if out is None:
         out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
@@ -151,7 +152,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 
 
 # ---------------------------------------------------------------------------------------------
-# prefill: flash_mla_sparse_fwd on a dense bf16 kv (SPEC §5.2)
+# prefill: flash_mla_sparse_fwd on a dense bf16 kv (docs/semantics.md §5.2)
 
 _PREFILL = Dispatcher("flashmla_sparse_prefill")
 _PREFILL.register("vendor", vendor.prefill, vendor.prefill_check)
@@ -191,7 +192,7 @@ def flashmla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, out: Tensor,
                             max_logits: Tensor, lse: Tensor, sm_scale: float,
                             topk_length: Optional[Tensor] = None,
                             attn_sink: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """SPEC §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
+    """docs/semantics.md §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
     j < topk_length[i]. lse / max_logits exclude the sink (+inf / -inf without keys)."""
     _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink)
     _PREFILL(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, sm_scale, impl=impl)

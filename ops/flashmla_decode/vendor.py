@@ -4,8 +4,8 @@ Only its frozen legacy kernels read the V4 584 B / V3.2 656 B formats, and they 
 here on SM90 (H100/H200) only, so that is all this path accepts. FlashMLA needs 64 or 128
 heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this module pads
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
-FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 and H100 an id of -2,
--64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
+FlashMLA's decode skips only the slot id -1 (docs/semantics.md §5.1): on the H200 and H100 an id of
+-2, -64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
 one at or past the capacity read past the cache (docs/PERF.md session 31). The reference and
 Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
 with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA also
@@ -51,8 +51,8 @@ def capability_reason(major: int, minor: int) -> Optional[str]:
     if (major, minor) == (9, 0):
         return None
     if major == 10:
-        # SPEC §10: the wheel's current SM100 kernels read only the V4.1 formats (528 B fp8,
-        # 288 B fp4), which this op does not take; its legacy kernels were verified on SM90
+        # docs/semantics.md §10: the wheel's current SM100 kernels read only the V4.1 formats (528 B
+        # fp8, 288 B fp4), which this op does not take; its legacy kernels were verified on SM90
         return (f"FlashMLA's SM100 kernels read only the V4.1 cache formats, not V4 (584 B) "
                 f"or V3.2 (656 B); its legacy kernels are used on SM90 only (this GPU is "
                 f"SM{major}{minor})")

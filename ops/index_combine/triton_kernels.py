@@ -1,4 +1,5 @@
-"""Triton kernels for the index-combine family (SPEC §4); element-for-element equal to reference.py.
+"""Triton kernels for the index-combine family (docs/semantics.md §4); element-for-element
+equal to reference.py.
 
 Rules every kernel here follows:
 * one program per output row, columns in tiles of ``BLOCK`` (a power of two); every column of

@@ -1,4 +1,4 @@
-"""TRTLLM-gen-semantics sparse MLA decode (SPEC §6) as ``sparse_mla::`` custom ops.
+"""TRTLLM-gen-semantics sparse MLA decode (docs/semantics.md §6) as ``sparse_mla::`` custom ops.
 
 * ``trtllm_decode_dsv4``: FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (DeepSeek-V4,
   plain bf16 / per-tensor-fp8 SWA and compressed pools, 512-dim q/k/v).
@@ -17,8 +17,8 @@ this project (no SM100 GPU was available), so the vendor path is unverified.**
 Addressing: FlashInfer's TRTLLM-gen kernels see a pool as flat token rows (page size 1): slot
 ``s`` is read at ``base + s * token_stride``. For a contiguous pool that is page
 ``s // page_size``, offset ``s % page_size``; for a "packed" pool (pages further apart than
-``page_size`` rows, SPEC §2.3) callers must already have remapped slots to the page span, and
-this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
+``page_size`` rows, docs/semantics.md §2.3) callers must already have remapped slots to the page
+span, and this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
 
 No host syncs on the hot path. Per-token column counts: a dense batch (one query length)
 hands ``seq_lens`` / ``sparse_topk_lens`` to the kernels as they are (``KeySource.causal`` /
@@ -385,7 +385,7 @@ def trtllm_decode_dsv4(query: Tensor, swa_kv_cache: Tensor, sparse_indices: Tens
                        cum_seq_lens_q: Optional[Tensor] = None,
                        max_q_len: Optional[int] = None,
                        workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """DeepSeek-V4 sparse decode with TRTLLM-gen semantics (SPEC §6); writes ``out``.
+    """DeepSeek-V4 sparse decode with TRTLLM-gen semantics (docs/semantics.md §6); writes ``out``.
 
     Per query token ``t`` of request ``b`` (token ``q_idx`` of its ``q_len``), keys are the
     union of: SWA pool rows ``sparse_indices[t, j]`` for ``j < min(seq_lens[b] - q_len + q_idx
@@ -568,7 +568,7 @@ def trtllm_decode_v32(query: Tensor, kv_cache: Tensor, block_tables: Tensor, seq
                       sinks: Optional[Tensor] = None, cum_seq_lens_q: Optional[Tensor] = None,
                       max_q_len: Optional[int] = None,
                       workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """DeepSeek-V3.2 sparse MLA decode with TRTLLM-gen semantics (SPEC §6 last bullet).
+    """DeepSeek-V3.2 sparse MLA decode with TRTLLM-gen semantics (docs/semantics.md §6 last bullet).
 
     ``query`` ``[T, H, 576]`` (one token per request, vLLM's call: ``seq_lens`` ``[T]``),
     ``[B, Q, H, 576]``, or varlen ``[sum_q, H, 576]`` with ``cum_seq_lens_q``/``max_q_len``;

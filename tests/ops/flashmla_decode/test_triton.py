@@ -1,4 +1,4 @@
-"""Triton decode / prefill vs the reference with SPEC §9's tolerances (FlashMLA's own).
+"""Triton decode / prefill vs the reference with docs/semantics.md §9's tolerances (FlashMLA's own).
 
 CUDA runs the production-like grid; the Triton interpreter (CPU, *_interpret_test) runs a
 few tiny shapes of the same code.
@@ -33,8 +33,8 @@ def cosine_diff(x, y):
 
 
 def check_decode(ref, got, cosine=5e-6):
-    """SPEC §9's decode tolerances (FlashMLA's tests): elementwise, then ``cosine`` on the
-    whole output (None: not checked)."""
+    """docs/semantics.md §9's decode tolerances (FlashMLA's tests): elementwise, then ``cosine`` on
+    the whole output (None: not checked)."""
     (ro, rl), (o, l) = ref, got
     assert ro.float().abs().amax() > 0      # a comparison of all-zero outputs proves nothing
     assert not o.isnan().any()

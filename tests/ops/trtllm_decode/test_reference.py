@@ -133,7 +133,7 @@ def test_fp8_non_unit_scales(tensor_scales):
     swa_f = torch.randn(3, 64, 512, generator=g)
     cmp_f = torch.randn(1, 64, 512, generator=g)
     q_f = torch.randn(2, 4, 512, generator=g)
-    # per-tensor fp8 storage (SPEC §2.3): x8 = e4m3(x / scale); dequant x8 * scale
+    # per-tensor fp8 storage (docs/semantics.md §2.3): x8 = e4m3(x / scale); dequant x8 * scale
     swa8, cmp8 = (swa_f / kv_scale).to(E4M3), (cmp_f / kv_scale).to(E4M3)
     q8 = (q_f / q_scale).to(E4M3)
     sw = [[5 + j for j in range(128)], [2 * j for j in range(64)] + [-1] * 64]
@@ -233,7 +233,7 @@ def test_cache_layouts_agree(how):
 
 def test_packed_pool_uses_flat_token_addressing():
     """A pool whose pages are 80 rows apart but hold 64 tokens: slot s is row s of the span
-    (SPEC §2.3 packed pools), so slot 80 is page 1 offset 0."""
+    (docs/semantics.md §2.3 packed pools), so slot 80 is page 1 offset 0."""
     g = seeded(10)
     backing = poisoned_pool(1, 3 * 80, 512)
     fill(backing, [0, 5, 80, 81, 160 + 63], g)
