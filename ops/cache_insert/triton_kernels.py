@@ -244,7 +244,8 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
         SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
-# Launch shapes, swept on an H200 with tools/dev/tune_insert.py (docs/PERF.md): the fused q path
+# Launch shapes, swept on an H200 with tools/dev/tune_insert.py (docs/perf-log.md, "First
+# numbers: cache insert and index combine"): the fused q path
 # is fastest with 2 heads and 1 warp per program (87-91 % of copy bandwidth; 2+ warps lose
 # ~15 points to the fp64 norm), the row inserts with 4 tokens on 1 warp, the gather with 4.
 CONFIG = {"heads_per_program": 2, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 4,

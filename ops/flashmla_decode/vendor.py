@@ -6,10 +6,10 @@ heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this m
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
 FlashMLA's decode skips only the slot id -1 (docs/semantics.md §5.1): on the H200 and H100 an id of
 -2, -64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
-one at or past the capacity read past the cache (docs/PERF.md session 31). The reference and
-Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
-with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA also
-refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
+one at or past the capacity read past the cache (docs/perf-log.md, "Vendor decode route").
+The reference and Triton paths skip every id outside [0, capacity), so this path writes its padded
+index lists with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA
+also refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
 those are copied to unit stride first (``checks.unit_stride``), and it reads past an index
 list given a length past its width, so lengths reach it clamped to [0, width].
 """
@@ -109,7 +109,7 @@ def _usable_lengths(lengths: Optional[torch.Tensor], width: int) -> Optional[tor
     """``lengths`` clamped to [0, width] (a new contiguous list), as the op defines them
     (``KeySource.usable``). FlashMLA reads index columns up to a length past the list's width
     (an H200 faulted at 5000 over a 64-wide list) and gave another answer than the reference
-    for negative ones (docs/PERF.md session 32)."""
+    for negative ones (docs/perf-log.md, "Edges of the ops")."""
     return None if lengths is None else lengths.clamp(0, width)
 
 
@@ -166,10 +166,11 @@ def decode_automatic(*args, **kwargs):
     """Why the automatic choice passes this path over where our sm_90 kernel can run: a
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
     every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape
-    measured (H200 and H100, docs/PERF.md session 31). ``impl="vendor"`` still runs it."""
+    measured (H200 and H100, docs/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still
+    runs it."""
     if gluon_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
-                "slower here than the Triton kernel (docs/PERF.md session 31); "
+                "slower here than the Triton kernel (docs/perf-log.md, 'Vendor decode route'); "
                 "impl='vendor' runs it")
     return None
 

@@ -278,7 +278,8 @@ def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter,
 
 
 # Launch shape of the prefill combine (tools/dev/tune_index.py sweeps it; block None = widest).
-# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/PERF.md)
+# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/perf-log.md, "Attention
+# core rework")
 COMBINE_CONFIG = {"block": 128, "num_warps": 1}
 
 

@@ -8,7 +8,8 @@
 Prints the stall reasons over the whole kernel, the samples per SASS opcode, and the
 hottest instructions with their index, so a warp-specialized kernel's regions (producer
 loop, consumer loop, epilogue: find them by their barriers) can be summed by index range
-(``--range A:B`` prints one range's share). docs/PERF.md (session 5) shows a reading.
+(``--range A:B`` prints one range's share). docs/perf-log.md ("Three kernel changes dropped") shows
+a reading.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Integer strides are marked divisible by 16 and pointers 16-byte aligned, as Trit
 specializes them for the production shapes. The numbers depend on the Triton version: the
 lent H100/H200 has triton 3.6 (pip install --target a directory and put it first on
 PYTHONPATH to match). --dump writes the TTGIR and PTX (where the layouts, async copies and
-register-resident dot operands show). docs/PERF.md has the history of these numbers.
+register-resident dot operands show). docs/perf-log.md has the history of these numbers.
 """
 from __future__ import annotations
 
