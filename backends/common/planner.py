@@ -1,4 +1,4 @@
-"""The index planner: SPEC §4's index tensors for one step, into buffers sized once.
+"""The index planner: docs/semantics.md §4's index tensors for one step, into buffers sized once.
 
 Every buffer is allocated at construction from the layer config's capacities, and a step
 writes slices of them: stable addresses, no allocation and no host sync on the decode path,

@@ -1,11 +1,11 @@
-"""DeepSeek-V4 attention over caches in FlashMLA's 584 B layout (SPEC §2.2, §5.4).
+"""DeepSeek-V4 attention over caches in FlashMLA's 584 B layout (docs/semantics.md §2.2, §5.4).
 
 Decode rows: one ``flashmla_sparse_decode`` — the SWA window as the main list, the compressed
 list (C4A: the indexer's top-k as global slots; C128A: every completed entry) as the extra
 list; every decode token (MTP included) is its own batch row, as vLLM runs it. Prefill rows:
 requests in chunks that fit a bounded bf16 workspace; per chunk, ``gather_dequant`` of the
 compressed entries and of the window context, ``combine_topk_swa_indices``, then
-``flashmla_sparse_prefill`` (SPEC §4.4).
+``flashmla_sparse_prefill`` (docs/semantics.md §4.4).
 """
 from __future__ import annotations
 

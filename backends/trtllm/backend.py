@@ -1,11 +1,11 @@
-"""DeepSeek-V4 attention over plain caches (SPEC §2.3, §6), the way vLLM's FlashInfer DSv4
+"""DeepSeek-V4 attention over plain caches (docs/semantics.md §2.3, §6), the way vLLM's FlashInfer DSv4
 backend runs it.
 
 Caches ``[num_blocks, block_size, 512]`` of bf16, or of e4m3 with one per-tensor scale
 (device tensors: read by the kernels, no host sync). One ``flashinfer_mixed_sparse_indices``
 launch builds every row's list (columns ``[0, 128)`` index the SWA pool, the rest the compressed
 pool), then ``trtllm_decode_dsv4`` runs twice: decode rows, then prefill rows with their
-``cum_seq_lens_q`` rebased (SPEC §4.5). SWA-only layers pass the SWA pool as the compressed pool
+``cum_seq_lens_q`` rebased (docs/semantics.md §4.5). SWA-only layers pass the SWA pool as the compressed pool
 with no compressed columns, as vLLM does.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class TrtllmBackend(Backend):
         self.lens = torch.zeros(T, dtype=torch.int32, device=dev)
         self.prefill_cu = torch.zeros(R + 1, dtype=torch.int32, device=dev)
         self.fp8 = cache_dtype == torch.float8_e4m3fn
-        # vLLM runs unit scales today (SPEC §2.3); any positive pair works. Device tensors:
+        # vLLM runs unit scales today (docs/semantics.md §2.3); any positive pair works. Device tensors:
         # the kernels read them, so changing them needs no re-capture.
         self.kv_scale = torch.tensor([kv_scale], dtype=torch.float32, device=dev)
         self.q_scale_inv = torch.tensor([1.0 / q_scale], dtype=torch.float32, device=dev)

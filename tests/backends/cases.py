@@ -11,7 +11,7 @@ from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.sim import Simulator, written_bytes_mask
 from sparse_mla.tests.helpers import storage_bytes
 
-# The oracle is exact (float64) math; the kernels round q, P and the output to bf16. SPEC §9's
+# The oracle is exact (float64) math; the kernels round q, P and the output to bf16. docs/semantics.md §9's
 # element bounds (atol 1e-3) are FlashMLA's, calibrated on its generator's rows of |x| ~ 0.1,
 # where a 190-key softmax is nearly uniform and one missing key moves an output by < 1e-3.
 # Here q is RMS-normed (as the model does) and rows are ~N(0, 1), so attention is peaked and

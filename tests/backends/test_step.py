@@ -1,4 +1,4 @@
-"""One attention step of a whole batch, backend against the dense step oracle (SPEC §4-§7):
+"""One attention step of a whole batch, backend against the dense step oracle (docs/semantics.md §4-§7):
 mixed decode / prefill batches, MTP decodes, chunked prefills with context, prefills from
 position 0, positions < 127 and (p+1) < ratio, graph padding, block sizes, head counts — on
 poisoned caches that must stay untouched outside each step's slots."""
