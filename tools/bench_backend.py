@@ -69,9 +69,11 @@ def _batch(cfg, lens, device, g):
                                 comp_table[req, e // cbs].long() * cbs + e % cbs,
                                 torch.full_like(pos, -1))
     if kind is LayerKind.C4A:
-        avail = (pos + 1) // 4
-        topk = torch.stack([torch.randperm(int(a), generator=g)[:cfg.topk] for a in avail])
-        topk = topk.to(torch.int32)
+        # the indexer's output: min(entries, top-k) distinct ids, left-aligned, -1 after
+        topk = torch.full((len(pos), cfg.topk), -1, dtype=torch.int32)
+        for t, a in enumerate(((pos + 1) // 4).tolist()):
+            ids = torch.randperm(a, generator=g)[:cfg.topk]
+            topk[t, :len(ids)] = ids.to(torch.int32)
     n_dec = sum(1 for _, n in lens if n <= 2)
     td = qsl[n_dec]
     dev = device
