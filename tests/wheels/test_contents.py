@@ -10,6 +10,7 @@ is complete, and nothing rides along that the import graph does not need.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
 
@@ -202,3 +203,20 @@ def test_fixture_wheel_entry_points_and_extras():
                                  "sparse_mla/tests/wheels/fixture/plugin.py"]
     for p in PRODUCTS.values():
         assert not any(n.endswith("entry_points.txt") for n in p.names), p.name
+
+
+def test_checkout_namespace_levels_hold_no_code():
+    """The checkout keeps `__init__.py` at namespace levels (Bazel, tools/pyroot.sh); the wheels
+    leave them out. Both worlds behave alike only while those files hold no code."""
+    root = wheelfiles.runfiles_root()
+    checked = []
+    for ns in sorted(NAMESPACES):
+        path = os.path.join(root, ns[len("sparse_mla/"):] if "/" in ns else "", "__init__.py")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                body = ast.parse(f.read()).body
+            docstring = body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) else []
+            assert body == docstring, f"{path} holds code; {ns} is a namespace level"
+            checked.append(ns)
+    assert {"sparse_mla", "sparse_mla/ops"} <= set(checked), checked
