@@ -154,6 +154,12 @@ def test_bad_entry_points_fail(entry_points, match):
         wb.entry_points_text(entry_points)
 
 
+@pytest.mark.parametrize("summary", ["", "two\nlines"])
+def test_summary_must_be_one_line(tmp_path, summary):
+    with pytest.raises(wb.WheelContentError, match="summary"):
+        wb.metadata_text(manifest(tmp_path, DEMO, summary=summary))
+
+
 def test_bad_extra_name_fails(tmp_path):
     with pytest.raises(wb.WheelContentError, match="extra name"):
         wb.metadata_text(manifest(tmp_path, DEMO, extras={"Flash MLA": ["x"]}))

@@ -32,6 +32,7 @@ NAMESPACE_PACKAGES = [
     "sparse_mla/ops",
     "sparse_mla/backends",
     "sparse_mla/integration",
+    # levels above tests/wheels/fixture, whose wheel tests the rule (never shipped)
     "sparse_mla/tests",
     "sparse_mla/tests/wheels",
 ]

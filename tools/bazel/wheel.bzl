@@ -103,7 +103,13 @@ def _wheel_impl(ctx):
         progress_message = "Building wheel %s" % whl.short_path,
     )
 
-    own = [(f.path, ctx.attr.distribution) for f in files if f.path not in provided]
+    # What installing this wheel provides: its files, not the namespace levels it leaves out.
+    namespace_inits = [ns + "/__init__.py" for ns in NAMESPACE_PACKAGES]
+    own = [
+        (f.path, ctx.attr.distribution)
+        for f in files
+        if f.path not in provided and f.path not in namespace_inits
+    ]
     return [
         DefaultInfo(files = depset([whl]), runfiles = ctx.runfiles(files = [whl])),
         OutputGroupInfo(manifest = depset([manifest])),

@@ -123,6 +123,8 @@ def plan_payload(m: Manifest, read=lambda p: open(p, "rb").read()) -> dict:
 
 
 def metadata_text(m: Manifest) -> str:
+    if not m.summary or "\n" in m.summary:
+        raise WheelContentError(f"{m.distribution}: the summary must be one non-empty line")
     lines = ["Metadata-Version: 2.1", f"Name: {m.distribution}", f"Version: {m.version}",
              f"Summary: {m.summary}"]
     if m.requires_python:
