@@ -2,7 +2,8 @@
 
 Grid (tokens × head blocks × output halves, splits). Each token's key list is virtual:
 ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into ``n_splits`` runs of
-whole tiles (``choose_splits`` picks the count from a wave cost model). A program walks its
+whole tiles (``attention_plan.choose_splits`` picks the count from a wave cost model; which
+kernel runs and why is ``attention_plan.plan_launch``'s, and ``run`` returns its plan). A program walks its
 run in one loop (the source of each tile picked by scalar selects; a launch whose runs are
 at most one tile has no loop, ``ONE_TILE``), gathers BLOCK_N key rows,
 dequantizes them one 64-wide tile at a time (small temporaries: a whole fp32 [BN, 512] tile
@@ -28,13 +29,11 @@ fp16 for plain e4m3 keys with an e4m3 q (``F16``, exact).
 """
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common import attention_plan as plan
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
@@ -43,35 +42,10 @@ from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wai
                                                 ue8m0_scale)
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
-LAST_SPLIT_KERNEL = None   # last compiled split kernel (registers, spills: tools/profile_decode.py)
-LAST_COMBINED = None       # whether the last launch ran the combine kernel (tests)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 LOG2E_C = tl.constexpr(LOG2E)
 
-# Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
-# "split_overhead": the fixed cost of one program (q load, partial store and its share of the
-# combine) in key tiles, for choose_splits' cost model.
-# "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
-# s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
-CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
-# Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
-# 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
-# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
-# warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
-# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2), and so do those of
-# one head block past ``WS_TINY``.
-SMALL_UNITS = 8
-# Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
-# 64-key tiles each (index columns): that kernel wins from 4 units up (H200 s_q 2, batch 4,
-# h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
-# 17 tiles up (window 128 + 960: bf16 rows 11.2 -> 10.6, V3.2 top-k 1088 11.7 -> 11.4, V4 a
-# tie), where 16 tiles stay faster split (window 128 + 896: V4 9.4 against 11.2, bf16 9.3
-# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/PERF.md sessions 19 and 21).
-# None: ``SMALL_UNITS`` alone.
-WS_TINY = {"units": 2, "tiles": 16}
-CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (docs/PERF.md session 7).
@@ -81,84 +55,7 @@ PDL = True
 # bytes where -> bf16 is three (H200: the fp8 path 1.32-1.38x faster on the sm_90 kernel,
 # 1.10-1.14x on the portable one, docs/PERF.md session 8)
 FP16_FOR_E4M3 = True
-# "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
-# step; more cost it more than a second tile per split program saves (H200 batch 1, s_q 2,
-# h64, window 128 + 1024: 36 splits 14.2 µs, 18 splits 11.6)
-SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32,
-                "tiny": True}
-# Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
-# Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones. H200 batch 2, V4
-# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/PERF.md session 19).
-# Plain bf16 rows (no decoding) at <= 16 heads keep their 16-row block: 7.3 against 9.1 µs
-# (h8, batch 1). Elsewhere (mma.sync only) the smallest block that holds the heads stays.
-SMALL_HEAD_BLOCK_SM90 = 64
-# The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
-# partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
-# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
-# 10). The portable kernel keeps 3 (not re-measured).
-WS_CONFIG = {"split_overhead": 5}
 
-
-def head_block(H, tiny, device, fmt):
-    """The portable kernel's rows of q per program: the heads rounded up to a power of two (at
-    least 16, at most ``max_heads``), or ``SMALL_HEAD_BLOCK_SM90`` in tiny launches on sm_90
-    (but for plain bf16 rows in a 16-row block)."""
-    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
-    if tiny and _wgmma_device(device) and not (fmt == "plain_bf16" and hb == 16):
-        hb = max(hb, SMALL_HEAD_BLOCK_SM90)
-    return hb
-
-
-def _wgmma_device(device) -> bool:
-    """Whether Triton's dots on ``device`` run as sm_90 wgmma (not interpreted)."""
-    return (device.type == "cuda" and not triton_interpreting()
-            and torch.cuda.get_device_capability(device)[0] == 9)
-
-
-def launch_config(T, n_hb, tiles, warp_specialized=False):
-    """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
-    token (index columns): tiny, sm_90 kernel or general (portable)."""
-    units = T * n_hb
-    tiny = units <= SMALL_UNITS
-    if warp_specialized:
-        tiny = tiny and n_hb == 1 and (WS_TINY is None or (units <= WS_TINY["units"]
-                                                           and tiles <= WS_TINY["tiles"]))
-    cfg = dict(CONFIG)
-    if tiny:
-        cfg.update(SMALL_CONFIG)
-    elif warp_specialized:
-        cfg.update(WS_CONFIG)
-    return cfg
-
-
-DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
-
-
-def choose_splits(units, tiles, sms, overhead, max_splits=None):
-    """Splits per (token, head block) unit minimising the modelled makespan: programs run one
-    per SM (the accumulator fills the register file) in waves of ``sms``, each costing its
-    tiles plus ``overhead``. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
-    (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic).
-    At most ``max_splits`` (where given)."""
-    best, best_cost = 1, None
-    for s in range(1, max(1, min(tiles, max_splits or tiles)) + 1):
-        cost = wave_cost(units, s, tiles, sms, overhead)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
-def wave_cost(units, splits, tiles, sms, overhead):
-    """The model's makespan (in tiles) of ``units`` units of ``tiles`` tiles cut into
-    ``splits`` programs each: waves of ``sms`` programs, each costing its tiles plus
-    ``overhead``."""
-    return triton.cdiv(units * splits, sms) * (triton.cdiv(tiles, splits) + overhead)
-
-
-def _sm_count(device):
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -599,53 +496,6 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
         tl.store(mx_ptr + t.to(tl.int64) * mx_s0 + h * mx_s1, mx * LN2)
 
 
-# The sm_90 Gluon kernel and its PTX hook are written against Triton 3.6's Gluon API (and
-# verified only there): Triton 3.9 renamed ``gl.thread_barrier`` and calls stages-inspection
-# hooks with other arguments, and importing the module installs that hook for every later
-# Triton compile in the process. Other versions run the portable kernel.
-GLUON_TRITON = (3, 6)
-
-
-def gluon_triton_supported(version: str = triton.__version__) -> bool:
-    """Whether ``version`` (a Triton version string) is one the sm_90 Gluon kernel runs on."""
-    parts = version.split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) == GLUON_TRITON
-    except (IndexError, ValueError):
-        return False
-
-
-def gluon_enabled() -> bool:
-    """Whether the sm_90 Gluon kernel may run in this process at all: Triton 3.6
-    (``GLUON_TRITON``), not interpreted, not turned off by ``SPARSE_MLA_GLUON=0``. Each launch
-    then checks its GPU and cache alignment (``_gluon_module``)."""
-    return (os.environ.get("SPARSE_MLA_GLUON", "1") != "0" and not triton_interpreting()
-            and gluon_triton_supported())
-
-
-def _gluon_module(q, fmt, blocks):
-    """``sparse_attention_gluon`` when its warp-specialized kernel can serve this launch: sm_90,
-    Triton 3.6 (``GLUON_TRITON``), keys in the V4 cache (8-byte-aligned blocks; 16-byte-
-    aligned ones are gathered by cp.async through a staging buffer), the V3.2 cache (16-byte-
-    aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain bf16 / e4m3
-    cache of 512- or 576-wide rows (``run`` still keeps tiny launches that ``launch_config``
-    gives the output-dim split on the portable kernel). ``blocks``: each source's (cache,
-    block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it off (A/B runs,
-    bisecting)."""
-    if not gluon_enabled():
-        return None
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return None
-    need = {"v4": 8, "v32": 16}.get(fmt)
-    if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
-        return None
-    try:
-        from sparse_mla.ops.common import sparse_attention_gluon
-    except ImportError:     # Triton without Gluon (< 3.5)
-        return None
-    return sparse_attention_gluon
-
-
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
                   out_scale, pdl, d576, f16, staged, cluster, t0):
@@ -664,19 +514,18 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
-    kwargs = dict(
-        FMT=FMT_CODES[src0.fmt], HAS_L0=src0.lengths is not None,
-        HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        BN=g.BLOCK_N, STAGES=g.STAGES, TRACK_MAX=max_logits is not None, N_UNITS=n_units,
-        SCALE_T=isinstance(scale, torch.Tensor), P_WARPS=g.PRODUCER_WARPS,
-        P_REGS=g.PRODUCER_REGS_CLUSTER if cluster else g.PRODUCER_REGS, MODE=g.MODE,
-        Q_FP8=q_fp8, FINAL=final,
-        HAS_SINK=sink is not None, HAS_LSE=lse is not None,
-        OUT_SCALE_T=isinstance(out_scale, torch.Tensor), F_REGS=g.FOLLOW_REGS, PDL=pdl,
-        D576=d576, F16=f16, SUB=g.SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4,
-        launch_pdl=pdl)
+    kwargs = g.launch_constexprs(
+        FMT_CODES[src0.fmt], has_l0=src0.lengths is not None,
+        has_l1=src1 is not None and src1.lengths is not None, has_src1=src1 is not None,
+        track_max=max_logits is not None, n_units=n_units,
+        scale_t=isinstance(scale, torch.Tensor), q_fp8=q_fp8, final=final,
+        has_sink=sink is not None, has_lse=lse is not None,
+        out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
+        staged=staged, cluster=cluster)
+    kwargs["launch_pdl"] = pdl
     if cluster:
-        return g.launch_clusters(g._ws_kernel, grid, args, kwargs)
+        from sparse_mla.ops.common import gluon_hooks
+        return gluon_hooks.launch_clusters(g._ws_kernel, grid, args, kwargs)
     return g._ws_kernel[grid](*args, **kwargs)
 
 
@@ -696,14 +545,9 @@ def _scalar_arg(value, factor, dummy):
     return float(value) * factor, dummy
 
 
-def _blocks_aligned(cache, stride0, n=8):
-    """Every block of ``cache`` (a uint8 view) starts at a multiple of ``n`` bytes."""
-    return stride0 % n == 0 and cache.data_ptr() % n == 0
-
-
 def _scales_aligned(src):
     """V4 scale bytes of every row can be read as one int64 (block starts 8-byte aligned)."""
-    return src.fmt == "v4" and _blocks_aligned(*_source_args(src)[:2])
+    return src.fmt == "v4" and plan._blocks_aligned(*_source_args(src)[:2])
 
 
 def _source_args(src):
@@ -716,18 +560,13 @@ def _source_args(src):
     return cache, src.cache.stride(0), src.cache.stride(1)
 
 
-def _tiles(k0, k1, width):
-    """Tiles of ``width`` keys over both sources' index columns, each source padded to whole
-    tiles (the kernels' virtual key list). ``launch_config`` counts in 64-key units, the
-    kernels in their own ``block_n``."""
-    return triton.cdiv(k0, width) + triton.cdiv(k1, width)
-
-
 def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
+    """Launch the attention of ``q`` over ``sources`` (see ``sparse_attention``) and return
+    the ``attention_plan.LaunchPlan`` that ran (None where there was nothing to compute)."""
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
-        return
-    n_hb = triton.cdiv(H, CONFIG["max_heads"])    # head blocks are max_heads wide past it
+        return None
+    n_hb = triton.cdiv(H, plan.CONFIG["max_heads"])    # head blocks are max_heads wide past it
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
@@ -740,23 +579,15 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     else:
         c1, c1s0, c1s1 = c0, 0, 0
     blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
-    scale64 = src0.fmt == "v4" and all(_blocks_aligned(c, s0) for c, s0 in blocks)
+    scale64 = src0.fmt == "v4" and all(plan._blocks_aligned(c, s0) for c, s0 in blocks)
     d576 = head_dims(sources) == 576
-    g = _gluon_module(q, src0.fmt, blocks)
-    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None)
-    if cfg["dv"] != 1:
-        g = None
-    # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
-    staged = (g is not None and src0.fmt == "v4" and g.STAGE_V4
-              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
-    # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
-    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
-    cluster = (g is not None and n_hb == 2 and T * n_hb > CLUSTER_MIN_UNITS
-               and ((staged and g.CLUSTER_V4) or (src0.fmt == "v32" and g.CLUSTER_V32)))
+    launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H)
+    staged = launch.staged
+    cluster = launch.route == "sm90_cluster"
     bn = cfg["block_n"]
     # enough programs to fill the card; the kernel cuts each token's own key list (lengths
     # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
-    max_tiles = max(1, _tiles(k0, k1, bn))
+    max_tiles = max(1, plan._tiles(k0, k1, bn))
     dvs = cfg["dv"]
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
@@ -766,31 +597,32 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
     pdl = PDL and pdl_supported(dev)
-    global LAST_SPLIT_KERNEL, LAST_COMBINED
     if g is not None:
         # the sm_90 kernel decodes an e4m3 q into shared memory itself; one split per token:
         # it finishes the rows itself (no partials, no combine)
         qq = q.view(torch.uint8) if q_fp8 else q
-        phases = plan_phases(T, n_hb, max_tiles, _sm_count(dev), cfg["split_overhead"])
-        LAST_COMBINED = any(n_splits > 1 for _, _, n_splits in phases)
+        phases = plan.plan_phases(T, n_hb, max_tiles, plan._sm_count(dev),
+                                  cfg["split_overhead"])
+        launch.phases = tuple(phases)
+        launch.combined = any(n_splits > 1 for _, _, n_splits in phases)
         for t0, t1, n_splits in phases:
             final = n_splits == 1
             part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
                                          n_splits)
-            LAST_SPLIT_KERNEL = _launch_gluon(
+            launch.kernels.append(_launch_gluon(
                 g, ((t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
                 _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,
-                q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0)
+                q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0))
             if not final:
                 _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
                          out_scale, pdl, interp=False)
-        return
+        return launch
     # waves of one program per SM even where two 4-warp programs fit (dv 2): H200 batch 2,
     # h64, s_q 2, window 128 + 512: 10 splits (80 programs) 11.6 µs, 20 (160) 12.8 µs
-    n_splits = choose_splits(T * n_hb * dvs, max_tiles, _sm_count(dev), cfg["split_overhead"],
-                             cfg["max_splits"])
-    hb = head_block(H, cfg["tiny"], dev, src0.fmt)
+    n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, plan._sm_count(dev),
+                                  cfg["split_overhead"], cfg["max_splits"])
+    hb = plan.head_block(H, cfg["tiny"], dev, src0.fmt)
     part_o, part_ml = _partials(T * H * n_splits, dev, n_splits)
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
@@ -801,8 +633,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         q, q_fp8 = q.to(torch.float16 if f16 else torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
-    LAST_COMBINED = True
-    LAST_SPLIT_KERNEL = _split_kernel[(T * n_hb * dvs, n_splits)](
+    launch.phases = ((0, T, n_splits), )
+    launch.combined = True
+    launch.kernels.append(_split_kernel[(T * n_hb * dvs, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         *_length_args(src0, dummy),
@@ -816,44 +649,13 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=scale64,
         SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
-        ONE_TILE=one_tile(max_tiles, n_splits),
+        ONE_TILE=plan.one_tile(max_tiles, n_splits),
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
-        launch_pdl=pdl)
+        launch_pdl=pdl))
     _combine(part_o, part_ml, n_splits, 0, T, H, sink, out, lse, max_logits, out_scale, pdl,
              interp)
-
-
-def plan_phases(T, n_hb, tiles, sms, overhead):
-    """The sm_90 kernel's launches as [(first token, end token, splits)]: one launch split by
-    ``choose_splits``, or, where that leaves a last wave mostly idle, two: the tokens that
-    fill whole waves one program per unit (no partials), then the rest split finely enough
-    to spread over the card (plus their combine: one more program's cost). E.g. 148 units
-    of 18 tiles on 132 SMs: one launch costs 3 waves × (9 + 5) = 42 (two splits); 132 units
-    unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36."""
-    units = T * n_hb
-    s = choose_splits(units, tiles, sms, overhead)
-    full = units // sms * sms // n_hb       # tokens whose units fill whole waves
-    if 0 < full < T:
-        rest = (T - full) * n_hb
-        s_rest = choose_splits(rest, tiles, sms, overhead)
-        cost = (wave_cost(full * n_hb, 1, tiles, sms, overhead) + overhead
-                + wave_cost(rest, s_rest, tiles, sms, overhead))
-        if s_rest > 1 and cost < wave_cost(units, s, tiles, sms, overhead):
-            return [(0, full, 1), (full, T, s_rest)]
-    return [(0, T, s)]
-
-
-# Launches whose splits are at most one tile each run the split kernel without its key loop
-# (``ONE_TILE``), so q's arrival and the gather overlap. H200, tiny launches: 1.01-1.06x
-# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/PERF.md session 27).
-ONE_TILE_FORM = True
-
-
-def one_tile(max_tiles, n_splits):
-    """Whether a portable launch of ``n_splits`` splits over at most ``max_tiles`` tiles per
-    token runs the one-tile form: each split's run is at most ceil(tiles / splits) tiles."""
-    return ONE_TILE_FORM and triton.cdiv(max_tiles, n_splits) == 1
+    return launch
 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
@@ -899,7 +701,7 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl,
         num_warps=4 if part_o.element_size() == 4 else 2,
         launch_pdl=pdl)
-    cap = combine_residency(grid[0] * grid[1], _sm_count(part_o.device), pdl)
+    cap = combine_residency(grid[0] * grid[1], plan._sm_count(part_o.device), pdl)
     if cap is None:
         _combine_kernel[grid](*args, **kwargs)
     else:

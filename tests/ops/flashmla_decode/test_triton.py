@@ -6,12 +6,13 @@ few tiny shapes of the same code.
 import pytest
 import torch
 
+from sparse_mla.ops.common import attention_plan as plan
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon, naming,
-                                      record_results, requires_cuda, split_kernel_name,
-                                      triton_params)
+from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
+                                      last_plan, naming, record_results, requires_cuda,
+                                      split_kernel_name, triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import (cache_view, decode_case,
                                                         out_of_cache_ids, plant, prefill_case)
 
@@ -95,12 +96,44 @@ def test_decode_matches_reference(device, route, case, monkeypatch):
                     extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case,
                     noncontig_q=case % 2 == 1)
     ref = _run_decode(a, "reference")
-    monkeypatch.setattr(core, "LAST_SPLIT_KERNEL", None)     # set by this launch, or fail
     got = _run_decode(a, "triton")
     assert last_choice("flashmla_sparse_decode").impl == "triton"
     if device == "cuda":
         sm90 = route == "auto" and hopper_with_gluon() and case not in SM90_PORTABLE_CASES
         assert split_kernel_name() == ("_ws_kernel" if sm90 else "_split_kernel")
+    check_decode(ref, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gluon", ["1", "0"])
+def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch):
+    """After a call, ``last_choice`` says which kernel route ran and why (the launch plan the
+    core returned): the sm_90 routes only where the Gluon kernel runs, with the reason for
+    the portable kernel otherwise; the plan's kernel is the one that ran."""
+    monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
+    force_tiny_launches(monkeypatch, False)
+    cuda = device == "cuda"
+    a = decode_case(device, b=3, s_q=2, h=128 if cuda else 16, bs=64, topk=128 if cuda else 64,
+                    extra=True, extra_topk=64 if cuda else 32, extra_bs=64, seed=5)
+    ref = _run_decode(a, "reference")
+    assert last_choice("flashmla_sparse_decode").route == "reference"
+    got = _run_decode(a, "triton")
+    choice = last_choice("flashmla_sparse_decode")
+    p = choice.plan
+    assert choice.route == p.route and p is last_plan() and p.reason
+    assert p.route in plan.ROUTES and p.route in str(choice) and p.reason in str(choice)
+    assert p.phases and len(p.kernels) == len(p.phases)
+    sm90 = gluon == "1" and hopper_with_gluon()
+    assert (p.route in ("sm90", "sm90_cluster")) == sm90
+    if sm90:    # V4 rows at 128 heads, 12 units: the 2-CTA cluster
+        assert p.route == "sm90_cluster" and split_kernel_name() == "_ws_kernel"
+    else:
+        assert p.route == "portable"
+        if cuda:    # (the interpreter compiles nothing)
+            assert split_kernel_name() == "_split_kernel"
+        assert ("SPARSE_MLA_GLUON=0" in p.reason) == (gluon == "0")
+        if device == "cpu":
+            assert gluon == "0" or "interpreter" in p.reason
     check_decode(ref, got)
 
 
@@ -372,7 +405,7 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     new, got = captured_replay(*((2, 64) if route == "default" else (4, 128)), "triton")
     if route == "split":    # what the captured launch ran
-        assert core.LAST_COMBINED
+        assert last_plan().combined
         assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
     elif route == "portable":
         assert split_kernel_name() == "_split_kernel"
@@ -403,10 +436,10 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
     lengths, so every way of cutting a token's two-source key list is checked whatever the
     model picks."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setitem(core.CONFIG, "block_n", block_n)
-    monkeypatch.setitem(core.CONFIG, "dv", dv)
+    monkeypatch.setitem(plan.CONFIG, "block_n", block_n)
+    monkeypatch.setitem(plan.CONFIG, "dv", dv)
     a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21,
                     fmt=fmt)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
@@ -446,14 +479,14 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits is not None:
-        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
     if n_splits is not None:    # one split: the kernel's own epilogue, no combine launch
-        assert core.LAST_COMBINED == (n_splits > 1)
+        assert last_plan().combined == (n_splits > 1)
     check_decode(ref, got)
     monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     portable = _run_decode(a, "triton")
@@ -473,17 +506,17 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     from sparse_mla.ops.common import sparse_attention_gluon as g
     from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
-    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 2       # launched as clusters of two
+    assert last_plan().kernel.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
     monkeypatch.setattr(g, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
     one = _run_decode(a, "triton")
-    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 1
+    assert last_plan().kernel.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
 
 
@@ -501,12 +534,12 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
     monkeypatch.setattr(core, "PDL", pdl)
     monkeypatch.setattr(g, "CLUSTER_V4", cluster)
     monkeypatch.setattr(g, "CLUSTER_V32", cluster)
-    monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
+    monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + pdl)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED
+    assert split_kernel_name() == "_ws_kernel" and last_plan().combined
     check_decode(ref, got)
 
 
@@ -544,7 +577,7 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
-    assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == staged
+    assert ("cp.async" in last_plan().kernel.asm["ptx"]) == staged
     check_decode(ref, got)
 
 
@@ -604,7 +637,7 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     got = _run_decode(a, "triton")
     if ws:
         assert split_kernel_name() == "_ws_kernel"
-        assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == (route == "ws_staged")
+        assert ("cp.async" in last_plan().kernel.asm["ptx"]) == (route == "ws_staged")
     elif device == "cuda":
         assert split_kernel_name() == "_split_kernel"
     (ro, rl), (o, l) = ref, got
@@ -627,15 +660,15 @@ def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeyp
     with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
     for bit: the same arithmetic in the same order."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
                     fmt=fmt)
     ref = _run_decode(a, "reference")
-    forms = record_results(monkeypatch, core, "one_tile")
+    forms = record_results(monkeypatch, plan, "one_tile")
     outs = []
     for allowed in (True, False):
-        monkeypatch.setattr(core, "ONE_TILE_FORM", allowed)
+        monkeypatch.setattr(plan, "ONE_TILE_FORM", allowed)
         forms.clear()
         outs.append(_run_decode(a, "triton"))
         assert forms == [allowed and one_tile]
@@ -664,7 +697,7 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, 
                     extra_topk=extra_topk, extra_bs=64, seed=h + s_q)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == kernel and core.LAST_COMBINED
+    assert split_kernel_name() == kernel and last_plan().combined
     check_decode(ref, got)
 
 
@@ -684,12 +717,12 @@ def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert core.LAST_COMBINED and caps == [-(-b * s_q * h // sms)]
+    assert last_plan().combined and caps == [-(-b * s_q * h // sms)]
     check_decode(ref, got)
     monkeypatch.setattr(core, "COMBINE_SPREAD", None)
     caps.clear()
     plain = _run_decode(a, "triton")
-    assert caps == [] and core.LAST_COMBINED
+    assert caps == [] and last_plan().combined
     for x, y in zip(got, plain):
         assert torch.equal(x, y)
 
@@ -707,11 +740,11 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
                     extra_bs=61, seed=30 + h)
     ref = _run_decode(a, "reference")
-    blocks = record_results(monkeypatch, core, "head_block")
+    blocks = record_results(monkeypatch, plan, "head_block")
     here = device != "cpu" and torch.cuda.get_device_capability(device)[0] == 9
     for sm90 in (None, False, True):    # None: this device's own answer
         if sm90 is not None:
-            monkeypatch.setattr(core, "_wgmma_device", lambda dev, sm90=sm90: sm90)
+            monkeypatch.setattr(plan, "_wgmma_device", lambda dev, sm90=sm90: sm90)
         blocks.clear()
         got = _run_decode(a, "triton")
         assert blocks == [64 if (here if sm90 is None else sm90) else (16 if h <= 16 else 32)]
@@ -735,7 +768,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
         force_tiny_launches(monkeypatch, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
                     extra_bs=61, seed=11 + n_splits)
@@ -747,8 +780,8 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
         outs[dtype] = _run_decode(a, "triton")
         if device == "cuda":
             assert split_kernel_name() == ("_ws_kernel" if route == "ws" else "_split_kernel")
-        assert core.LAST_COMBINED == (route == "portable" or n_splits > 1)
-        if core.LAST_COMBINED:
+        assert last_plan().combined == (route == "portable" or n_splits > 1)
+        if last_plan().combined:
             assert made[-1][0].dtype == (dtype if n_splits > 1 else torch.float32)
         check_decode(ref, outs[dtype])
     o16, o32 = outs[torch.bfloat16][0].float(), outs[torch.float32][0].float()
@@ -769,14 +802,14 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits == "two launches":
-        monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
+        monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
         n_splits = 3
     else:
-        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
     a["topk_length"][1] = 0
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
-    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED == (n_splits > 1)
+    assert split_kernel_name() == "_ws_kernel" and last_plan().combined == (n_splits > 1)
     check_prefill((ro, rm, rl), (o, m, l))
