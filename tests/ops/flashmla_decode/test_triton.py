@@ -83,7 +83,6 @@ def _grid(device):
 def test_decode_matches_reference(device, route, case, monkeypatch):
     """Every grid shape through the automatic route and, on a GPU, through the portable
     kernel alone (``SPARSE_MLA_GLUON=0``), asserting which split kernel ran."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     grid = _grid(device)
     if case >= len(grid):
         pytest.skip(f"the {device} grid has {len(grid)} shapes")
@@ -400,7 +399,6 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
     """The replay must answer for the new inputs (nothing host-side baked in). Routes: the
     default tiny launch (batch 2); a split launch with its combine (batch 4, h128: the sm_90
     kernel where it runs); the portable kernel forced."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     if route == "portable":
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     new, got = captured_replay(*((2, 64) if route == "default" else (4, 128)), "triton")
@@ -435,7 +433,6 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
     one-step load spills) with and without the output-dim split, on ragged per-token
     lengths, so every way of cutting a token's two-source key list is checked whatever the
     model picks."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setitem(plan.CONFIG, "block_n", block_n)
@@ -476,7 +473,6 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     sinks, forced and modelled split counts (some splits empty), every head count class, one
     and two sources; it must be what ran, and agree with the reference and the portable
     kernel."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits is not None:
         monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
@@ -504,7 +500,6 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     count that leaves most of the second block masked, the output must agree with the
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
     from sparse_mla.ops.common import sparse_attention_gluon as g
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
@@ -570,7 +565,6 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
     bytes), and by register loads when some block is only 8-byte aligned (8-byte paddings,
     one cache enough). Both producers must agree with the reference on poisoned, padded
     caches."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, bs=bs, topk=96, extra_bs=61, extra_topk=40,
                     seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
@@ -600,7 +594,6 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     a finite mean of the token's two rows). Each route's own
     dequantization: the sm_90 kernel's staged and register producers (bf16x2 multiply) and
     the portable kernel (fp32 multiply)."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     ws = route.startswith("ws")
     if ws and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
@@ -659,7 +652,6 @@ def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeyp
     in 7 (some splits two tiles: the loop). With the form allowed and forbidden, both agree
     with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
     for bit: the same arithmetic in the same order."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
@@ -735,7 +727,6 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     of two that holds the heads; both blocks agree with the reference (NaN-poisoned rows,
     ragged lengths, sinks). CPU runs force the sm_90 choice to run it interpreted. (Plain
     bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
                     extra_bs=61, seed=30 + h)
@@ -799,7 +790,6 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     itself, sink applied), with two (partials + combine kernel), and as ``plan_phases``' two
     launches (both epilogues in one call); a query without keys, ±inf sinks, out-of-range
     indices, NaN rows past s_kv."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits == "two launches":
         monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])

@@ -105,7 +105,6 @@ def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
     """Tiny launches on sm_90 run e4m3 rows in 64-row head blocks at any head count and keep
     plain bf16 rows at 8 heads in a 16-row block (``SMALL_HEAD_BLOCK_SM90``); either agrees
     with the reference on a poisoned varlen batch. CPU runs force the sm_90 choice."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
     monkeypatch.setattr(plan, "_wgmma_device", lambda dev: True)
     blocks = record_results(monkeypatch, plan, "head_block")
@@ -265,7 +264,6 @@ def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
 def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
     tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(plan, "choose_splits", lambda *args: 1)
     x = _batch(24, 64, dtype)
