@@ -1,6 +1,6 @@
 """Warp-specialized Hopper (sm_90) split kernel of the attention core, written in Gluon.
 
-Same contract as ``sparse_attention_triton._split_kernel`` (one program per token × 64-head
+Same contract as ``sparse_attention_portable._split_kernel`` (one program per token × 64-head
 block × split of the token's virtual key list; partial out / lse2 / max written for the
 combine kernel) for keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3
 cache of 512- or 576-wide rows, but the work is divided between warps instead of serialised
@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from sparse_mla.ops.common import cluster_ptx, formats, gluon_hooks
 from sparse_mla.ops.common.gluon_compat import async_load, barrier, reinterpret
-from sparse_mla.ops.common.sparse_attention_triton import (
+from sparse_mla.ops.common.sparse_attention_portable import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
 
