@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from sparse_mla.ops.common import attention_plan as plan
+
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device)")
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
@@ -72,7 +74,7 @@ def seeded(seed: int) -> torch.Generator:
 def hopper_with_gluon():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon)."""
     import torch
-    from sparse_mla.ops.common.sparse_attention_triton import gluon_triton_supported
+    from sparse_mla.ops.common.attention_plan import gluon_triton_supported
     if INTERPRETING or not torch.cuda.is_available() or \
             torch.cuda.get_device_capability() != (9, 0) or not gluon_triton_supported():
         return False
@@ -83,19 +85,24 @@ def hopper_with_gluon():
     return True
 
 
+def last_plan():
+    """The attention core's launch plan of the last op call on this thread (route, splits,
+    whether a combine ran, the compiled split kernels): ``dispatch.last_plan``."""
+    from sparse_mla.ops.common import dispatch
+    return dispatch.last_plan()
+
+
 def split_kernel_name():
     """Name of the attention core's last split kernel (``_ws_kernel`` or ``_split_kernel``)."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    return core.LAST_SPLIT_KERNEL.name
+    return last_plan().kernel.name
 
 
 def force_tiny_launches(monkeypatch, tiny: bool):
     """Every launch of the attention core takes (``tiny``) or never takes the tiny-launch
     shape (the portable kernel's output-dim split), whatever its size and GPU; where the
     sm_90 kernel runs, one head block is still needed."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "SMALL_UNITS", 10 ** 9 if tiny else -1)
-    monkeypatch.setattr(core, "WS_TINY", None)
+    monkeypatch.setattr(plan, "SMALL_UNITS", 10 ** 9 if tiny else -1)
+    monkeypatch.setattr(plan, "WS_TINY", None)
 
 
 def record_results(monkeypatch, owner, name: str) -> list:

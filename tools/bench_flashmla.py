@@ -8,7 +8,8 @@ kernels); ours goes through the op. "FlashMLA µs" reuses one filled scheduler m
 object, as vLLM does for every layer of a type within a step (and FlashMLA's own benchmark
 does): the per-layer cost. "+sched µs" gives each call a fresh one, so it also runs
 FlashMLA's scheduler: the first such layer of a step. Ratio = FlashMLA µs / ours µs (> 1:
-ours is faster). "portable µs" is the same op with the sm_90 warp-specialized kernel
+ours is faster). "route" is the kernel route ours ran (``dispatch.last_plan``: sm90,
+sm90_cluster, tiny, portable). "portable µs" is the same op with the sm_90 warp-specialized kernel
 turned off (``SPARSE_MLA_GLUON=0``: the portable Triton kernel). Roofline: this run's copy
 bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA| on the output.
 ``--rounds N`` times FlashMLA and ours alternately N times per shape: the µs columns are then
@@ -24,7 +25,9 @@ import statistics
 import sys
 
 import torch
+import triton
 
+from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
 
@@ -95,8 +98,10 @@ def main(argv=None):
     copy = harness.copy_bandwidth("cuda")
     mm = harness.matmul_rate("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "
-          f"matmul {mm / 1e12:,.0f} TFLOP/s (measured now)", flush=True)
-    head = ("shape", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio", "range",
+          f"matmul {mm / 1e12:,.0f} TFLOP/s (measured now); torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    head = ("shape", "route", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio",
+            "range",
             "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
     rows = []
     for case in bench.cases("cuda", False):
@@ -127,13 +132,14 @@ def main(argv=None):
         tp, _ = _time(lambda: case.run(a, "triton"))
         del os.environ["SPARSE_MLA_GLUON"]
         ours = case.run(a, "triton")
+        route = getattr(dispatch.last_plan(), "route", "?")
         mine = lambda: case.run(a, "triton")  # noqa: E731
         if vendor is None:
             tv, to, ratio, lo, hi = None, _time(mine)[0], None, None, None
         else:
             tv, to, ratio, lo, hi = _alternate(vendor, mine, args.rounds)
         diff = "-" if v_out is None else f"{float((ours[0].float() - v_out[0].float()).abs().max()):.2e}"
-        rows.append((case.shape, "-" if tv is None else f"{tv * 1e6:.1f}",
+        rows.append((case.shape, route, "-" if tv is None else f"{tv * 1e6:.1f}",
                      "-" if tv_sched is None else f"{tv_sched * 1e6:.1f}", f"{tp * 1e6:.1f}",
                      f"{to * 1e6:.1f}",
                      "-" if ratio is None else f"{ratio:.2f}",

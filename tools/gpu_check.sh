@@ -2,9 +2,21 @@
 # GPU check for machines without Bazel (e.g. the lent H100/H200): runs the test files with
 # pytest (CUDA parametrizations included) and the main job, logs under ${OUT:-/tmp/gpu_check}.
 #   bash tools/gpu_check.sh [pytest paths...]      (default: tests/)
+# TRITON_BUNDLE=path/triton-X-cpNN-slim.tar.xz runs everything on that Triton instead of the
+# installed one (tools/triton_bundle.py builds it; unpacked once under /tmp, put first on
+# PYTHONPATH, and checked to be the Triton that imports).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${TRITON_BUNDLE:-}" ]; then
+  eval "$(python3 tools/triton_bundle.py --unpack "$TRITON_BUNDLE")" || exit 1
+  python3 - "$TRITON_BUNDLE" <<'PY' || exit 1
+import os, sys, triton
+want = os.path.basename(sys.argv[1]).split("-")[1]
+if triton.__version__ != want:
+    sys.exit(f"TRITON_BUNDLE {sys.argv[1]}: triton {triton.__version__} imported, not {want}")
+PY
+fi
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"

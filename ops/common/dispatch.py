@@ -58,11 +58,23 @@ class Choice:
     impl: str
     forced_by: Optional[str]            # "impl=" | ENV_VAR | None (automatic)
     rejected: dict                      # impl name -> reason it was not used
+    # what the Triton implementation launched (``attention_plan.LaunchPlan``: the kernel
+    # route and why); set on ``last_choice`` after a call of an attention op, else None
+    plan: Optional[object] = None
+
+    @property
+    def route(self) -> Optional[str]:
+        """The kernel route that ran: "vendor", "reference", or for Triton the attention
+        core's route ("portable", "tiny", "sm90", "sm90_cluster"; None for other ops)."""
+        if self.impl != "triton":
+            return self.impl
+        return getattr(self.plan, "route", None)
 
     def __str__(self):
         why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())
         how = f"forced by {self.forced_by}" if self.forced_by else "automatic"
-        return f"{self.op}: ran {self.impl} ({how})" + (f"; rejected {why}" if why else "")
+        ran = f"{self.impl}, route {self.plan}" if self.plan is not None else self.impl
+        return f"{self.op}: ran {ran} ({how})" + (f"; rejected {why}" if why else "")
 
 
 _REGISTRY: dict = {}
@@ -173,14 +185,20 @@ class Dispatcher:
             _LAST.choices = {}
         _LAST.choices[self.op] = choice
         fn = self._impls[choice.impl][0]
+        _LAST.plan = None
         dev = cuda_device_of(args, kwargs)
         if dev is None or dev == torch.cuda.current_device():
-            return fn(*args, **kwargs)
-        # Triton launches on the current GPU, whatever its arguments' device: on an H200 pair
-        # the op tests on cuda:1 failed ("Pointer argument cannot be accessed from Triton")
-        # while the current device was 0, as in one process that spreads a model over GPUs
-        with torch.cuda.device(dev):
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+        else:
+            # Triton launches on the current GPU, whatever its arguments' device: on an H200
+            # pair the op tests on cuda:1 failed ("Pointer argument cannot be accessed from
+            # Triton") while the current device was 0, as in one process that spreads a
+            # model over GPUs
+            with torch.cuda.device(dev):
+                result = fn(*args, **kwargs)
+        if _LAST.plan is not None:
+            _LAST.choices[self.op] = dataclasses.replace(choice, plan=_LAST.plan)
+        return result
 
 
 def cuda_device_of(args, kwargs) -> Optional[int]:
@@ -216,12 +234,28 @@ def _op_name(op: str) -> str:
 
 
 def last_choice(op: str) -> Optional[Choice]:
-    """What the most recent call of ``op`` on this thread ran, and why the others were not."""
+    """What the most recent call of ``op`` on this thread ran, and why the others were not;
+    for the attention ops' Triton implementation also the kernel route and launch plan
+    (``Choice.route`` / ``Choice.plan``)."""
     return getattr(_LAST, "choices", {}).get(_op_name(op))
 
 
+def record_plan(plan) -> None:
+    """Called by the attention core with the launch plan it ran; the dispatcher call in
+    progress on this thread attaches it to its ``Choice``."""
+    _LAST.plan = plan
+
+
+def last_plan():
+    """The launch plan of the attention core's most recent launch on this thread, through
+    any op (None before the first)."""
+    return getattr(_LAST, "plan", None)
+
+
 def explain(op: str, *args, impl: Optional[str] = None, **kwargs) -> Choice:
-    """Which implementation a call with these arguments would run, without running it."""
+    """Which implementation a call with these arguments would run, without running it. The
+    kernel route of the Triton attention ops is decided at launch: after a call,
+    ``last_choice(op)`` reports it (``route``, ``plan``: which kernel ran and why)."""
     return _REGISTRY[_op_name(op)].choose(impl, *args, **kwargs)
 
 

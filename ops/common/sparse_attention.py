@@ -139,13 +139,18 @@ def _unit_strides(src: KeySource) -> KeySource:
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
                             sink: Optional[torch.Tensor], scale, out: torch.Tensor,
                             lse: Optional[torch.Tensor] = None, out_scale=1.0,
-                            max_logits: Optional[torch.Tensor] = None) -> None:
+                            max_logits: Optional[torch.Tensor] = None):
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
     and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
     contiguous). ``scale`` / ``out_scale`` may be one-element fp32 tensors on q's device:
     the kernels read them, so nothing syncs with the host. Index lists, lengths and the sink
     may be strided views: the kernels need unit-stride ones, made here (a copy only where the
-    view has gaps)."""
+    view has gaps). Returns the ``attention_plan.LaunchPlan`` that ran (which kernel route and
+    why; also on ``dispatch.last_choice(op)`` of the op that called this)."""
+    from sparse_mla.ops.common import dispatch
     from sparse_mla.ops.common import sparse_attention_triton as kernels
     sources = [_unit_strides(s) for s in sources]
-    kernels.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale, max_logits)
+    plan = kernels.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale,
+                       max_logits)
+    dispatch.record_plan(plan)
+    return plan

@@ -1,6 +1,6 @@
 """Warp-specialized Hopper (sm_90) split kernel of the attention core, written in Gluon.
 
-Same contract as ``sparse_attention_triton._split_kernel`` (one program per token × 64-head
+Same contract as ``sparse_attention_portable._split_kernel`` (one program per token × 64-head
 block × split of the token's virtual key list; partial out / lse2 / max written for the
 combine kernel) for keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3
 cache of 512- or 576-wide rows, but the work is divided between warps instead of serialised
@@ -33,28 +33,25 @@ An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 wh
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
 the V4 producer, at two per pair, is not: docs/PERF.md session 8). Only used on sm_90
-with Triton 3.6, the Gluon API it is written against (``GLUON_TRITON``);
-``sparse_attention_triton.run`` falls back to the portable kernel everywhere else and for
-tiny launches of one head block. docs/PERF.md has the
+with a Triton in ``attention_plan.GLUON_TRITON`` (3.6-3.9: the Gluon API differences between
+them are the shims of ``gluon_compat``); ``attention_plan.plan_launch`` routes to the
+portable kernel everywhere else and for tiny launches of one head block, and says why.
+Importing this module installs ``gluon_hooks``' compile hook. docs/PERF.md has the
 measurements (including what was tried and dropped: a software-pipelined producer, integer
 e4m3 decoding).
 """
 from __future__ import annotations
 
-import re
-
-from triton import knobs
-from triton.backends.compiler import Language
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from sparse_mla.ops.common import cluster_ptx, formats
-from sparse_mla.ops.common.sparse_attention_triton import (
+from sparse_mla.ops.common import cluster_ptx, formats, gluon_hooks
+from sparse_mla.ops.common.gluon_compat import async_load, barrier, reinterpret
+from sparse_mla.ops.common.sparse_attention_portable import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
-from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wait,
-                                                launch_compiled)
+from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -69,7 +66,6 @@ PRODUCER_REGS_CLUSTER = 128     # in clusters (the lead keeps 208): H200 V4 h128
                                 # V3.2 +0.9 %; one CTA at h64 lost 4 % at 128 (session 13)
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
-MODE = 0             # timing experiments only: 2 = producer alone, 3 = consumers alone
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
                      # cluster and each CTA dequantizes half of every tile (``_send_half``)
 CLUSTER_V32 = True   # the same for V3.2 rows
@@ -91,10 +87,10 @@ EARLY_SLOTS = gl.constexpr(True)
 # CTAs' stages, the producers hand each released stage over to each other (``_pair_handoff``).
 # FlashMLA's sm_90 kernel splits its h128 dequantization the same way. Gluon (Triton 3.6) has
 # no API for any of it: the kernel is compiled as an ordinary one-CTA kernel and launched as
-# clusters (``cluster_launchable``), and inline PTX addresses shared memory as ``global_smem``
-# plus the allocator's offsets, which ``_shared_offsets`` reads at compile time and writes
-# over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py proved the
-# route).
+# clusters (``gluon_hooks.cluster_launchable``), and inline PTX addresses shared memory as
+# ``global_smem`` plus the allocator's offsets, which ``gluon_hooks`` reads at compile time
+# and writes over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py
+# proved the route).
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
 V32_RECORD = gl.constexpr(formats.V32.bytes_per_token)     # bytes of a V3.2 record
 V32_SCALES = gl.constexpr(formats.V32.scale_offset)        # its four fp32 scales' byte offset
@@ -104,7 +100,6 @@ V32_ROPE = gl.constexpr(formats.V32.rope_offset)           # its bf16 RoPE dims'
 # peer as the first copy batch, so that batch defines them
 V32_STAGED_PANELS = gl.constexpr(cluster_ptx.V32_SENDS[0][1])
 PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
-_OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
 _SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
 V4_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V4_SENDS))
 _SEND_V32_STAGED, _SEND_V32_2, _SEND_V32_3 = (
@@ -116,98 +111,20 @@ _CLUSTER_ARRIVE = gl.constexpr(cluster_ptx.CLUSTER_ARRIVE)
 _CLUSTER_WAIT = gl.constexpr(cluster_ptx.CLUSTER_WAIT)
 
 
-def _keep_setmaxnreg_budgets(backend, stages, options, language, capability):
-    """Two edits of ``_ws_kernel`` builds (a hook installed before still runs):
-
-    * its cluster variant's ``SMLA_OFF_*`` placeholders become the allocator's shared-memory
-      offsets (``_shared_offsets``), in the LLVM IR;
-    * Triton stamps warp-specialized kernels with ``.maxnreg`` (the launch share: 168 for 12
-      warps) and ptxas caps every ``setmaxnreg.inc`` region at it, so the lead warpgroup
-      could never use the registers the other partitions give back. Without the directive
-      ptxas takes the launch limit from ``.reqntid`` and honours each region's
-      ``setmaxnreg`` (sm_90a, ptxas 12.9: 0 spills; with the cap, 236 B of spills and
-      serialized wgmma)."""
-    if _previous_hook is not None:
-        _previous_hook(backend, stages, options, language, capability)
-    make_ptx = stages.get("ptx")
-    make_llir = stages.get("llir")
-    if make_ptx is None or make_llir is None:
-        return
-
-    def ptx(src, metadata):
-        out = make_ptx(src, metadata)
-        if metadata.get("name") == "_ws_kernel":
-            out = re.sub(r"^\.maxnreg \d+\n", "", out, flags=re.M)
-        return out
-
-    def llir(src, metadata):
-        # Gluon kernels only: the module's text is read to find the cluster placeholders
-        text = str(src) if language == Language.GLUON else ""
-        offsets = _shared_offsets(text, src.context, options, backend, capability) \
-            if "SMLA_OFF_" in text else None
-        out = make_llir(src, metadata)
-        if offsets:
-            out = re.sub(r"SMLA_OFF_[A-Z_]+", lambda m: str(offsets[m.group(0)]), out)
-        return out
-    stages["ptx"] = ptx
-    stages["llir"] = llir
+gluon_hooks.install()
 
 
-def _shared_offsets(text, context, options, backend, capability):
-    """The allocator's byte offsets (from ``global_smem``) of the buffers the ``cluster_ptx``
-    text addresses, keyed by their placeholders: a copy of the TTGIR module is run
-    through the passes ``make_llir`` runs up to and including shared-memory allocation (the
-    same deterministic allocation), and each buffer is found by its SSA name."""
-    import tempfile
-    from triton._C.libtriton import ir, nvidia, passes
-    from triton.backends.nvidia.compiler import get_ptx_version_from_options
-    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
-        f.write(text)
-        f.flush()
-        mod = ir.parse_mlir_module(f.name, context)
-    pm = ir.pass_manager(context)
-    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    passes.ttgpuir.add_allocate_warp_groups(pm)
-    passes.convert.add_scf_to_cf(pm)
-    passes.gluon.add_inliner(pm)
-    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(
-        pm, capability, get_ptx_version_from_options(options, backend.target.arch))
-    pm.run(mod, "sparse_mla_shared_offsets")
-    found = dict(re.findall(r"%(\w+) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}",
-                            str(mod)))
-    wanted = {k: _OFFSET_NAMES[k] for k in set(re.findall(r"SMLA_OFF_[A-Z_]+", text))}
-    missing = [n for n in wanted.values() if n not in found]
-    if missing:
-        raise RuntimeError(f"cluster kernel: no shared-memory offset found for {missing}")
-    return {k: int(found[n]) for k, n in wanted.items()}
-
-
-_previous_hook = knobs.runtime.add_stages_inspection_hook
-knobs.runtime.add_stages_inspection_hook = _keep_setmaxnreg_budgets
-
-
-def cluster_launchable(kernel):
-    """Make every launch of ``kernel`` (a compiled ``_ws_kernel`` with ``CLUSTER``) one of
-    2-CTA clusters along x: Triton's launcher reads the cluster size from the packed launch
-    metadata, adds the cluster-dimension attribute and multiplies grid x by it, so callers
-    pass half the grid and program ids are unchanged (a cluster is one token's two head
-    blocks). Compiled with ``num_ctas=1`` on purpose: Triton's own ``num_ctas=2`` would put
-    a cluster-wide layout on every tensor."""
-    num_warps, num_ctas, shared = kernel.packed_metadata
-    if num_ctas != 2:
-        kernel.packed_metadata = (num_warps, 2, shared)
-    return kernel
-
-
-def launch_clusters(fn, grid, args, kwargs):
-    """Launch ``fn`` (``_ws_kernel`` with ``CLUSTER``) over ``grid`` as 2-CTA clusters, with
-    one pass through Triton's argument binding: ``warmup`` finds (or compiles) the kernel,
-    which is made cluster-launchable before its first launch and then launched directly with
-    every parameter in signature order (constexprs included, as the launcher takes them).
-    Returns the compiled kernel."""
-    kernel = cluster_launchable(fn.warmup(*args, grid=grid, **kwargs))
-    launch_compiled(kernel, fn, (grid[0] // 2, grid[1]), args, kwargs)
-    return kernel
+def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
+                      final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster):
+    """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
+    ``fmt`` is the cache format's code (``sparse_attention_triton.FMT_CODES``). Shared by the
+    launch and by the compile-only check (``sm90_variants``), so both build the same kernel."""
+    return dict(
+        FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
+        TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,
+        P_REGS=PRODUCER_REGS_CLUSTER if cluster else PRODUCER_REGS, Q_FP8=q_fp8, FINAL=final,
+        HAS_SINK=has_sink, HAS_LSE=has_lse, OUT_SCALE_T=out_scale_t, F_REGS=FOLLOW_REGS,
+        PDL=pdl, D576=d576, F16=f16, SUB=SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4)
 
 
 @gluon.jit
@@ -216,7 +133,7 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-             P_WARPS: gl.constexpr, MODE: gl.constexpr, STAGED: gl.constexpr,
+             P_WARPS: gl.constexpr, STAGED: gl.constexpr,
              SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
@@ -225,18 +142,18 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                           peer_free, t, lo, hi,
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
-                          STAGES, P_WARPS, MODE, rank)
+                          STAGES, P_WARPS, rank)
     elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
                     t, lo, hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                    P_WARPS, MODE, rank, CLUSTER, EARLY)
+                    P_WARPS, rank, CLUSTER, EARLY)
     else:
         _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
                        n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                       STAGES, P_WARPS, MODE, EARLY)
+                       STAGES, P_WARPS, EARLY)
 
 
 @gluon.jit
@@ -245,8 +162,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                    FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
-                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, MODE: gl.constexpr,
-                   EARLY: gl.constexpr):
+                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, EARLY: gl.constexpr):
     if FMT == 2:
         # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
         # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
@@ -281,13 +197,12 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                           BN, rows_b)
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        valid = _usable(idx, cap, MODE)
+        valid = _usable(idx, cap)
         kb = k_bufs.index(st)
         if FMT == 0:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            if MODE != 3:
-                _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
+            _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
         elif FMT == 1:
             # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
             # dims. The RoPE dims need no decoding: copied asynchronously into their own stage
@@ -296,7 +211,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                 cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_v32_rows(kb, kr_bufs.index(st), rec, valid, LR, x0, x1, x2, x3, x4, x5, x6,
-                            x7, sa, sb, sc, sd, MODE)
+                            x7, sa, sb, sc, sd)
         elif FMT == 2:
             # bf16 rows need no decoding: copied asynchronously straight into the stage, and
             # the producer moves on without waiting for them (see the cp.async note below)
@@ -304,10 +219,10 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             v2 = valid[:, None]
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             for j in gl.static_range(8):
-                async_copy.async_copy_global_to_shared(
+                async_load(
                     kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cb[None, :]), mask=v2)
             if D576:
-                async_copy.async_copy_global_to_shared(
+                async_load(
                     kr_bufs.index(st), row[:, None] + (512 + cb[None, :]), mask=v2)
             async_copy.commit_group()
             async_copy.mbarrier_arrive(ready.index(st))
@@ -337,7 +252,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         # The next stage's gather then goes out as soon as that stage is free: waiting for the
         # copies here left one tile in flight at a time (bf16 rows at 63-75 % of copy).
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(ready.index(st))
         if EARLY:
             idx = idx1
@@ -354,7 +269,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                 n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                MODE: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
+                rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
@@ -383,8 +298,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         idx_o = idx
     v, sc, v_o = _issue_v4(stage_raw, stage_rope, idx, idx_o,
                            tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
-                                       c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, MODE,
-                           CLUSTER)
+                                       c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB, CLUSTER)
     if CLUSTER:
         idx = _slots(first + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                      rows_b)
@@ -416,7 +330,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
             v, sc, v_o = _issue_v4(stage_raw, stage_rope, idx, idx_o,
                                    tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                                c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap), cb, SUB,
-                                   MODE, CLUSTER)
+                                   CLUSTER)
             idx = _slots(c + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
             if CLUSTER:
@@ -430,21 +344,21 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
             if CLUSTER:     # static slice starts: one branch per rank
                 if rank == 0:
                     _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4,
-                                 x5, x6, rope, sc_c, v_c, SUB, MODE)
+                                 x5, x6, rope, sc_c, v_c, SUB)
                     _store_peer_rows(k_bufs.index(st), bias_bufs.index(st), SUB, rope_o, v_oc,
-                                     SUB, MODE)
+                                     SUB)
                 else:
                     _store_chunk(k_bufs.index(st), bias_bufs.index(st), SUB, x0, x1, x2, x3,
-                                 x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
+                                 x4, x5, x6, rope, sc_c, v_c, SUB)
                     _store_peer_rows(k_bufs.index(st), bias_bufs.index(st), 0, rope_o, v_oc,
-                                     SUB, MODE)
+                                     SUB)
             else:
                 _store_chunk(k_bufs.index(st), bias_bufs.index(st), h * SUB, x0, x1, x2, x3,
-                             x4, x5, x6, rope, sc_c, v_c, SUB, MODE)
+                             x4, x5, x6, rope, sc_c, v_c, SUB)
         # generic-proxy stores -> the wgmma (async proxy) reads, and in a cluster the bulk
         # copy to the peer (async proxy too); all producer warps first
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         if CLUSTER:
             _send_half(ready, st, rank, tid, BN, SUB, _SEND_V4, V4_PANELS)
         else:
@@ -483,20 +397,17 @@ def _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES: gl.constexpr):
 
 @gluon.jit
 def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc, valid,
-                 SUB: gl.constexpr, MODE: gl.constexpr):
+                 SUB: gl.constexpr):
     """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias."""
-    if MODE != 3:
-        _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
+    _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
 
 
 @gluon.jit
-def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr,
-                     MODE: gl.constexpr):
+def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr):
     """What a cluster CTA writes itself of the peer's V4 rows [r0, r0 + SUB): their RoPE
     dims (copied from the cache, no decoding) and their bias."""
-    if MODE != 3:
-        kb.slice(r0, SUB).slice(448, 64, dim=1).store(rope)
+    kb.slice(r0, SUB).slice(448, 64, dim=1).store(rope)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
 
 
@@ -545,7 +456,7 @@ _DEQUANT_PAIRS = gl.constexpr("""{
 
 @gluon.jit
 def _issue_v4(stage_raw, stage_rope, idx, idx_o, source, cb, SUB: gl.constexpr,
-              MODE: gl.constexpr, PEER: gl.constexpr):
+              PEER: gl.constexpr):
     """Start the gather of one chunk of V4 rows (``source``: ``tile_source``'s cache
     arguments) into the staging buffer: the 448 e4m3 bytes as seven [SUB, 64] byte tiles and
     the 64 bf16 RoPE dims by cp.async (rows with an unusable slot id are zero-filled), and
@@ -553,20 +464,20 @@ def _issue_v4(stage_raw, stage_rope, idx, idx_o, source, cb, SUB: gl.constexpr,
     group; the rows' eight UE8M0 scale bytes (one int64) by an ordinary load, used a chunk
     later. Returns (valid, scales, the peer rows' valid)."""
     cache, s0, s1, bs, cap = source
-    valid = _usable(idx, cap, MODE)
+    valid = _usable(idx, cap)
     rec, sc = _v4_records(cache, s0, bs, idx, valid)
     v2 = valid[:, None]
     for k in gl.static_range(7):
-        async_copy.async_copy_global_to_shared(stage_raw.slice(k * SUB, SUB),
-                                               rec[:, None] + (64 * k + cb[None, :]), mask=v2)
-    async_copy.async_copy_global_to_shared(
+        async_load(stage_raw.slice(k * SUB, SUB), rec[:, None] + (64 * k + cb[None, :]),
+                   mask=v2)
+    async_load(
         stage_rope.slice(0, SUB),
         (rec + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :], mask=v2)
     valid_o = valid
     if PEER:
-        valid_o = _usable(idx_o, cap, MODE)
+        valid_o = _usable(idx_o, cap)
         rec_o = _record(cache, s0, bs, idx_o, 576)
-        async_copy.async_copy_global_to_shared(
+        async_load(
             stage_rope.slice(SUB, SUB),
             (rec_o + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + cb[None, :],
             mask=valid_o[:, None])
@@ -591,10 +502,8 @@ def _byte_tiles8(row, v2, cb):
 
 
 @gluon.jit
-def _usable(idx, cap, MODE: gl.constexpr):
-    """Slot ids that address a cache row (MODE 3, a timing experiment: none)."""
-    if MODE == 3:
-        return idx < -1
+def _usable(idx, cap):
+    """Slot ids that address a cache row."""
     return (idx >= 0) & (idx < cap)
 
 
@@ -737,24 +646,23 @@ def _rope_v32(krb, rec, valid, LR: gl.constexpr):
     rows: gl.constexpr = gl.SliceLayout(1, LR)
     rope = gl.convert_layout(rec, rows) + V32_ROPE
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
-    async_copy.async_copy_global_to_shared(
+    async_load(
         krb, rope.to(gl.pointer_type(gl.bfloat16))[:, None] + cr[None, :],
         mask=gl.convert_layout(valid, rows)[:, None])
 
 
 @gluon.jit
 def _store_v32_rows(kb, krb, rec, valid, LR: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7,
-                    sa, sb, sc, sd, MODE: gl.constexpr):
+                    sa, sb, sc, sd):
     """Gathered V3.2 rows into a stage's rows (``kb``: latent dims, ``krb``: RoPE dims). The
     RoPE dims need no decoding: copied asynchronously while the latent dims are dequantized
     (and 16 registers lighter than a load); waited for before returning."""
     _rope_v32(krb, rec, valid, LR)
     async_copy.commit_group()
-    if MODE != 3:
-        _store_v32(kb, 0, x0, x1, sa)
-        _store_v32(kb, 1, x2, x3, sb)
-        _store_v32(kb, 2, x4, x5, sc)
-        _store_v32(kb, 3, x6, x7, sd)
+    _store_v32(kb, 0, x0, x1, sa)
+    _store_v32(kb, 1, x2, x3, sb)
+    _store_v32(kb, 2, x4, x5, sc)
+    _store_v32(kb, 3, x6, x7, sd)
     async_copy.wait_group(0)
 
 
@@ -763,7 +671,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
                       t, lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                       i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                       BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                      MODE: gl.constexpr, rank):
+                      rank):
     """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile,
     stored here and copied into the peer's stage. The RoPE dims of the peer's half are copied
     here from the cache, like this CTA's own (they need no decoding, and the cluster copies
@@ -799,7 +707,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     # and V3.2 h128 b148 / b256 ran 0.97-0.99x (H200, docs/PERF.md session 25)
     cache, s0, s1, bs, cap = tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-    valid = _usable(idx, cap, MODE)
+    valid = _usable(idx, cap)
     _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx, V32_RECORD), valid, cb)
     for i in range(n_tiles):
         st = i % STAGES
@@ -813,10 +721,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         # recomputed although the staging below had them: carried over the back edge
         # instead, V3.2 h128 ran 0.989-0.999x (H200, PERF.md session 24)
-        valid = _usable(idx, cap, MODE)
+        valid = _usable(idx, cap)
         rec = _record(cache, s0, bs, idx, V32_RECORD)
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
-        valid_o = _usable(idx_o, cap, MODE)
+        valid_o = _usable(idx_o, cap)
         rec_o = _record(cache, s0, bs, idx_o, V32_RECORD)
         _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
@@ -836,23 +744,22 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec, valid, LB)
         async_copy.commit_group()
         async_copy.wait_group(1)    # this tile's staged panels
-        gl.thread_barrier()     # a scale is copied by one of the four threads that read it
+        barrier()     # a scale is copied by one of the four threads that read it
         x0 = stage_raw.index(0).load(LB)
         x1 = stage_raw.index(1).load(LB)
         sa = stage_sc.index(0).load(rows_b)
-        _store_pair_v32(k_bufs, st, rank, 0, x0, x1, sa, SUB, MODE)
+        _store_pair_v32(k_bufs, st, rank, 0, x0, x1, sa, SUB)
         x2 = stage_raw.index(2).load(LB)
         x3 = stage_raw.index(3).load(LB)
         sb = stage_sc.index(1).load(rows_b)
-        _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_STAGED,
-                       MODE)
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 1, x2, x3, sb, BN, SUB, _SEND_V32_STAGED)
         # the next tile's first pairs, once these have left the staging buffer
         cache, s0, s1, bs, cap = tile_source(c + BN < n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
                                              c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx_next, V32_RECORD),
-                   _usable(idx_next, cap, MODE), cb)
-        _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2, MODE)
-        _store_pair_v32(k_bufs, st, rank, 3, x6, x7, sd, SUB, MODE)
+                   _usable(idx_next, cap), cb)
+        _send_pair_v32(k_bufs, ready, st, rank, tid, 2, x4, x5, sc, BN, SUB, _SEND_V32_2)
+        _store_pair_v32(k_bufs, st, rank, 3, x6, x7, sd, SUB)
         if rank == 0:
             bias_bufs.index(st).slice(0, SUB).store(bias)
             bias_bufs.index(st).slice(SUB, SUB).store(bias_o)
@@ -861,7 +768,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
             bias_bufs.index(st).slice(0, SUB).store(bias_o)
         async_copy.wait_group(1)    # the RoPE dims (the next tile's staging may still fly)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         _send_half(ready, st, rank, tid, BN, SUB, _SEND_V32_3, V32_PANELS)
         idx = idx_next
         idx_o = idx_o_next
@@ -876,11 +783,11 @@ def _stage_v32(stage_raw, stage_sc, rec, valid, cb):
     bytes it copied); rows that are not ``valid`` are zero-filled. One commit group."""
     v2 = valid[:, None]
     for j in gl.static_range(V32_STAGED_PANELS):
-        async_copy.async_copy_global_to_shared(
+        async_load(
             stage_raw.index(j), rec[:, None] + (64 * j + cb[None, :]), mask=v2)
     scales = _v32_scales(rec)    # one per pair of panels
     for j in gl.static_range(V32_STAGED_PANELS // 2):
-        async_copy.async_copy_global_to_shared(stage_sc.index(j), scales + j, mask=valid)
+        async_load(stage_sc.index(j), scales + j, mask=valid)
     async_copy.commit_group()
 
 
@@ -913,23 +820,21 @@ def _send_half(ready, st, rank, tid, BN: gl.constexpr, SUB: gl.constexpr, PTX: g
 
 
 @gluon.jit
-def _store_pair_v32(k_bufs, st, rank, PAIR: gl.constexpr, xa, xb, scale, SUB: gl.constexpr,
-                    MODE: gl.constexpr):
+def _store_pair_v32(k_bufs, st, rank, PAIR: gl.constexpr, xa, xb, scale, SUB: gl.constexpr):
     """One ``_store_v32`` pair into this CTA's half (rank ``rank``) of stage ``st``."""
-    if MODE != 3:
-        if rank == 0:   # static slice starts: one branch per rank
-            _store_v32(k_bufs.index(st).slice(0, SUB), PAIR, xa, xb, scale)
-        else:
-            _store_v32(k_bufs.index(st).slice(SUB, SUB), PAIR, xa, xb, scale)
+    if rank == 0:   # static slice starts: one branch per rank
+        _store_v32(k_bufs.index(st).slice(0, SUB), PAIR, xa, xb, scale)
+    else:
+        _store_v32(k_bufs.index(st).slice(SUB, SUB), PAIR, xa, xb, scale)
 
 
 @gluon.jit
 def _send_pair_v32(k_bufs, ready, st, rank, tid, PAIR: gl.constexpr, xa, xb, scale,
-                   BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr, MODE: gl.constexpr):
+                   BN: gl.constexpr, SUB: gl.constexpr, PTX: gl.constexpr):
     """One ``_store_v32`` pair of this CTA's half of stage ``st``, then its copy to the peer."""
-    _store_pair_v32(k_bufs, st, rank, PAIR, xa, xb, scale, SUB, MODE)
+    _store_pair_v32(k_bufs, st, rank, PAIR, xa, xb, scale, SUB)
     fence_async_shared()    # generic stores -> the bulk copy (async proxy); all warps first
-    gl.thread_barrier()
+    barrier()
     _send_half(ready, st, rank, tid, BN, SUB, PTX, 0)
 
 
@@ -961,7 +866,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
           empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0, H, sp,
           n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1,
           sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
-          TRACK_MAX: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
+          TRACK_MAX: gl.constexpr, FINAL: gl.constexpr,
           HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
           Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr,
           P_IN_KR: gl.constexpr):
@@ -993,29 +898,28 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         kb = k_bufs.index(st)
-        if MODE != 2:   # MODE 2, a timing experiment: the producer alone
-            s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_init, use_acc=False, is_async=True)
-            if D576:    # the 64 RoPE dims of 576-wide keys score too (they are not values)
-                s = warpgroup_mma(qr_smem, kr_bufs.index(st).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            bias = bias_bufs.index(st).load(gl.SliceLayout(0, S_L))
-            s = s * scale2 + bias[None, :]
-            p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
-            if TRACK_MAX:
-                mx = gl.maximum(mx, m_tile)
-            p16 = p.to(p_smem.dtype)
-            mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
-            _p_buf(p_smem, kr_bufs, st, P_IN_KR).store(p16)
-            rows.index(0).store(alpha)
-            fence_async_shared()                   # generic stores -> _follow's wgmma
-            gl.thread_barrier()
-            mbarrier.arrive(p_full)
-            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p16, P_L), kb.slice(0, 256, dim=1), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            m_i = m_new
-        gl.thread_barrier()
+        s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        if D576:    # the 64 RoPE dims of 576-wide keys score too (they are not values)
+            s = warpgroup_mma(qr_smem, kr_bufs.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        bias = bias_bufs.index(st).load(gl.SliceLayout(0, S_L))
+        s = s * scale2 + bias[None, :]
+        p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
+        if TRACK_MAX:
+            mx = gl.maximum(mx, m_tile)
+        p16 = p.to(p_smem.dtype)
+        mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
+        _p_buf(p_smem, kr_bufs, st, P_IN_KR).store(p16)
+        rows.index(0).store(alpha)
+        fence_async_shared()                   # generic stores -> _follow's wgmma
+        barrier()
+        mbarrier.arrive(p_full)
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p16, P_L), kb.slice(0, 256, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        m_i = m_new
+        barrier()
         mbarrier.arrive(empty.index(st))
     empty_row = l_i == 0.0
     inv_l = 1.0 / gl.where(empty_row, 1.0, l_i)
@@ -1029,7 +933,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     rows.index(1).store(inv_l)
     rows.index(2).store(gate)
     rows.index(3).store(empty_row.to(gl.float32))
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(done)
     _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
                 gl.convert_layout(empty_row, ROW_O), part_o, t, tp, h0, H, sp, n_splits, out_ptr,
@@ -1069,13 +973,13 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constex
             q = q.to(gl.float8e4nv, bitcast=True)
         qr_smem.store(q.to(qr_smem.dtype))
     fence_async_shared()    # generic stores -> this warpgroup's wgmma reads
-    gl.thread_barrier()
+    barrier()
 
 
 @gluon.jit
 def _follow(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles, part_o,
             t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
-            STAGES: gl.constexpr, MODE: gl.constexpr, FINAL: gl.constexpr,
+            STAGES: gl.constexpr, FINAL: gl.constexpr,
             HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, CLUSTER: gl.constexpr,
             P_IN_KR: gl.constexpr):
     # p·v for output dims [256, 512) with _lead's p (shared memory) and row rescale
@@ -1090,16 +994,14 @@ def _follow(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n
     for i in range(n_tiles):
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        if MODE != 2:
-            mbarrier.wait(p_full, i & 1)
-            acc = acc * rows.index(0).load(ROW_O)[:, None]
-            acc = warpgroup_mma(_p_buf(p_smem, kr_bufs, st, P_IN_KR),
-                                k_bufs.index(st).slice(256, 256, dim=1), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        gl.thread_barrier()
-        if MODE != 2:
-            mbarrier.arrive(p_free)
+        mbarrier.wait(p_full, i & 1)
+        acc = acc * rows.index(0).load(ROW_O)[:, None]
+        acc = warpgroup_mma(_p_buf(p_smem, kr_bufs, st, P_IN_KR),
+                            k_bufs.index(st).slice(256, 256, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        barrier()
+        mbarrier.arrive(p_free)
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(done, 0)
     _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
@@ -1159,10 +1061,11 @@ def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0):
     passed in ready-made, they were 16 live 64-bit addresses per thread next to the
     accumulator, and V4 h64 launches of one split ran about 10 % slower (H200, docs/PERF.md
     session 18)."""
-    buf = stage._reinterpret(gl.bfloat16, [HEADS, 256], gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # the stage's first half, as the k_bufs allocation lays out [stage, rows, 256-dim panels]
+    buf = reinterpret(stage, gl.bfloat16, 2, HEADS, 256, gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(0)
     buf.store(o)
-    gl.thread_barrier()
+    barrier()
     BL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     h_b = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, BL))
     d_b = d0 + gl.arange(0, 256, layout=gl.SliceLayout(0, BL))
@@ -1192,7 +1095,7 @@ def _ws_kernel(
         HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
         BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
-        P_REGS: gl.constexpr, MODE: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
+        P_REGS: gl.constexpr, Q_FP8: gl.constexpr, FINAL: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
@@ -1287,20 +1190,20 @@ def _ws_kernel(
         if CLUSTER:
             mbarrier.init(peer_free.index(s), count=1)   # the peer's producer (remote)
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
     gl.warp_specialize([
         (_lead, (q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows,
                  ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0,
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
-                 mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, MODE,
+                 mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX,
                  FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED)),
         (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
-                   out_scale_ptr, STAGES, MODE, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,
+                   out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,
                    V32_STAGED)),
         (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                     peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                     i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, MODE, STAGED, SUB, unit, CLUSTER, EARLY)),
+                    STAGES, P_WARPS, STAGED, SUB, unit, CLUSTER, EARLY)),
     ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -36,6 +36,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from sparse_mla.ops.common.gluon_compat import barrier
+
 TILE_BYTES = 64 * 64 * 2
 HALF_BYTES = TILE_BYTES // 2
 BAR_OFFSET = TILE_BYTES         # the allocator puts the two barriers right after the tile
@@ -87,7 +89,7 @@ def _probe_kernel(out_ptr, BAR: gl.constexpr, HALF: gl.constexpr):
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
     fence_async_shared(cluster=True)
-    gl.thread_barrier()
+    barrier()
     _cluster_sync(zero)         # both CTAs' barriers exist before either is signalled
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, L))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
@@ -97,7 +99,7 @@ def _probe_kernel(out_ptr, BAR: gl.constexpr, HALF: gl.constexpr):
     else:
         tile.slice(32, 32).store(half.to(gl.bfloat16))
     fence_async_shared()        # generic stores -> the bulk copy (async proxy) reads them
-    gl.thread_barrier()
+    barrier()
     mbarrier.expect(bars.index(0), HALF)    # arrive + expect the peer's half
     gl.inline_asm_elementwise(_SEND_HALF, "=r,r,r,r,r,r",
                               [tid, zero + HALF * rank, zero + BAR, zero + BAR + 8,

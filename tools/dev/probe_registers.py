@@ -25,6 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.common import sparse_attention_portable as kernels
 from sparse_mla.ops.common import sparse_attention_triton as core
 
 POINTERS = {"q_ptr": "*bf16", "c0_ptr": "*u8", "c1_ptr": "*u8", "i0_ptr": "*i32",
@@ -37,7 +39,7 @@ DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs
 
 def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64,
                          one_tile=False):
-    fn = core._split_kernel
+    fn = kernels._split_kernel
     names = list(inspect.signature(fn.fn).parameters)
     constexprs = dict(FMT=core.FMT_CODES[fmt], HAS_L0=True, HAS_L1=True, HAS_SRC1=True,
                       Q_FP8=False, HB=heads, BN=block_n, D576=fmt == "v32", TRACK_MAX=False,
@@ -79,9 +81,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--fmt", default="v4", choices=sorted(core.FMT_CODES))
-    p.add_argument("--block-n", type=int, default=core.CONFIG["block_n"])
-    p.add_argument("--stages", type=int, default=core.CONFIG["num_stages"])
-    p.add_argument("--warps", type=int, default=core.CONFIG["num_warps"])
+    p.add_argument("--block-n", type=int, default=plan.CONFIG["block_n"])
+    p.add_argument("--stages", type=int, default=plan.CONFIG["num_stages"])
+    p.add_argument("--warps", type=int, default=plan.CONFIG["num_warps"])
     p.add_argument("--dv", type=int, default=1, choices=(1, 2))
     p.add_argument("--one-tile", action="store_true",
                    help="the form without a key loop (runs of at most one tile)")

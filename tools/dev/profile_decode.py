@@ -7,7 +7,8 @@ grid; run under Nsight Compute for counters:
 """
 import torch
 
-from sparse_mla.ops.common import sparse_attention_triton as core
+from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 
 
@@ -15,14 +16,14 @@ def main():
     import sys
     for arg in sys.argv[1:]:                 # e.g. block_n=128 num_stages=1
         key, _, value = arg.partition("=")
-        core.CONFIG[key] = int(value)
+        plan.CONFIG[key] = int(value)
     for h, topk, s_q, b in ((64, 512, 1, 64), (128, 1024, 2, 64)):
         case = bench._decode_case(b, s_q, h, topk, "cuda", check=False)
         torch.manual_seed(0)
         a = case.make()
         case.run(a, "triton")
         torch.cuda.synchronize()
-        k = core.LAST_SPLIT_KERNEL
+        k = dispatch.last_plan().kernel
         meta = getattr(k, "metadata", None)
         print(f"{case.shape}: regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')}"
               f" shared={getattr(meta, 'shared', '?')} warps={getattr(meta, 'num_warps', '?')}",

@@ -3,8 +3,7 @@
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.tune_decode [--quick] [--gluon]
 
 --gluon sweeps the sm_90 warp-specialized kernel's module settings instead: the V4 shapes plus
-plain bf16 / e4m3 TRTLLM-gen shapes and the prefill shape (MODE 2 / 3 rows time the producer /
-the consumers alone: their outputs are wrong on purpose).
+plain bf16 / e4m3 TRTLLM-gen shapes and the prefill shape.
 
 Each row is one CONFIG override; every output is also compared with the first row's (a
 config must not change the answer beyond bf16 rounding: '!' marks > 1e-2).
@@ -13,7 +12,8 @@ import sys
 
 import torch
 
-from sparse_mla.ops.common import sparse_attention_triton as core
+from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
 
@@ -27,7 +27,7 @@ SWEEP = [dict(),                                    # the current CONFIG
          dict(split_overhead=5)]
 
 
-GLUON_SWEEP = [dict(), dict(MODE=2), dict(MODE=3), dict(PRODUCER_REGS=96),
+GLUON_SWEEP = [dict(), dict(PRODUCER_REGS=96),
                dict(PRODUCER_REGS=112), dict(FOLLOW_REGS=176)]
 
 
@@ -37,7 +37,7 @@ def main(argv):
         from sparse_mla.ops.common import sparse_attention_gluon as g
         return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False,
                       plain=True)
-    return _sweep(core.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
+    return _sweep(plan.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
                   not quick)
 
 
@@ -73,7 +73,7 @@ def _sweep(settings, sweep, decode, extra, plain=False):
                 cells.append(f"{t * 1e6:8.1f}{'!' if err > 1e-2 else ''}")
             except Exception as exc:  # noqa: BLE001 - a config may not compile (smem, regs)
                 cells.append(f"failed ({str(exc)[:30]})")
-        spills = getattr(core.LAST_SPLIT_KERNEL, "n_spills", "?")
+        spills = getattr(dispatch.last_plan().kernel, "n_spills", "?")
         print(f"{override} spills={spills} |" + "|".join(cells), flush=True)
     settings.update(default)
 

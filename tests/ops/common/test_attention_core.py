@@ -1,9 +1,9 @@
-"""The shared attention core's routes (ops/common/sparse_attention_triton.py and the sm_90
-kernel of sparse_attention_gluon.py): forced launch shapes and split counts, padded block
-strides, the warp-specialized and 2-CTA cluster kernels, the two-launch plan, tiny launches,
-the one-tile form, the capped combine, bf16 split partials, the prefill epilogues. Each runs
-the core through the FlashMLA-semantics ops (tests/ops/flashmla_decode's inputs and checks)
-and compares it with the reference.
+"""The shared attention core's routes (ops/common/sparse_attention_triton.py, the split planner
+attention_plan.py, and the sm_90 kernel of sparse_attention_gluon.py): forced launch shapes and
+split counts, padded block strides, the warp-specialized and 2-CTA cluster kernels, the
+two-launch plan, tiny launches, the one-tile form, the capped combine, bf16 split partials, the
+prefill epilogues. Each runs the core through the FlashMLA-semantics ops
+(tests/ops/flashmla_decode's inputs and checks) and compares it with the reference.
 
 Moved here from tests/ops/flashmla_decode/test_triton.py unchanged: everything from
 ``test_forced_launch_shapes_match_reference`` to that file's end.
@@ -11,10 +11,11 @@ Moved here from tests/ops/flashmla_decode/test_triton.py unchanged: everything f
 import pytest
 import torch
 
+from sparse_mla.ops.common import attention_plan as plan
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
-from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, record_results,
-                                      split_kernel_name)
+from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, last_plan,
+                                      record_results, split_kernel_name)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (DEVICES, _run_decode,
                                                               check_decode, check_prefill)
@@ -31,11 +32,10 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
     one-step load spills) with and without the output-dim split, on ragged per-token
     lengths, so every way of cutting a token's two-source key list is checked whatever the
     model picks."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setitem(core.CONFIG, "block_n", block_n)
-    monkeypatch.setitem(core.CONFIG, "dv", dv)
+    monkeypatch.setitem(plan.CONFIG, "block_n", block_n)
+    monkeypatch.setitem(plan.CONFIG, "dv", dv)
     a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21,
                     fmt=fmt)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
@@ -49,10 +49,10 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned):
     take the byte-wise path. Both must agree with the reference (the poisoned padding is
     never read)."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    from sparse_mla.ops.flashmla_decode.reference import decode_sources
+    from sparse_mla.ops.flashmla_decode.ops import _decode_sources
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=96, extra_bs=61, extra_topk=40,
                     seed=5, pad_bytes=pad_bytes)
-    srcs = decode_sources(a["k_cache"], a["indices"], a["topk_length"], a["extra_k_cache"],
+    srcs = _decode_sources(a["k_cache"], a["indices"], a["topk_length"], a["extra_k_cache"],
                            a["extra_indices_in_kvcache"], a["extra_topk_length"], "v4", 53, 61)
     assert all(core._scales_aligned(s) for s in srcs) == aligned
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
@@ -72,17 +72,16 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     sinks, forced and modelled split counts (some splits empty), every head count class, one
     and two sources; it must be what ran, and agree with the reference and the portable
     kernel."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits is not None:
-        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
     if n_splits is not None:    # one split: the kernel's own epilogue, no combine launch
-        assert core.LAST_COMBINED == (n_splits > 1)
+        assert last_plan().combined == (n_splits > 1)
     check_decode(ref, got)
     monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     portable = _run_decode(a, "triton")
@@ -100,19 +99,18 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     count that leaves most of the second block masked, the output must agree with the
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
     from sparse_mla.ops.common import sparse_attention_gluon as g
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
-    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 2       # launched as clusters of two
+    assert last_plan().kernel.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
     monkeypatch.setattr(g, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
     one = _run_decode(a, "triton")
-    assert core.LAST_SPLIT_KERNEL.packed_metadata[1] == 1
+    assert last_plan().kernel.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
 
 
@@ -130,12 +128,12 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
     monkeypatch.setattr(core, "PDL", pdl)
     monkeypatch.setattr(g, "CLUSTER_V4", cluster)
     monkeypatch.setattr(g, "CLUSTER_V32", cluster)
-    monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
+    monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + pdl)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED
+    assert split_kernel_name() == "_ws_kernel" and last_plan().combined
     check_decode(ref, got)
 
 
@@ -166,14 +164,13 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
     bytes), and by register loads when some block is only 8-byte aligned (8-byte paddings,
     one cache enough). Both producers must agree with the reference on poisoned, padded
     caches."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, bs=bs, topk=96, extra_bs=61, extra_topk=40,
                     seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel"
-    assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == staged
+    assert ("cp.async" in last_plan().kernel.asm["ptx"]) == staged
     check_decode(ref, got)
 
 
@@ -196,7 +193,6 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     a finite mean of the token's two rows). Each route's own
     dequantization: the sm_90 kernel's staged and register producers (bf16x2 multiply) and
     the portable kernel (fp32 multiply)."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     ws = route.startswith("ws")
     if ws and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
@@ -233,7 +229,7 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     got = _run_decode(a, "triton")
     if ws:
         assert split_kernel_name() == "_ws_kernel"
-        assert ("cp.async" in core.LAST_SPLIT_KERNEL.asm["ptx"]) == (route == "ws_staged")
+        assert ("cp.async" in last_plan().kernel.asm["ptx"]) == (route == "ws_staged")
     elif device == "cuda":
         assert split_kernel_name() == "_split_kernel"
     (ro, rl), (o, l) = ref, got
@@ -255,16 +251,15 @@ def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeyp
     in 7 (some splits two tiles: the loop). With the form allowed and forbidden, both agree
     with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
     for bit: the same arithmetic in the same order."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
                     fmt=fmt)
     ref = _run_decode(a, "reference")
-    forms = record_results(monkeypatch, core, "one_tile")
+    forms = record_results(monkeypatch, plan, "one_tile")
     outs = []
     for allowed in (True, False):
-        monkeypatch.setattr(core, "ONE_TILE_FORM", allowed)
+        monkeypatch.setattr(plan, "ONE_TILE_FORM", allowed)
         forms.clear()
         outs.append(_run_decode(a, "triton"))
         assert forms == [allowed and one_tile]
@@ -293,7 +288,7 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, 
                     extra_topk=extra_topk, extra_bs=64, seed=h + s_q)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == kernel and core.LAST_COMBINED
+    assert split_kernel_name() == kernel and last_plan().combined
     check_decode(ref, got)
 
 
@@ -313,12 +308,12 @@ def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert core.LAST_COMBINED and caps == [-(-b * s_q * h // sms)]
+    assert last_plan().combined and caps == [-(-b * s_q * h // sms)]
     check_decode(ref, got)
     monkeypatch.setattr(core, "COMBINE_SPREAD", None)
     caps.clear()
     plain = _run_decode(a, "triton")
-    assert caps == [] and core.LAST_COMBINED
+    assert caps == [] and last_plan().combined
     for x, y in zip(got, plain):
         assert torch.equal(x, y)
 
@@ -331,16 +326,15 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     of two that holds the heads; both blocks agree with the reference (NaN-poisoned rows,
     ragged lengths, sinks). CPU runs force the sm_90 choice to run it interpreted. (Plain
     bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
                     extra_bs=61, seed=30 + h)
     ref = _run_decode(a, "reference")
-    blocks = record_results(monkeypatch, core, "head_block")
+    blocks = record_results(monkeypatch, plan, "head_block")
     here = device != "cpu" and torch.cuda.get_device_capability(device)[0] == 9
     for sm90 in (None, False, True):    # None: this device's own answer
         if sm90 is not None:
-            monkeypatch.setattr(core, "_wgmma_device", lambda dev, sm90=sm90: sm90)
+            monkeypatch.setattr(plan, "_wgmma_device", lambda dev, sm90=sm90: sm90)
         blocks.clear()
         got = _run_decode(a, "triton")
         assert blocks == [64 if (here if sm90 is None else sm90) else (16 if h <= 16 else 32)]
@@ -364,7 +358,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
         force_tiny_launches(monkeypatch, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
                     extra_bs=61, seed=11 + n_splits)
@@ -376,8 +370,8 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
         outs[dtype] = _run_decode(a, "triton")
         if device == "cuda":
             assert split_kernel_name() == ("_ws_kernel" if route == "ws" else "_split_kernel")
-        assert core.LAST_COMBINED == (route == "portable" or n_splits > 1)
-        if core.LAST_COMBINED:
+        assert last_plan().combined == (route == "portable" or n_splits > 1)
+        if last_plan().combined:
             assert made[-1][0].dtype == (dtype if n_splits > 1 else torch.float32)
         check_decode(ref, outs[dtype])
     o16, o32 = outs[torch.bfloat16][0].float(), outs[torch.float32][0].float()
@@ -395,17 +389,16 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     itself, sink applied), with two (partials + combine kernel), and as ``plan_phases``' two
     launches (both epilogues in one call); a query without keys, ±inf sinks, out-of-range
     indices, NaN rows past s_kv."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
     if n_splits == "two launches":
-        monkeypatch.setattr(core, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
+        monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
         n_splits = 3
     else:
-        monkeypatch.setattr(core, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
     a["topk_length"][1] = 0
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
-    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED == (n_splits > 1)
+    assert split_kernel_name() == "_ws_kernel" and last_plan().combined == (n_splits > 1)
     check_prefill((ro, rm, rl), (o, m, l))

@@ -1,33 +1,62 @@
-"""Which Triton versions get the sm_90 Gluon kernel (pure Python, no kernel)."""
+"""Which Triton versions get the sm_90 Gluon kernel, and the reason a launch does not."""
 import sys
 
 import pytest
+import torch
 
-from sparse_mla.ops.common import sparse_attention_triton as core
+from sparse_mla.ops.common import attention_plan as plan
 
 
 @pytest.mark.parametrize("version,ok", [
-    ("3.6.0", True), ("3.6.1+git1234", True),
-    ("3.5.1", False), ("3.7.0", False), ("3.9.0", False), ("4.0", False), ("", False),
+    ("3.6.0", True), ("3.6.1+git1234", True), ("3.7.0", True), ("3.7.1", True),
+    ("3.8.0", True), ("3.9.0", True), ("3.9.1.post1", True),
+    ("3.5.1", False), ("3.10.0", False), ("4.0", False), ("2.3.1", False), ("", False),
     ("nightly", False),
 ])
-def test_gluon_kernel_only_on_the_triton_it_was_written_for(version, ok):
-    assert core.gluon_triton_supported(version) is ok
+def test_gluon_kernel_on_the_tested_triton_range(version, ok):
+    assert plan.gluon_triton_supported(version) is ok
+
+
+def test_outside_the_range_the_reason_names_the_version(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(plan.triton, "__version__", "3.10.0")
+    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
+    reason = plan.gluon_disabled_reason()
+    assert "3.10.0" in reason and "3.6-3.9" in reason
+    assert plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])[0] is None
+
+
+@pytest.mark.parametrize("env,interp,want", [("0", "", "SPARSE_MLA_GLUON=0"),
+                                             ("1", "1", "interpreter")])
+def test_switches_give_their_reason(env, interp, want, monkeypatch):
+    monkeypatch.setenv("SPARSE_MLA_GLUON", env)
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    assert want in plan.gluon_disabled_reason()
+    assert not plan.gluon_enabled()
+
+
+def test_cpu_tensors_are_not_routed_to_the_gluon_kernel(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: True)
+    g, why = plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])
+    assert g is None and "cpu" in why
 
 
 def _sm90():
-    import torch
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.skipif(not _sm90(), reason="elsewhere the device check already says no")
 def test_unsupported_triton_never_imports_the_gluon_module(monkeypatch):
-    """Importing the Gluon module installs a compile hook for the whole process; on another
-    Triton that hook breaks every later compile, so the version check must come first."""
-    import torch
+    """Importing the Gluon module installs a compile hook for the whole process (harmless on
+    the tested releases: tests/ops/common/test_gluon_hooks.py), but a release outside the
+    range may not even compile it, so the version check comes first."""
     monkeypatch.delitem(sys.modules, "sparse_mla.ops.common.sparse_attention_gluon",
                         raising=False)
-    monkeypatch.setattr(core, "gluon_triton_supported", lambda *a: False)
+    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
     q = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device="cuda")
-    assert core._gluon_module(q, "plain_bf16", []) is None
+    g, why = plan.gluon_route(q, "plain_bf16", [])
+    assert g is None and "outside" in why
     assert "sparse_mla.ops.common.sparse_attention_gluon" not in sys.modules

@@ -2,7 +2,7 @@
 import pytest
 
 from sparse_mla.ops.common import sparse_attention_triton as core
-from sparse_mla.ops.common.sparse_attention_triton import choose_splits, plan_phases
+from sparse_mla.ops.common.attention_plan import choose_splits, plan_phases
 
 
 @pytest.mark.parametrize("units,tiles,want", [

@@ -7,10 +7,12 @@ and cluster kernels, tiny launches, ...) are tested in tests/ops/common/test_att
 import pytest
 import torch
 
+from sparse_mla.ops.common import attention_plan as plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (gapped, hopper_with_gluon, naming, requires_cuda,
-                                      split_kernel_name, triton_params)
+from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
+                                      last_plan, naming, requires_cuda, split_kernel_name,
+                                      triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import (cache_view, decode_case,
                                                         out_of_cache_ids, plant, prefill_case)
 
@@ -81,7 +83,6 @@ def _grid(device):
 def test_decode_matches_reference(device, route, case, monkeypatch):
     """Every grid shape through the automatic route and, on a GPU, through the portable
     kernel alone (``SPARSE_MLA_GLUON=0``), asserting which split kernel ran."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     grid = _grid(device)
     if case >= len(grid):
         pytest.skip(f"the {device} grid has {len(grid)} shapes")
@@ -94,12 +95,44 @@ def test_decode_matches_reference(device, route, case, monkeypatch):
                     extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case,
                     noncontig_q=case % 2 == 1)
     ref = _run_decode(a, "reference")
-    monkeypatch.setattr(core, "LAST_SPLIT_KERNEL", None)     # set by this launch, or fail
     got = _run_decode(a, "triton")
     assert last_choice("flashmla_sparse_decode").impl == "triton"
     if device == "cuda":
         sm90 = route == "auto" and hopper_with_gluon() and case not in SM90_PORTABLE_CASES
         assert split_kernel_name() == ("_ws_kernel" if sm90 else "_split_kernel")
+    check_decode(ref, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gluon", ["1", "0"])
+def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch):
+    """After a call, ``last_choice`` says which kernel route ran and why (the launch plan the
+    core returned): the sm_90 routes only where the Gluon kernel runs, with the reason for
+    the portable kernel otherwise; the plan's kernel is the one that ran."""
+    monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
+    force_tiny_launches(monkeypatch, False)
+    cuda = device == "cuda"
+    a = decode_case(device, b=3, s_q=2, h=128 if cuda else 16, bs=64, topk=128 if cuda else 64,
+                    extra=True, extra_topk=64 if cuda else 32, extra_bs=64, seed=5)
+    ref = _run_decode(a, "reference")
+    assert last_choice("flashmla_sparse_decode").route == "reference"
+    got = _run_decode(a, "triton")
+    choice = last_choice("flashmla_sparse_decode")
+    p = choice.plan
+    assert choice.route == p.route and p is last_plan() and p.reason
+    assert p.route in plan.ROUTES and p.route in str(choice) and p.reason in str(choice)
+    assert p.phases and len(p.kernels) == len(p.phases)
+    sm90 = gluon == "1" and hopper_with_gluon()
+    assert (p.route in ("sm90", "sm90_cluster")) == sm90
+    if sm90:    # V4 rows at 128 heads, 12 units: the 2-CTA cluster
+        assert p.route == "sm90_cluster" and split_kernel_name() == "_ws_kernel"
+    else:
+        assert p.route == "portable"
+        if cuda:    # (the interpreter compiles nothing)
+            assert split_kernel_name() == "_split_kernel"
+        assert ("SPARSE_MLA_GLUON=0" in p.reason) == (gluon == "0")
+        if device == "cpu":
+            assert gluon == "0" or "interpreter" in p.reason
     check_decode(ref, got)
 
 
@@ -366,12 +399,11 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
     """The replay must answer for the new inputs (nothing host-side baked in). Routes: the
     default tiny launch (batch 2); a split launch with its combine (batch 4, h128: the sm_90
     kernel where it runs); the portable kernel forced."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     if route == "portable":
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     new, got = captured_replay(*((2, 64) if route == "default" else (4, 128)), "triton")
     if route == "split":    # what the captured launch ran
-        assert core.LAST_COMBINED
+        assert last_plan().combined
         assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
     elif route == "portable":
         assert split_kernel_name() == "_split_kernel"

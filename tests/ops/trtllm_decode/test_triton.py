@@ -10,10 +10,11 @@ import torch
 
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.trtllm_decode import reference
+from sparse_mla.ops.common import attention_plan as plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
-                                      hopper_with_gluon, naming, record_results, seeded,
-                                      split_kernel_name, triton_params)
+                                      hopper_with_gluon, last_plan, naming, record_results,
+                                      seeded, split_kernel_name, triton_params)
 from sparse_mla.tests.ops.trtllm_decode.cases import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -105,10 +106,9 @@ def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
     """Tiny launches on sm_90 run e4m3 rows in 64-row head blocks at any head count and keep
     plain bf16 rows at 8 heads in a 16-row block (``SMALL_HEAD_BLOCK_SM90``); either agrees
     with the reference on a poisoned varlen batch. CPU runs force the sm_90 choice."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, True)
-    monkeypatch.setattr(core, "_wgmma_device", lambda dev: True)
-    blocks = record_results(monkeypatch, core, "head_block")
+    monkeypatch.setattr(plan, "_wgmma_device", lambda dev: True)
+    blocks = record_results(monkeypatch, plan, "head_block")
     x = _batch(7, 8, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -255,7 +255,7 @@ def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
     tri = _run(x, "cuda", "triton")
     assert split_kernel_name() == ("_ws_kernel" if launch == "warp-specialized"
                                    else "_split_kernel")
-    ptx = core.LAST_SPLIT_KERNEL.asm["ptx"]
+    ptx = last_plan().kernel.asm["ptx"]
     assert ("f32.f16.f16" in ptx) == fp16 and ("f32.bf16.bf16" in ptx) == (not fp16)
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
@@ -265,14 +265,13 @@ def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
 def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
     tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(core, "choose_splits", lambda *args: 1)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args: 1)
     x = _batch(24, 64, dtype)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
     tri = _run_scales(x, "cuda", "triton", t1.cuda(), t2.cuda()).cpu()
-    assert split_kernel_name() == "_ws_kernel" and core.LAST_COMBINED is False
+    assert split_kernel_name() == "_ws_kernel" and last_plan().combined is False
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 

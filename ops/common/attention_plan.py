@@ -1,0 +1,301 @@
+"""The attention core's launch planning: which kernel route a call takes, and its shape.
+
+``plan_launch`` decides, for one call of ``sparse_attention_triton.run``, between the routes
+
+* ``sm90``: the warp-specialized Gluon kernel (``sparse_attention_gluon``), one CTA per
+  (token, head block) unit and split;
+* ``sm90_cluster``: the same kernel with the token's two head blocks as a 2-CTA cluster
+  (V4 / V3.2 rows at 65-128 heads);
+* ``tiny``: the portable kernel's small-launch shape (the 512 output dims split over two
+  4-warp programs, ``SMALL_CONFIG``);
+* ``portable``: the portable Triton split kernel,
+
+and the split counts (a wave cost model, ``choose_splits`` / ``plan_phases``). The returned
+``LaunchPlan`` says why (``reason``), and ``run`` fills in what it launched; the dispatcher
+attaches it to ``dispatch.last_choice(op)`` (``dispatch.explain`` reports it). Pure Python: no
+kernel is imported here, so the Triton version check runs before the Gluon module (whose
+import installs a process-wide compile hook) is ever loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Optional
+
+import torch
+import triton
+
+from sparse_mla.ops.common.dispatch import triton_interpreting
+
+ROUTES = ("portable", "tiny", "sm90", "sm90_cluster")
+
+
+@dataclasses.dataclass
+class LaunchPlan:
+    """One call's launches. ``route``: one of ``ROUTES``; ``reason``: why this route (for a
+    portable or tiny route on a GPU, why not the sm_90 kernel); ``phases``: ``(first token,
+    end token, splits)`` per split-kernel launch; ``combined``: whether a combine kernel
+    merges splits; ``staged``: V4 rows gathered by cp.async (sm_90 routes); ``kernels``: the
+    compiled split kernels launched, one per phase (registers, PTX: tests and tools)."""
+    route: str
+    reason: str
+    phases: tuple = ()
+    combined: bool = False
+    staged: bool = False
+    kernels: list = dataclasses.field(default_factory=list)
+
+    @property
+    def kernel(self):
+        """The last compiled split kernel launched (None before ``run`` launched one)."""
+        return self.kernels[-1] if self.kernels else None
+
+    def __str__(self):
+        splits = ", ".join(f"tokens {a}-{b}: {n} split{'s' * (n > 1)}"
+                           for a, b, n in self.phases)
+        return f"{self.route} ({self.reason})" + (f" [{splits}]" if splits else "")
+
+
+# Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
+# "split_overhead": the fixed cost of one program (q load, partial store and its share of the
+# combine) in key tiles, for choose_splits' cost model.
+# "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
+# s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
+CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
+          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
+# Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
+# 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
+# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
+# warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
+# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2), and so do those of
+# one head block past ``WS_TINY``.
+SMALL_UNITS = 8
+# Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
+# 64-key tiles each (index columns): that kernel wins from 4 units up (H200 s_q 2, batch 4,
+# h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
+# 17 tiles up (window 128 + 960: bf16 rows 11.2 -> 10.6, V3.2 top-k 1088 11.7 -> 11.4, V4 a
+# tie), where 16 tiles stay faster split (window 128 + 896: V4 9.4 against 11.2, bf16 9.3
+# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/PERF.md sessions 19 and 21).
+# None: ``SMALL_UNITS`` alone.
+WS_TINY = {"units": 2, "tiles": 16}
+CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
+# "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
+# step; more cost it more than a second tile per split program saves (H200 batch 1, s_q 2,
+# h64, window 128 + 1024: 36 splits 14.2 µs, 18 splits 11.6)
+SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32,
+                "tiny": True}
+# Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
+# Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones. H200 batch 2, V4
+# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/PERF.md session 19).
+# Plain bf16 rows (no decoding) at <= 16 heads keep their 16-row block: 7.3 against 9.1 µs
+# (h8, batch 1). Elsewhere (mma.sync only) the smallest block that holds the heads stays.
+SMALL_HEAD_BLOCK_SM90 = 64
+# The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
+# partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
+# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
+# 10). The portable kernel keeps 3 (not re-measured).
+WS_CONFIG = {"split_overhead": 5}
+
+
+def head_block(H, tiny, device, fmt):
+    """The portable kernel's rows of q per program: the heads rounded up to a power of two (at
+    least 16, at most ``max_heads``), or ``SMALL_HEAD_BLOCK_SM90`` in tiny launches on sm_90
+    (but for plain bf16 rows in a 16-row block)."""
+    hb = max(16, min(triton.next_power_of_2(H), CONFIG["max_heads"]))
+    if tiny and _wgmma_device(device) and not (fmt == "plain_bf16" and hb == 16):
+        hb = max(hb, SMALL_HEAD_BLOCK_SM90)
+    return hb
+
+
+def _wgmma_device(device) -> bool:
+    """Whether Triton's dots on ``device`` run as sm_90 wgmma (not interpreted)."""
+    return (device.type == "cuda" and not triton_interpreting()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def launch_config(T, n_hb, tiles, warp_specialized=False):
+    """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
+    token (index columns): tiny, sm_90 kernel or general (portable)."""
+    units = T * n_hb
+    tiny = units <= SMALL_UNITS
+    if warp_specialized:
+        tiny = tiny and n_hb == 1 and (WS_TINY is None or (units <= WS_TINY["units"]
+                                                           and tiles <= WS_TINY["tiles"]))
+    cfg = dict(CONFIG)
+    if tiny:
+        cfg.update(SMALL_CONFIG)
+    elif warp_specialized:
+        cfg.update(WS_CONFIG)
+    return cfg
+
+
+DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
+
+
+def choose_splits(units, tiles, sms, overhead, max_splits=None):
+    """Splits per (token, head block) unit minimising the modelled makespan: programs run one
+    per SM (the accumulator fills the register file) in waves of ``sms``, each costing its
+    tiles plus ``overhead``. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
+    (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic).
+    At most ``max_splits`` (where given)."""
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(tiles, max_splits or tiles)) + 1):
+        cost = wave_cost(units, s, tiles, sms, overhead)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def wave_cost(units, splits, tiles, sms, overhead):
+    """The model's makespan (in tiles) of ``units`` units of ``tiles`` tiles cut into
+    ``splits`` programs each: waves of ``sms`` programs, each costing its tiles plus
+    ``overhead``."""
+    return triton.cdiv(units * splits, sms) * (triton.cdiv(tiles, splits) + overhead)
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _blocks_aligned(cache, stride0, n=8):
+    """Every block of ``cache`` (a uint8 view) starts at a multiple of ``n`` bytes."""
+    return stride0 % n == 0 and cache.data_ptr() % n == 0
+
+
+def _tiles(k0, k1, width):
+    """Tiles of ``width`` keys over both sources' index columns, each source padded to whole
+    tiles (the kernels' virtual key list). ``launch_config`` counts in 64-key units, the
+    kernels in their own ``block_n``."""
+    return triton.cdiv(k0, width) + triton.cdiv(k1, width)
+
+
+def plan_phases(T, n_hb, tiles, sms, overhead):
+    """The sm_90 kernel's launches as [(first token, end token, splits)]: one launch split by
+    ``choose_splits``, or, where that leaves a last wave mostly idle, two: the tokens that
+    fill whole waves one program per unit (no partials), then the rest split finely enough
+    to spread over the card (plus their combine: one more program's cost). E.g. 148 units
+    of 18 tiles on 132 SMs: one launch costs 3 waves × (9 + 5) = 42 (two splits); 132 units
+    unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36."""
+    units = T * n_hb
+    s = choose_splits(units, tiles, sms, overhead)
+    full = units // sms * sms // n_hb       # tokens whose units fill whole waves
+    if 0 < full < T:
+        rest = (T - full) * n_hb
+        s_rest = choose_splits(rest, tiles, sms, overhead)
+        cost = (wave_cost(full * n_hb, 1, tiles, sms, overhead) + overhead
+                + wave_cost(rest, s_rest, tiles, sms, overhead))
+        if s_rest > 1 and cost < wave_cost(units, s, tiles, sms, overhead):
+            return [(0, full, 1), (full, T, s_rest)]
+    return [(0, T, s)]
+
+
+# Launches whose splits are at most one tile each run the split kernel without its key loop
+# (``ONE_TILE``), so q's arrival and the gather overlap. H200, tiny launches: 1.01-1.06x
+# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/PERF.md session 27).
+ONE_TILE_FORM = True
+
+
+def one_tile(max_tiles, n_splits):
+    """Whether a portable launch of ``n_splits`` splits over at most ``max_tiles`` tiles per
+    token runs the one-tile form: each split's run is at most ceil(tiles / splits) tiles."""
+    return ONE_TILE_FORM and triton.cdiv(max_tiles, n_splits) == 1
+
+
+# The sm_90 Gluon kernel compiles and runs on these Triton releases (major, minor), with the
+# shims of ``gluon_compat``; each one was checked by compiling every launch variant for sm_90a
+# (``sm90_variants``) and the GPU tests (docs/PERF.md, "Triton 3.6-3.9"). A release outside
+# the range falls back to the portable kernel, and ``plan_launch`` says so: a new Triton's
+# Gluon API changes are found by tests/ops/common/test_sm90_compile.py first.
+GLUON_TRITON = ((3, 6), (3, 9))
+
+
+def _version(version: str):
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def gluon_triton_supported(version: str = triton.__version__) -> bool:
+    """Whether ``version`` (a Triton version string) is in the range the sm_90 Gluon kernel
+    is tested on (``GLUON_TRITON``, inclusive)."""
+    v = _version(version)
+    return v is not None and GLUON_TRITON[0] <= v <= GLUON_TRITON[1]
+
+
+def gluon_disabled_reason() -> Optional[str]:
+    """Why the sm_90 Gluon kernel may not run in this process at all (None: it may)."""
+    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0":
+        return "SPARSE_MLA_GLUON=0"
+    if triton_interpreting():
+        return "the Triton interpreter runs the portable kernel"
+    if not gluon_triton_supported():
+        lo, hi = GLUON_TRITON
+        return (f"Triton {triton.__version__} is outside the sm_90 kernel's tested range "
+                f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}")
+    return None
+
+
+def gluon_enabled() -> bool:
+    """Whether the sm_90 Gluon kernel may run in this process at all: a Triton in
+    ``GLUON_TRITON``, not interpreted, not turned off by ``SPARSE_MLA_GLUON=0``. Each launch
+    then checks its GPU and cache alignment (``gluon_route``)."""
+    return gluon_disabled_reason() is None
+
+
+def gluon_route(q, fmt, blocks):
+    """(``sparse_attention_gluon`` or None, why not) for one launch: its warp-specialized
+    kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
+    blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the V3.2
+    cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
+    bf16 / e4m3 cache of 512- or 576-wide rows (``plan_launch`` still keeps tiny launches that
+    ``launch_config`` gives the output-dim split on the portable kernel). ``blocks``: each
+    source's (cache, block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it
+    off (A/B runs, bisecting)."""
+    reason = gluon_disabled_reason()
+    if reason is not None:
+        return None, reason
+    if q.device.type != "cuda":
+        return None, f"tensors on {q.device.type}, the sm_90 kernel needs CUDA"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return None, f"GPU capability sm_{cap[0]}{cap[1]}, the Gluon kernel is sm_90 only"
+    need = {"v4": 8, "v32": 16}.get(fmt)
+    if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
+        return None, f"{fmt} cache blocks not all {need}-byte aligned"
+    try:
+        from sparse_mla.ops.common import sparse_attention_gluon
+    except ImportError as exc:     # Triton without Gluon (< 3.5)
+        return None, f"the Gluon kernel does not import ({exc})"
+    return sparse_attention_gluon, None
+
+
+def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
+    """The route, launch shape and split plan of one call: ``T`` tokens of ``heads`` heads
+    (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
+    (``blocks``: each source's (cache, block stride)). Returns (LaunchPlan, launch config,
+    the Gluon module or None); ``run`` launches it."""
+    g, why_not = gluon_route(q, fmt, blocks)
+    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None)
+    units = T * n_hb
+    if g is not None and cfg["dv"] != 1:
+        g = None
+        why_not = (f"tiny launch of one head block ({units} units of at most "
+                   f"{_tiles(k0, k1, 64)} key tiles: WS_TINY)")
+    if g is None:
+        route = "tiny" if cfg["tiny"] else "portable"
+        return LaunchPlan(route, why_not or "the portable kernel"), cfg, None
+    # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
+    staged = (fmt == "v4" and g.STAGE_V4 and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
+    # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
+    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
+    cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
+               and ((staged and g.CLUSTER_V4) or (fmt == "v32" and g.CLUSTER_V32)))
+    if cluster:
+        reason = (f"{fmt} rows at {heads} heads: each token's two head blocks as one 2-CTA "
+                  "cluster")
+    else:
+        reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"
+        if staged:
+            reason += ", V4 rows staged by cp.async"
+    return LaunchPlan("sm90_cluster" if cluster else "sm90", reason, staged=staged), cfg, g

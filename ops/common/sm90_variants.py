@@ -1,0 +1,147 @@
+"""Every launch variant of the sm_90 Gluon kernel, compiled for sm_90a without a GPU.
+
+A Triton upgrade that breaks the Gluon kernel would otherwise only show on a Hopper GPU,
+and there only as the portable kernel running instead (the version gate falls back). This
+compiles each variant ``sparse_attention_triton`` launches with the installed Triton and its
+own ptxas, and reports registers and spills per thread (tests/ops/common/test_sm90_compile.py
+runs it in the CPU CI; ``python3 -m sparse_mla.ops.common.sm90_variants`` prints the table).
+
+The constexprs come from ``sparse_attention_gluon.launch_constexprs``, the function the launch
+itself uses; pointer and stride arguments are marked 16-byte divisible as the JIT marks the
+production ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
+#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3 (sparse_attention_triton.FMT_CODES)
+VARIANTS = {
+    "v4_staged": dict(fmt=0, staged=True),
+    "v4_staged_final": dict(fmt=0, staged=True, final=True),
+    "v4_unstaged": dict(fmt=0),
+    "v4_cluster": dict(fmt=0, staged=True, cluster=True),
+    "v32": dict(fmt=1, d576=True),
+    "v32_cluster": dict(fmt=1, d576=True, cluster=True),
+    "bf16_512": dict(fmt=2),
+    "bf16_576": dict(fmt=2, d576=True),
+    "fp8_512": dict(fmt=3),
+    "fp8_512_f16": dict(fmt=3, q_fp8=True, f16=True),
+    "fp8_576_f16": dict(fmt=3, d576=True, q_fp8=True, f16=True),
+}
+
+_FLOATS = {"scale2", "out_scale"}
+_DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs", "i0_s0",
+              "i1_s0", "K0", "K1", "out_s0", "out_s1"}
+
+
+def _pointer_types(v):
+    cache = "*bf16" if v.get("fmt") == 2 else "*u8"
+    final = v.get("final", False)
+    return {"q_ptr": "*u8" if v.get("q_fp8") else "*bf16", "c0_ptr": cache, "c1_ptr": cache,
+            "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32",
+            "scale_ptr": "*fp32", "part_o": "*fp32" if final else "*bf16",
+            "part_ml": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "mx_ptr": "*fp32",
+            "sink_ptr": "*fp32", "out_scale_ptr": "*fp32"}
+
+
+def constexprs(name):
+    """The launch's compile-time parameters for variant ``name`` (decode-shaped: two
+    sources with lengths, a sink, lse, PDL; 2 head blocks where the variant is a cluster)."""
+    from sparse_mla.ops.common import sparse_attention_gluon as g
+    v = VARIANTS[name]
+    cluster = v.get("cluster", False)
+    return g.launch_constexprs(
+        v["fmt"], has_l0=True, has_l1=True, has_src1=True, track_max=False,
+        n_units=2 if cluster else 1, scale_t=False, q_fp8=v.get("q_fp8", False),
+        final=v.get("final", False), has_sink=True, has_lse=True, out_scale_t=False, pdl=True,
+        d576=v.get("d576", False), f16=v.get("f16", False), staged=v.get("staged", False),
+        cluster=cluster)
+
+
+def compile_variant(name):
+    """``_ws_kernel`` compiled for sm_90a (the CompiledKernel: ``asm["ptx"]``, metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from sparse_mla.ops.common import sparse_attention_gluon as g
+    fn = g._ws_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    cx = constexprs(name)
+    num_warps = cx.pop("num_warps")
+    pointers = _pointer_types(VARIANTS[name])
+    unknown = [n for n in cx if n not in names]
+    if unknown:
+        raise ValueError(f"{name}: launch_constexprs gives parameters {unknown} that "
+                         "_ws_kernel does not have")
+    unset = [p.name for p in fn.params if p.is_constexpr and p.name not in cx
+             and p.name != "num_warps"]
+    if unset:
+        raise ValueError(f"{name}: no value for _ws_kernel's constexpr parameters {unset}")
+    cx["num_warps"] = num_warps
+    sig = {n: "constexpr" if n in cx else pointers.get(n, "fp32" if n in _FLOATS else "i32")
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in pointers or n in _DIVISIBLE}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): val for k, val in cx.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_ctas": 1})
+
+
+@dataclasses.dataclass
+class Report:
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int
+    counts: dict      # PTX instruction counts that show the kernel's structure
+
+    def __str__(self):
+        c = " ".join(f"{k}={v}" for k, v in self.counts.items())
+        return (f"{self.name:16s} {self.registers:4d} regs  spills {self.spill_stores:4d} B "
+                f"stored / {self.spill_loads:4d} B loaded  shared {self.shared:6d} B  {c}")
+
+
+_COUNTED = {"wgmma": r"\bwgmma\.mma_async", "cp.async": r"\bcp\.async\.ca|\bcp\.async\.cg",
+            "mbarrier": r"\bmbarrier\.", "bar.sync": r"\bbar\.sync|\bbarrier\.sync",
+            "setmaxnreg": r"\bsetmaxnreg", "cp.async.bulk": r"\bcp\.async\.bulk\.shared"}
+
+
+def ptxas_report(name, kernel, arch="sm_90a"):
+    """ptxas -v on the kernel's PTX with the ptxas Triton itself uses for sm_90."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", path, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"{name}: ptxas failed: {res.stderr[-800:]}")
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    counts = {k: len(re.findall(p, ptx)) for k, p in _COUNTED.items()}
+    return Report(name, regs, int(spills.group(1)), int(spills.group(2)),
+                  kernel.metadata.shared, counts)
+
+
+def main(argv=None):
+    import triton
+    names = argv or list(VARIANTS)
+    print(f"triton {triton.__version__}, _ws_kernel for sm_90a")
+    for name in names:
+        print(ptxas_report(name, compile_variant(name)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
