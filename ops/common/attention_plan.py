@@ -56,7 +56,7 @@ class LaunchPlan:
         return f"{self.route} ({self.reason})" + (f" [{splits}]" if splits else "")
 
 
-# Launch shape; tools/tune_decode.py sweeps it (docs/PERF.md has the H200 numbers).
+# Launch shape; tools/dev/tune_decode.py sweeps it (docs/perf-log.md has the H200 numbers).
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
 # combine) in key tiles, for choose_splits' cost model.
 # "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
@@ -65,7 +65,7 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
           "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
-# at batch 2, h64; slower as soon as the batch fills the card (docs/PERF.md). Where the sm_90
+# at batch 2, h64; slower as soon as the batch fills the card (docs/perf-log.md). Where the sm_90
 # warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
 # (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2), and so do those of
 # one head block past ``WS_TINY``.
@@ -75,7 +75,7 @@ SMALL_UNITS = 8
 # h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
 # 17 tiles up (window 128 + 960: bf16 rows 11.2 -> 10.6, V3.2 top-k 1088 11.7 -> 11.4, V4 a
 # tie), where 16 tiles stay faster split (window 128 + 896: V4 9.4 against 11.2, bf16 9.3
-# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/PERF.md sessions 19 and 21).
+# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/perf-log.md, "Small head counts", "Tiny launches up to 16 tiles").
 # None: ``SMALL_UNITS`` alone.
 WS_TINY = {"units": 2, "tiles": 16}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
@@ -86,14 +86,13 @@ SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "m
                 "tiny": True}
 # Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
 # Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones. H200 batch 2, V4
-# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/PERF.md session 19).
+# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/perf-log.md, "Small head counts").
 # Plain bf16 rows (no decoding) at <= 16 heads keep their 16-row block: 7.3 against 9.1 µs
 # (h8, batch 1). Elsewhere (mma.sync only) the smallest block that holds the heads stays.
 SMALL_HEAD_BLOCK_SM90 = 64
 # The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
-# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/PERF.md session
-# 10). The portable kernel keeps 3 (not re-measured).
+# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/perf-log.md, "V4 rows staged by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
 
 
@@ -193,7 +192,7 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
 
 # Launches whose splits are at most one tile each run the split kernel without its key loop
 # (``ONE_TILE``), so q's arrival and the gather overlap. H200, tiny launches: 1.01-1.06x
-# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/PERF.md session 27).
+# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/perf-log.md, "Tiny launches without the key loop").
 ONE_TILE_FORM = True
 
 
@@ -288,7 +287,7 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
     staged = (fmt == "v4" and g.STAGE_V4 and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
-    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/PERF.md session 12)
+    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
     cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
                and ((staged and g.CLUSTER_V4) or (fmt == "v32" and g.CLUSTER_V32)))
     if cluster:

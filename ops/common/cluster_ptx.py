@@ -10,7 +10,7 @@ the dequantized 64-dim panels of that half into the peer's stage (``cp.async.bul
 shared::cta -> shared::cluster), completing their bytes on the peer's ``ready``; the peer
 expects exactly the panels sent (``V4_SENDS`` / ``V32_SENDS``). Everything else of the
 peer's half (bias, RoPE dims) each CTA writes itself: the copies cost by the byte
-(docs/PERF.md session 13).
+(docs/perf-log.md, "Cluster exchange").
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
 # V4 2.5-4 %). V3.2: the two staged pairs of panels (one fp32 scale each) together, then each
 # register pair as soon as it is stored, so the copies overlap the rest's dequantization
 # (201.7 -> 189.9 us on H200 over one batch; the first two pairs in one batch: 1.00-1.03x
-# over four, docs/PERF.md session 24).
+# over four, docs/perf-log.md, "V3.2 cluster bounds").
 V4_SENDS = ((0, 7),)
 V32_SENDS = ((0, 4), (4, 2), (6, 2))
 
@@ -66,7 +66,7 @@ def send_panels(first: int, panels: int) -> str:
     stage's ready barrier), $4 the peer's rank. Every other thread branches around the copies
     (``${:uid}``: a label unique to each instance of the asm). Predicated copies made ptxas
     wrap each one in a uniform-datapath loop that all producer warps ran: 23 % of the
-    producer's stall samples, 3.5-6.5 % of V4 h128's time (docs/PERF.md session 13)."""
+    producer's stall samples, 3.5-6.5 % of V4 h128's time (docs/perf-log.md, "Cluster exchange")."""
     copies = "".join(f"""
     add.u32 src, base, SMLA_OFF_K;
     add.u32 src, src, $2;
@@ -81,7 +81,7 @@ SMLA_SKIP_${:uid}:""")
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
-# MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, session 12)
+# MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
 REMOTE_ARRIVE = _leader_block(_peer_address("bar", "SMLA_OFF_PEER_FREE", "$2", "$3") + """
     @leader mbarrier.arrive.shared::cluster.b64 _, [bar];""")
 # every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran

@@ -27,16 +27,16 @@ in each warp:
   with the lead's p from shared memory, so its p·v of tile i overlaps the lead's q·k of tile
   i+1. (The earlier split — scores by key columns, accumulator by output dims in one 8-warp
   partition — read q from shared memory twice per tile and reduced every row across both
-  warpgroups: 5-15 % slower, docs/PERF.md session 6.)
+  warpgroups: 5-15 % slower, docs/perf-log.md, "Lead and follow consumers".)
 
 An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 when the keys
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
-the V4 producer, at two per pair, is not: docs/PERF.md session 8). Only used on sm_90
+the V4 producer, at two per pair, is not: docs/perf-log.md, "V3.2 and 576-wide rows on sm_90"). Only used on sm_90
 with a Triton in ``attention_plan.GLUON_TRITON`` (3.6-3.9: the Gluon API differences between
 them are the shims of ``gluon_compat``); ``attention_plan.plan_launch`` routes to the
 portable kernel everywhere else and for tiny launches of one head block, and says why.
-Importing this module installs ``gluon_hooks``' compile hook. docs/PERF.md has the
+Importing this module installs ``gluon_hooks``' compile hook. docs/perf-log.md has the
 measurements (including what was tried and dropped: a software-pipelined producer, integer
 e4m3 decoding).
 """
@@ -61,9 +61,9 @@ SUB_N = 32           # V4 rows per staged gather chunk (18 KB of staging)
 STAGE_V4 = True      # V4 rows gathered through the staging buffer (16-byte-aligned blocks)
 STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, PERF.md)
+PRODUCER_REGS = 120  # setmaxnreg for the producer (H200: 120 beats 96 by 7-16 %, docs/perf-log.md)
 PRODUCER_REGS_CLUSTER = 128     # in clusters (the lead keeps 208): H200 V4 h128 +4.6-5.1 %,
-                                # V3.2 +0.9 %; one CTA at h64 lost 4 % at 128 (session 13)
+                                # V3.2 +0.9 %; one CTA at h64 lost 4 % at 128 (docs/perf-log.md, "Cluster exchange")
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
@@ -74,7 +74,7 @@ CLUSTER_V32 = True   # the same for V3.2 rows
 # producer (one dependent round trip less before the first gather), and the producer then
 # loads ids two tiles ahead (``_early_slots``). H200: V4 h64 and e4m3 1-3 % faster; plain
 # bf16 rows 1-8 % slower at batch 256 (either way), so not for them; V3.2 rows' producer
-# spills with it (docs/PERF.md session 16)
+# spills with it (docs/perf-log.md, "Slot ids loaded with the lengths")
 EARLY_SLOTS = gl.constexpr(True)
 
 # --- 2-CTA clusters (V4 / V3.2 rows, two head blocks of one token) --------------------------
@@ -82,14 +82,14 @@ EARLY_SLOTS = gl.constexpr(True)
 # one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
 # in its own stage and copies its dequantized panels into the peer's with ``cp.async.bulk``
 # shared::cta -> shared::cluster, completing bytes on the peer's ``ready``. The copies cost
-# by the byte (PERF.md session 13), so what needs no decoding (the RoPE dims) and the bias
+# by the byte (docs/perf-log.md, "Cluster exchange"), so what needs no decoding (the RoPE dims) and the bias
 # each CTA writes for the peer's rows itself. Since either producer writes both
 # CTAs' stages, the producers hand each released stage over to each other (``_pair_handoff``).
 # FlashMLA's sm_90 kernel splits its h128 dequantization the same way. Gluon (Triton 3.6) has
 # no API for any of it: the kernel is compiled as an ordinary one-CTA kernel and launched as
 # clusters (``gluon_hooks.cluster_launchable``), and inline PTX addresses shared memory as
 # ``global_smem`` plus the allocator's offsets, which ``gluon_hooks`` reads at compile time
-# and writes over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/probe_cluster.py
+# and writes over the ``SMLA_OFF_*`` placeholders of ``cluster_ptx`` (tools/dev/probe_cluster.py
 # proved the route).
 PAIR_SUB = gl.constexpr(cluster_ptx.PAIR_SUB)
 V32_RECORD = gl.constexpr(formats.V32.bytes_per_token)     # bytes of a V3.2 record
@@ -167,7 +167,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
         # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
         # covered half of every sector it touched, so every sector was asked for twice: H200
-        # h64 W128+512 B64 30.1 -> 27.7 µs (78 -> 85 % of copy), docs/PERF.md session 22
+        # h64 W128+512 B64 30.1 -> 27.7 µs (78 -> 85 % of copy), docs/perf-log.md, "bf16 rows in whole sectors"
         LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
     else:
         # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads
@@ -273,7 +273,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
-    # PERF.md sessions 6 and 10). Each thread reads back exactly the bytes its own cp.async
+    # docs/perf-log.md, "Lead and follow consumers", "V4 rows staged by cp.async"). Each thread reads back exactly the bytes its own cp.async
     # wrote (one layout for both), so its wait_group is all the staging buffer needs.
     # In a cluster (``CLUSTER``) the chunk is this CTA's half of each tile, sent on to the
     # peer: chunks are then BN columns apart, one per tile.
@@ -521,7 +521,7 @@ def _v4_records(cache, s0, bs, idx, valid):
     eight UE8M0 scale bytes, loaded as one int64 (0 where not ``valid``); a block holds
     ``bs`` records, then their scales."""
     # Spelled out, not through _record: with the block's address shared by both pointers
-    # (b86fd5b) the h128 clusters ran 5-7 % slower (H200, docs/PERF.md session 15), though
+    # (b86fd5b) the h128 clusters ran 5-7 % slower (H200, docs/perf-log.md, "Refactor regression undone"), though
     # the PTX had the same instructions in a different order
     blk = (idx // bs).to(gl.int64)
     off = (idx % bs).to(gl.int64)
@@ -642,7 +642,7 @@ def _rope_v32(krb, rec, valid, LR: gl.constexpr):
     ``LR``, which spreads the rows as ``rec``'s layout does (no conversion). One-CTA
     producers give 16 bytes per thread, a thread's two halves half a row apart, so each
     cp.async covers whole sectors (``_produce_tiles``' bf16 note): H200 V3.2 h64 1.09-1.12x,
-    docs/PERF.md session 22."""
+    docs/perf-log.md, "bf16 rows in whole sectors"."""
     rows: gl.constexpr = gl.SliceLayout(1, LR)
     rope = gl.convert_layout(rec, rows) + V32_ROPE
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
@@ -681,14 +681,14 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     ``stage_raw`` / ``stage_sc`` by cp.async a tile ahead; the last two are loaded into
     registers at the top of the tile, so their latency passes while the first two are
     stored. Loading whole tiles into registers left the latency exposed: per-tile %clock64
-    stamps (H200, h128 b64 s_q2, docs/PERF.md session 23) had the lead waiting 1,200 of a
+    stamps (H200, h128 b64 s_q2, docs/perf-log.md, "V3.2 cluster timeline") had the lead waiting 1,200 of a
     4,600-cycle tile for its stage. Registers cannot carry the next tile instead: a
     pair-by-pair register pipeline ran 0.92x, because ptxas puts every load of the loop on
     one scoreboard and the first use of any waits for all (8 KB of shared memory is all
     there is for staging: V3.2 h128 b64 s_q2 1.026x). Nor can the register half be loaded
     at the end of the tile before: the first load after the back edge, or the hand-off's
     wait loop entered with loads in flight, then waits for all of them (0.84-0.86x,
-    PERF.md session 24)."""
+    docs/perf-log.md, "V3.2 cluster bounds")."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -704,7 +704,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     # both halves of a tile come from one source (source 0's columns are padded to BN). The
     # staging of the first tile and (in the loop) of the next one stay written out: folded
     # into _stage_v32, these values stop being loop-carried, ptxas reschedules the dequant,
-    # and V3.2 h128 b148 / b256 ran 0.97-0.99x (H200, docs/PERF.md session 25)
+    # and V3.2 h128 b148 / b256 ran 0.97-0.99x (H200, docs/perf-log.md, "Symmetric consumers (dropped)")
     cache, s0, s1, bs, cap = tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
     valid = _usable(idx, cap)
@@ -720,7 +720,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         # recomputed although the staging below had them: carried over the back edge
-        # instead, V3.2 h128 ran 0.989-0.999x (H200, PERF.md session 24)
+        # instead, V3.2 h128 ran 0.989-0.999x (H200, docs/perf-log.md, "V3.2 cluster bounds")
         valid = _usable(idx, cap)
         rec = _record(cache, s0, bs, idx, V32_RECORD)
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
@@ -730,12 +730,12 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
-        # sector layout measured 0.994x here, H200 h128 b64 / b148, docs/PERF.md session 22);
+        # sector layout measured 0.994x here, H200 h128 b64 / b148, docs/perf-log.md, "bf16 rows in whole sectors");
         # the latent dims a pair of panels at a time, sent as soon as stored (the two staged
         # pairs as one batch: one fence and one copy issue fewer, 1.00-1.03x over four
-        # batches, PERF.md session 24), so the copies overlap the rest's dequantization
+        # batches, docs/perf-log.md, "V3.2 cluster bounds"), so the copies overlap the rest's dequantization
         # (V3.2 h128: 201.7 -> 189.9 us over one batch; V4's producer lost 2.5-4 % to a
-        # second batch's barrier, PERF.md session 13)
+        # second batch's barrier, docs/perf-log.md, "Cluster exchange")
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, LB)
             _rope_v32(kr_bufs.index(st).slice(0, SUB), rec, valid, LB)
@@ -842,7 +842,7 @@ def _send_pair_v32(k_bufs, ready, st, rank, tid, PAIR: gl.constexpr, xa, xb, sca
 def _store_v32(kb, PAIR: gl.constexpr, xa, xb, scale):
     """Dims [128 PAIR, 128 PAIR + 128) of V3.2 rows (two byte tiles sharing one fp32 scale):
     the fp32 product rounded to bf16, as the reference rounds it (FlashMLA's sm_90 kernel
-    rounds the scale to bf16 first, SPEC §2.1: within tolerance of this, not bit-equal)."""
+    rounds the scale to bf16 first, docs/semantics.md §2.1: within tolerance of this, not bit-equal)."""
     kb.slice(128 * PAIR, 64, dim=1).store(_scaled(xa, scale[:, None]))
     kb.slice(128 * PAIR + 64, 64, dim=1).store(_scaled(xb, scale[:, None]))
 
@@ -875,7 +875,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
     # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
     # q is loaded here, not before the partitions start, so the producer's first gather does
-    # not wait behind it (H200, one program: docs/PERF.md session 7).
+    # not wait behind it (H200, one program: docs/perf-log.md, "Fixed per-call costs").
     if CLUSTER:
         tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE_INIT)
@@ -1033,7 +1033,7 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
     bf16 rows go through ``stage`` (a K stage nobody reads or fills any more:
     ``_free_stage``), so each warp stores 512 contiguous bytes of one row. Stored straight
     from the wgmma fragments, each thread wrote 4 bytes at a time, and the epilogue cost
-    4-16 % of the kernel (H200, docs/PERF.md session 14). fp32 partials are stored
+    4-16 % of the kernel (H200, docs/perf-log.md, "FlashMLA timed per layer"). fp32 partials are stored
     directly: through the stage they were 5-6 % slower at batch 2 and b64 h64 s_q1."""
     o = acc * inv_l[:, None]
     if FINAL:
@@ -1059,8 +1059,7 @@ def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0):
     + d0 + column, through ``stage`` (free shared memory), so each warp stores 512 contiguous
     bytes of one row. The row pointers are computed here, after the shared-memory store:
     passed in ready-made, they were 16 live 64-bit addresses per thread next to the
-    accumulator, and V4 h64 launches of one split ran about 10 % slower (H200, docs/PERF.md
-    session 18)."""
+    accumulator, and V4 h64 launches of one split ran about 10 % slower (H200, docs/perf-log.md, "bf16 split partials")."""
     # the stage's first half, as the k_bufs allocation lays out [stage, rows, 256-dim panels]
     buf = reinterpret(stage, gl.bfloat16, 2, HEADS, 256, gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(0)

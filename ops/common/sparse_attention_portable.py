@@ -390,7 +390,7 @@ def _split_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     # the block's first partial row as one 64-bit scalar, its rows' offsets from it in 32 bits:
     # 64-bit row products per element made the epilogue longer (H200, one-wave tiny launches
-    # 1.02x, docs/PERF.md session 26)
+    # 1.02x, docs/perf-log.md, "Batch-2 time and the combine")
     row0 = (t.to(tl.int64) * H + hb * HB) * n_splits + sp
     hrow = tl.arange(0, HB) * n_splits
     o = acc * inv_l[:, None]
@@ -421,7 +421,7 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     # plain loads, in some variants it moved them all behind the lse max's first shuffle,
     # which waits for the lse loads, and paid a second round trip (H200, TRTLLM-gen B1 h128:
     # 0.92x; volatile, one-wave launches 0.97-1.09x against plain loads after the max;
-    # docs/PERF.md session 26).
+    # docs/perf-log.md, "Batch-2 time and the combine").
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
     if OUT_SCALE_T:

@@ -38,12 +38,12 @@ LOG2E = 1.4426950408889634
 
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
-# launch latency is hidden (docs/PERF.md session 7).
+# launch latency is hidden (docs/perf-log.md, "Fixed per-call costs").
 PDL = True
 # Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
 # values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
 # bytes where -> bf16 is three (H200: the fp8 path 1.32-1.38x faster on the sm_90 kernel,
-# 1.10-1.14x on the portable one, docs/PERF.md session 8)
+# 1.10-1.14x on the portable one, docs/perf-log.md, "V3.2 and 576-wide rows on sm_90")
 FP16_FOR_E4M3 = True
 
 
@@ -211,10 +211,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
-# fp32: half the bytes between the split kernels and the combine. H100 (docs/PERF.md session
-# 18): whole op 1.04-1.19x at batch 2 and b64, 0.996-1.007x at b74 / b148 h128. Each partial
+# fp32: half the bytes between the split kernels and the combine. H100 (docs/perf-log.md, "bf16 split partials"): whole op 1.04-1.19x at batch 2 and b64, 0.996-1.007x at b74 / b148 h128. Each partial
 # is rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex
-# combination, within SPEC §9's rel 2/128; the error against the reference did not change).
+# combination, within docs/semantics.md §9's rel 2/128; the error against the reference did not change).
 # A launch of one split (the portable kernel, whose combine then only applies the sink and
 # output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's own epilogue
 # rounds them. torch.float32 restores fp32 everywhere (both kernels take either).
@@ -264,7 +263,7 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
 # as many as fit, and only those SMs merge the partials: H200 batch 2, s_q 2, h128 (72 split
 # programs, 512 combine CTAs): 60 SMs, up to 9 CTAs each, 2.67 µs from release to the last
 # CTA. Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty:
-# 128 SMs, at most 4 each, 1.8 µs; the call 13.96 -> 13.04 µs (docs/PERF.md session 28).
+# 128 SMs, at most 4 each, 1.8 µs; the call 13.96 -> 13.04 µs (docs/perf-log.md, "Small-launch timeline and combine cap").
 # Large combines (b64 s_q1 h64: 4,096 CTAs) lost 8 % under a cap of 4, so only small ones
 # are capped: ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
 COMBINE_SPREAD = 8
