@@ -72,12 +72,13 @@ class Backend:
     # -- the step ---------------------------------------------------------------------------
     def validate(self, q: Tensor, caches, batch: BatchDescription, kv: Optional[Tensor] = None,
                  cos_sin_cache: Optional[Tensor] = None,
-                 compressed_kv: Optional[Tensor] = None) -> None:
+                 compressed_kv: Optional[Tensor] = None, attention: bool = True) -> None:
+        """Raises on any bad input; ``attention=False`` checks only what ``write`` reads."""
         self._check_caches(caches)
-        validate_shapes(self.config, batch, q, kv, compressed_kv)
+        validate_shapes(self.config, batch, q, kv, compressed_kv, attention)
         comp = caches.get("compressed")
         validate_values(self.config, batch, q, cos_sin_cache, caches["swa"].shape[0],
-                        None if comp is None else comp.shape[0])
+                        None if comp is None else comp.shape[0], attention)
         self._validate_batch(batch)
 
     def _validate_batch(self, batch: BatchDescription) -> None:
@@ -117,8 +118,9 @@ class Backend:
               cos_sin_cache: Tensor, compressed_kv: Optional[Tensor] = None,
               apply_q_norm: bool = True) -> Tensor:
         """Caches written; returns q normed and rotated as :meth:`attend` takes it (a view of
-        a persistent buffer, valid until the next step)."""
-        self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv)
+        a persistent buffer, valid until the next step). The indexer's top-k is not read here
+        (an engine may fill it after the write)."""
+        self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv, attention=False)
         with _ops_run(self.OPS) as ran:
             q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv,
                                 apply_q_norm)

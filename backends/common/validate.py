@@ -27,8 +27,10 @@ def _count(name: str, v) -> int:
 
 
 def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
-                    kv: Optional[Tensor] = None, compressed_kv: Optional[Tensor] = None) -> None:
-    """Everything that needs no device read."""
+                    kv: Optional[Tensor] = None, compressed_kv: Optional[Tensor] = None,
+                    attention: bool = True) -> None:
+    """Everything that needs no device read. ``attention=False``: only what a cache write
+    reads (an engine may fill the indexer's top-k after the write, as vLLM does)."""
     if q.dim() != 3 or q.shape[1] != cfg.num_heads or q.shape[2] != formats.HEAD_DIM:
         raise ValueError(f"q must have shape [num_tokens, {cfg.num_heads}, 512] (the layer's "
                          f"local heads), got {list(q.shape)}")
@@ -78,7 +80,8 @@ def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
                             (R, None))
         checks.expect_last_dim_contiguous("batch.compressed_block_table",
                                           batch.compressed_block_table)
-    if (compressed_kv is None) != (batch.compressed_slot_mapping is None):
+    writing = kv is not None
+    if writing and (compressed_kv is None) != (batch.compressed_slot_mapping is None):
         raise ValueError("compressed_kv and batch.compressed_slot_mapping come together")
     if compressed_kv is not None:
         if not kind.compressed:
@@ -91,7 +94,7 @@ def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
                             checks.INDEX_DTYPES)
         checks.expect_shape("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
                             (compressed_kv.shape[0],))
-    if kind is LayerKind.C4A:
+    if kind is LayerKind.C4A and attention:
         tk = batch.topk_indices
         if tk is None:
             raise ValueError("batch.topk_indices (the indexer's request-local top-k) is "
@@ -129,7 +132,7 @@ def _table_covers(name, table, num_blocks, req, first, last, block_size, what):
 
 def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
                     cos_sin_cache: Optional[Tensor], swa_blocks: int,
-                    compressed_blocks: Optional[int]) -> None:
+                    compressed_blocks: Optional[int], attention: bool = True) -> None:
     """The checks that read values; only where ``checks.value_checks_enabled``."""
     if not checks.value_checks_enabled(q, batch.seq_lens):
         return
@@ -196,7 +199,7 @@ def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
         if cs.numel() and (int(cs.min()) < -1 or int(cs.max()) >= ccap):
             raise ValueError(f"batch.compressed_slot_mapping must be -1 or a slot in "
                              f"[0, {ccap}), got [{int(cs.min())}, {int(cs.max())}]")
-    if cfg.kind is LayerKind.C4A and tok.numel():
+    if cfg.kind is LayerKind.C4A and attention and tok.numel():
         tk = batch.topk_indices.long().cpu()[tok]
         avail = ((want + 1) // cfg.kind.ratio).unsqueeze(1)
         bad = ((tk < -1) | (tk >= avail)).nonzero()

@@ -126,3 +126,18 @@ def test_cache_of_the_wrong_layout():
     with pytest.raises(TypeError, match=r"caches\['swa'\]"):
         h.backend.forward(st.q, st.kv, caches, st.batch, h.cos_sin, h.sink,
                           torch.zeros(st.q.shape, dtype=torch.bfloat16), st.compressed_kv)
+
+
+def test_write_reads_no_topk_but_attend_needs_it():
+    """vLLM fills the indexer's top-k after the cache write: ``write`` takes a batch without
+    it, ``attend`` refuses one, and write + attend equals the oracle (as ``forward`` does)."""
+    h, st = _setup()
+    no_topk = dataclasses.replace(st.batch, topk_indices=None)
+    q_rot = h.backend.write(st.q, st.kv, h.caches, no_topk, h.cos_sin, st.compressed_kv)
+    h.written["swa"].update(st.swa_slots)
+    h.written["compressed"].update(st.comp_slots)
+    out = torch.full(st.q.shape, float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="topk_indices .*is required"):
+        h.backend.attend(q_rot, h.caches, no_topk, h.sink, out)
+    h.backend.attend(q_rot, h.caches, st.batch, h.sink, out)
+    h.check(out, st, "write + attend")
