@@ -17,18 +17,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def import_root():
-    """The directory that holds the `sparse_mla` package (runfiles root under Bazel)."""
-    path = HERE
-    while os.path.basename(path) != "sparse_mla" or not os.path.exists(
-            os.path.join(path, "tools", "pyroot.sh")):
-        parent = os.path.dirname(path)
-        if parent == path:
-            raise RuntimeError(f"no sparse_mla package root above {HERE}")
-        path = parent
-    root = os.path.dirname(path)
-    if os.path.isdir(os.path.join(root, "sparse_mla")):
-        return root
-    out = subprocess.run(["bash", os.path.join(path, "tools", "pyroot.sh")], check=True,
+    """The directory that holds the `sparse_mla` package: the Bazel runfiles root (where the
+    workspace is the directory `sparse_mla`), else the checkout's pyroot (tools/pyroot.sh)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+    if os.path.basename(checkout) == "sparse_mla" and os.path.exists(
+            os.path.join(checkout, "__init__.py")):
+        return os.path.dirname(checkout)
+    out = subprocess.run(["bash", os.path.join(checkout, "tools", "pyroot.sh")], check=True,
                          capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -47,7 +42,8 @@ def main(files):
     env["PYTHONPATH"] = import_root()
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     env.setdefault("TRITON_INTERPRET", "1")
-    args = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files]
+    args = [python, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider",
+            "--import-mode=importlib", *files]
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args.append(f"--junitxml={xml}")
