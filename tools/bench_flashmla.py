@@ -14,7 +14,7 @@ bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA
 ``--rounds N`` times FlashMLA and ours alternately N times per shape: the µs columns are then
 medians over the rounds, the ratio is the median of the rounds' own ratios, and "range" gives
 their lowest and highest (the V3.2 row's rounds spread 4-9 % within one process:
-docs/PERF.md, session 29).
+docs/perf-log.md, "Parity in alternating rounds").
 Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 heads, a q padded
 with zero heads once, outside the timing.
 """

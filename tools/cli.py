@@ -19,10 +19,11 @@ import sys
 
 import torch
 
-from sparse_mla.ops.common.dispatch import IMPLS
+from sparse_mla.ops.common.dispatch import IMPLS, OPS_BY_FAMILY
+from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.tools import harness
 
-FAMILIES = ("cache_insert", "index_combine", "flashmla_decode", "trtllm_decode")
+FAMILIES = tuple(OPS_BY_FAMILY)
 
 
 def _load_families(names):
@@ -78,13 +79,10 @@ def run(args) -> int:
                 inputs = _fresh(case)
                 try:
                     out = case.run(inputs, impl)
-                except Exception as exc:        # noqa: BLE001 - reported in the table
-                    msg = str(exc)
-                    if "cannot run" in msg or "has no" in msg:
-                        rows.append((case.op, impl, case.shape, "-", "-", "-", "-",
-                                     "n/a: " + msg.split("cannot run: ")[-1][:60]))
-                        continue
-                    raise
+                except ImplementationUnavailable as exc:   # cannot run here: say why in full
+                    rows.append((case.op, impl, case.shape, "-", "-", "-", "-",
+                                 "n/a: " + exc.reason))
+                    continue
                 err = "-" if ref_out is None else case.compare(ref_out, out)
                 if ref_out is not None and err > case.tolerance:
                     failures += 1

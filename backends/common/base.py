@@ -7,6 +7,7 @@ every input, so a bad batch raises before any cache byte is written.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -28,12 +29,20 @@ class Backend:
     OPS: tuple = ()
 
     def __init__(self, config: LayerConfig, device="cpu", impl: str = "auto",
-                 attention_impl: Optional[str] = None):
+                 attention_impl: Optional[str] = None,
+                 planner: Optional[IndexPlanner] = None):
+        """``impl`` forces every op's implementation ("reference", "triton", ...; "auto"
+        lets each op choose), ``attention_impl`` the attention op's alone. ``planner``: another
+        backend's, to share one step plan among the layers of a kind (see :meth:`plan`)."""
         self.config = config
         self.device = torch.device(device)
         self.impl = impl
         self.attention_impl = attention_impl or impl
-        self.planner = IndexPlanner(config, self.device, impl)
+        if planner is not None and not planner.compatible(config):
+            raise ValueError("planner belongs to a layer of another kind, window, block size "
+                             "or capacity; it cannot be shared with this one")
+        self.planner = planner or IndexPlanner(config, self.device, impl)
+        self._choices: Dict[str, Optional[dispatch.Choice]] = {}
 
     # -- caches ---------------------------------------------------------------------------
     def cache_specs(self) -> Dict[str, CacheSpec]:
@@ -74,15 +83,35 @@ class Backend:
     def _validate_batch(self, batch: BatchDescription) -> None:
         """A backend's own limits (e.g. its prefill workspace), checked before any write."""
 
+    def plan(self, batch: BatchDescription, num_tokens: int) -> None:
+        """The step's shared index lists (token → request, decode windows, C128A lists). Call
+        once per step for all layers sharing this planner, then ``forward(..., planned=True)``
+        per layer; ``forward`` without ``planned`` plans by itself."""
+        with _ops_run(self.OPS) as ran:
+            self.planner.plan(batch, num_tokens)
+        self.planner.choices = ran
+
     def forward(self, q: Tensor, kv: Tensor, caches, batch: BatchDescription,
                 cos_sin_cache: Tensor, attn_sink: Tensor, out: Tensor,
-                compressed_kv: Optional[Tensor] = None, apply_q_norm: bool = True) -> Tensor:
+                compressed_kv: Optional[Tensor] = None, apply_q_norm: bool = True,
+                planned: bool = False) -> Tensor:
         """The whole step: validate, write the caches, attend. Returns ``out``."""
         self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv)
         self._check_out(out, attn_sink, q.shape[0])
-        q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm)
-        self._attend(q_rot, caches, batch, attn_sink, out)
+        with _ops_run(self.OPS) as ran:
+            q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv,
+                                apply_q_norm)
+        self._choices = ran
+        if not planned:
+            self.plan(batch, q.shape[0])
+        self._run_attention(q_rot, caches, batch, attn_sink, out)
         return out
+
+    def _run_attention(self, q_rot, caches, batch, attn_sink, out):
+        with _ops_run(self.OPS) as ran:
+            self._attend(q_rot, caches, batch, attn_sink, out)
+        self._zero_padding(batch, out)
+        self._choices.update(ran)
 
     def write(self, q: Tensor, kv: Tensor, caches, batch: BatchDescription,
               cos_sin_cache: Tensor, compressed_kv: Optional[Tensor] = None,
@@ -90,14 +119,21 @@ class Backend:
         """Caches written; returns q normed and rotated as :meth:`attend` takes it (a view of
         a persistent buffer, valid until the next step)."""
         self.validate(q, caches, batch, kv, cos_sin_cache, compressed_kv)
-        return self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm)
+        with _ops_run(self.OPS) as ran:
+            q_rot = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv,
+                                apply_q_norm)
+        self._choices = ran
+        return q_rot
 
     def attend(self, q_rot: Tensor, caches, batch: BatchDescription, attn_sink: Tensor,
-               out: Tensor) -> Tensor:
+               out: Tensor, planned: bool = False) -> Tensor:
         """Attention of already-rotated queries over the caches as they stand."""
         self.validate(q_rot, caches, batch)
         self._check_out(out, attn_sink, q_rot.shape[0])
-        self._attend(q_rot, caches, batch, attn_sink, out)
+        self._choices = {}
+        if not planned:
+            self.plan(batch, q_rot.shape[0])
+        self._run_attention(q_rot, caches, batch, attn_sink, out)
         return out
 
     def _check_out(self, out: Tensor, attn_sink: Tensor, T: int) -> None:
@@ -113,12 +149,28 @@ class Backend:
         if out.shape[0] > batch.num_tokens:
             out[batch.num_tokens:].zero_()
 
-    def explain(self) -> Dict[str, Optional[dispatch.Choice]]:
-        """The implementation each op of the last step ran, and why (``dispatch.Choice``)."""
-        return {op: dispatch.last_choice(op) for op in self.OPS}
+    def explain(self) -> Dict[str, dispatch.Choice]:
+        """The implementation each op of this backend's last step ran (the shared plan's ops
+        included), and why the others were not chosen (``dispatch.Choice``)."""
+        return {**getattr(self.planner, "choices", {}), **self._choices}
 
     def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm):
         raise NotImplementedError
 
     def _attend(self, q_rot, caches, batch, attn_sink, out):
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _ops_run(ops):
+    """Collects the ``dispatch.Choice`` of every op in ``ops`` that ran inside the block (a
+    call records a new Choice object, so one that is not the object seen before ran)."""
+    before = {op: dispatch.last_choice(op) for op in ops}
+    ran: Dict[str, dispatch.Choice] = {}
+    try:
+        yield ran
+    finally:
+        for op in ops:
+            c = dispatch.last_choice(op)
+            if c is not None and c is not before[op]:
+                ran[op] = c

@@ -63,6 +63,6 @@ class LayerConfig:
 
     def request_rows(self, seq_len: int, query_len: int) -> int:
         """Workspace rows one prefill request needs: its compressed entries, then its window
-        context and new tokens (SPEC §4.4)."""
+        context and new tokens (docs/semantics.md §4.4)."""
         n = seq_len // self.kind.ratio if self.kind.compressed else 0
         return n + query_len + min(seq_len - query_len, self.window - 1)

@@ -1,4 +1,4 @@
-"""The index planner: SPEC §4's index tensors for one step, into buffers sized once.
+"""The index planner: docs/semantics.md §4's index tensors for one step, into buffers sized once.
 
 Every buffer is allocated at construction from the layer config's capacities, and a step
 writes slices of them: stable addresses, no allocation and no host sync on the decode path,
@@ -36,7 +36,10 @@ class PrefillChunk:
 
 
 class IndexPlanner:
-    """Per-token metadata and the decode index lists shared by both backends."""
+    """Per-token metadata and index lists. :meth:`plan` builds what depends only on the batch
+    (token → request, validity, decode windows, C128A lists, request lengths): once per step,
+    shared by every layer of one kind (as vLLM's metadata builders do). What depends on a
+    layer's own indexer (C4A top-k) is converted per layer (:meth:`c4a_decode`)."""
 
     def __init__(self, cfg: LayerConfig, device, impl: str = "auto"):
         self.cfg = cfg
@@ -58,6 +61,13 @@ class IndexPlanner:
         self.gather_lens = torch.zeros(R, **kw)
         self.entries = torch.zeros(R, **kw)          # seq_len // ratio
 
+    def compatible(self, cfg: LayerConfig) -> bool:
+        """Whether a layer of ``cfg`` may share this planner's step plan."""
+        mine = self.cfg
+        return all(getattr(cfg, f) == getattr(mine, f) for f in (
+            "kind", "window", "swa_block_size", "compressed_block_size", "max_num_tokens",
+            "max_num_reqs", "max_model_len", "topk"))
+
     def tokens(self, batch: BatchDescription, T: int) -> None:
         """token_to_req (``R`` for rows past the last request: padding) and is_valid."""
         R = batch.num_reqs
@@ -72,16 +82,29 @@ class IndexPlanner:
                                 self.swa_lens[:Td], self.cfg.swa_block_size, self.cfg.window,
                                 impl=self.impl)
 
-    def compressed_lists(self, batch: BatchDescription, Tp: int) -> None:
-        """C4A decode rows: the indexer's top-k as global slots; C128A: every completed
-        entry (decode rows global, prefill rows request-local)."""
+    def plan(self, batch: BatchDescription, T: int) -> None:
+        """Everything a step's layers of this kind share; ``T``: rows of q (padding included)."""
+        Td, Tp = batch.num_decode_tokens, batch.num_prefill_tokens
+        self.tokens(batch, T)
+        if Td:
+            self.decode_window(batch)
+        self.c128a_lists(batch, Tp)
+        if Tp:
+            self.request_lengths(batch)
+
+    def c4a_decode(self, batch: BatchDescription) -> None:
+        """C4A decode rows: this layer's indexer top-k as global slots (per layer)."""
         cfg, Td = self.cfg, batch.num_decode_tokens
         if cfg.kind is LayerKind.C4A and Td:
             ic.global_topk_indices_and_lens(
                 batch.topk_indices[:Td], self.token_to_req, batch.compressed_block_table,
                 self.is_valid[:Td], self.compressed_indices[:Td], self.compressed_lens[:Td],
                 cfg.compressed_block_size, self.impl)
-        elif cfg.kind is LayerKind.C128A and Td + Tp:
+
+    def c128a_lists(self, batch: BatchDescription, Tp: int) -> None:
+        """C128A: every completed entry (decode rows global, prefill rows request-local)."""
+        cfg, Td = self.cfg, batch.num_decode_tokens
+        if cfg.kind is LayerKind.C128A and Td + Tp:
             ic.c128a_indices_and_lens(
                 batch.positions, batch.swa_slot_mapping, self.token_to_req,
                 batch.compressed_block_table, self.compressed_indices[:Td],

@@ -13,7 +13,7 @@ from sparse_mla.ops.common import formats
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """``format``: a ``formats`` name ("v4", "plain_bf16", "plain_fp8"). ``page_bytes``: bytes
-    per block as allocated (the 584 B layout rounds up to a multiple of 576, SPEC §2.2)."""
+    per block as allocated (the 584 B layout rounds up to a multiple of 576, docs/semantics.md §2.2)."""
 
     name: str
     format: str

@@ -1,11 +1,11 @@
-"""DeepSeek-V4 attention over caches in FlashMLA's 584 B layout (SPEC §2.2, §5.4).
+"""DeepSeek-V4 attention over caches in FlashMLA's 584 B layout (docs/semantics.md §2.2, §5.4).
 
 Decode rows: one ``flashmla_sparse_decode`` — the SWA window as the main list, the compressed
 list (C4A: the indexer's top-k as global slots; C128A: every completed entry) as the extra
 list; every decode token (MTP included) is its own batch row, as vLLM runs it. Prefill rows:
 requests in chunks that fit a bounded bf16 workspace; per chunk, ``gather_dequant`` of the
 compressed entries and of the window context, ``combine_topk_swa_indices``, then
-``flashmla_sparse_prefill`` (SPEC §4.4).
+``flashmla_sparse_prefill`` (docs/semantics.md §4.4).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class FlashMLABackend(Backend):
            "global_topk_indices_and_lens", "c128a_indices_and_lens", "flashmla_sparse_decode",
            "gather_dequant", "combine_topk_swa_indices", "flashmla_sparse_prefill")
 
-    def __init__(self, config, device="cpu", impl="auto", attention_impl=None):
-        super().__init__(config, device, impl, attention_impl)
+    def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None):
+        super().__init__(config, device, impl, attention_impl, planner)
         T, H = config.max_num_tokens, config.num_heads
         dev = self.device
         self.q_rot = torch.zeros(T, H, D, dtype=torch.bfloat16, device=dev)
@@ -70,19 +70,14 @@ class FlashMLABackend(Backend):
         return q_rot
 
     def _attend(self, q_rot, caches, batch, attn_sink, out):
-        planner, T = self.planner, q_rot.shape[0]
-        Td, Tp = batch.num_decode_tokens, batch.num_prefill_tokens
-        planner.tokens(batch, T)
-        planner.compressed_lists(batch, Tp)
-        if Td:
+        if batch.num_decode_tokens:
+            self.planner.c4a_decode(batch)
             self._decode(q_rot, caches, batch, attn_sink, out)
-        if Tp:
+        if batch.num_prefill_tokens:
             self._prefill(q_rot, caches, batch, attn_sink, out)
-        self._zero_padding(batch, out)
 
     def _decode(self, q_rot, caches, batch, attn_sink, out):
         cfg, p, Td = self.config, self.planner, batch.num_decode_tokens
-        p.decode_window(batch)
         extra = {}
         if cfg.kind.compressed:
             extra = dict(extra_k_cache=caches["compressed"],
@@ -97,7 +92,6 @@ class FlashMLABackend(Backend):
 
     def _prefill(self, q_rot, caches, batch, attn_sink, out):
         cfg, p, Rd = self.config, self.planner, batch.num_decodes
-        p.request_lengths(batch)
         topk = p.prefill_topk_width
         for ch in p.prefill_chunks(batch):
             a, b = Rd + ch.r0, Rd + ch.r1

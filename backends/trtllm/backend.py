@@ -1,11 +1,11 @@
-"""DeepSeek-V4 attention over plain caches (SPEC §2.3, §6), the way vLLM's FlashInfer DSv4
+"""DeepSeek-V4 attention over plain caches (docs/semantics.md §2.3, §6), the way vLLM's FlashInfer DSv4
 backend runs it.
 
 Caches ``[num_blocks, block_size, 512]`` of bf16, or of e4m3 with one per-tensor scale
 (device tensors: read by the kernels, no host sync). One ``flashinfer_mixed_sparse_indices``
 launch builds every row's list (columns ``[0, 128)`` index the SWA pool, the rest the compressed
 pool), then ``trtllm_decode_dsv4`` runs twice: decode rows, then prefill rows with their
-``cum_seq_lens_q`` rebased (SPEC §4.5). SWA-only layers pass the SWA pool as the compressed pool
+``cum_seq_lens_q`` rebased (docs/semantics.md §4.5). SWA-only layers pass the SWA pool as the compressed pool
 with no compressed columns, as vLLM does.
 """
 from __future__ import annotations
@@ -21,9 +21,24 @@ from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common import formats
+from sparse_mla.ops.trtllm_decode.vendor import WORKSPACE_BYTES
 
 D = formats.HEAD_DIM
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_WORKSPACES: dict = {}
+
+
+def _workspace(device):
+    """FlashInfer's zeroed split-K workspace, one per CUDA device as vLLM allocates it (None
+    on CPU). Always passed: torch 2.11's custom-op wrapper drops a trailing argument left at
+    its default and then fails to bump the version of the mutated workspace (IndexError, seen
+    on the H200); torch 2.13 does not."""
+    if device.type != "cuda":
+        return None
+    key = str(device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _WORKSPACES[key]
 
 
 class TrtllmBackend(Backend):
@@ -31,13 +46,13 @@ class TrtllmBackend(Backend):
     OPS = ("fused_qnorm_rope_insert_plain", "insert_plain", "swa_indices_and_lens",
            "c128a_indices_and_lens", "flashinfer_mixed_sparse_indices", "trtllm_decode_dsv4")
 
-    def __init__(self, config, device="cpu", impl="auto", attention_impl=None,
+    def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None,
                  cache_dtype: torch.dtype = torch.bfloat16, kv_scale: float = 1.0,
                  q_scale: float = 1.0):
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got "
                              f"{cache_dtype}")
-        super().__init__(config, device, impl, attention_impl)
+        super().__init__(config, device, impl, attention_impl, planner)
         self.cache_dtype = cache_dtype
         T, H, R = config.max_num_tokens, config.num_heads, config.max_num_reqs
         dev = self.device
@@ -48,7 +63,7 @@ class TrtllmBackend(Backend):
         self.lens = torch.zeros(T, dtype=torch.int32, device=dev)
         self.prefill_cu = torch.zeros(R + 1, dtype=torch.int32, device=dev)
         self.fp8 = cache_dtype == torch.float8_e4m3fn
-        # vLLM runs unit scales today (SPEC §2.3); any positive pair works. Device tensors:
+        # vLLM runs unit scales today (docs/semantics.md §2.3); any positive pair works. Device tensors:
         # the kernels read them, so changing them needs no re-capture.
         self.kv_scale = torch.tensor([kv_scale], dtype=torch.float32, device=dev)
         self.q_scale_inv = torch.tensor([1.0 / q_scale], dtype=torch.float32, device=dev)
@@ -82,14 +97,11 @@ class TrtllmBackend(Backend):
         return q_rot
 
     def _attend(self, q_rot, caches, batch, attn_sink, out):
-        cfg, p, T = self.config, self.planner, q_rot.shape[0]
+        cfg, p = self.config, self.planner
         Rd, Td, Tp = batch.num_decodes, batch.num_decode_tokens, batch.num_prefill_tokens
         if q_rot.dtype != self.cache_dtype:
             raise TypeError(f"q must be {self.cache_dtype} for this backend's caches (the "
                             f"rotated q that write returns), got {q_rot.dtype}")
-        p.tokens(batch, T)
-        p.decode_window(batch)
-        p.compressed_lists(batch, Tp)
         kind = cfg.kind
         comp_table = batch.compressed_block_table
         dec_comp = dec_lens = None
@@ -106,18 +118,19 @@ class TrtllmBackend(Backend):
             cfg.swa_block_size, cfg.compressed_block_size or cfg.swa_block_size, cfg.window,
             kind.ratio, p.prefill_topk_width, kind is LayerKind.C4A, impl=self.impl)
         comp = caches["compressed"] if kind.compressed else caches["swa"]
-        common = dict(bmm1_scale_tensor=self.bmm1, bmm2_scale_tensor=self.bmm2, sinks=attn_sink,
-                      impl=self.attention_impl)
+
+        ws = _workspace(self.device)
+
+        def run(rows, seq_lens, cu, max_q_len):
+            td.trtllm_batch_decode_sparse_mla_dsv4(
+                q_rot[rows], caches["swa"], ws, idx[rows], comp, lens[rows], seq_lens,
+                out[rows], self.bmm1, self.bmm2, attn_sink, "HND", cu, max_q_len,
+                impl=self.attention_impl)
         if Td:
-            td.trtllm_decode_dsv4(q_rot[:Td], caches["swa"], idx[:Td], comp, lens[:Td],
-                                  batch.seq_lens[:Rd], out[:Td],
-                                  cum_seq_lens_q=batch.query_start_loc[:Rd + 1],
-                                  max_q_len=batch.max_decode_query_len, **common)
+            run(slice(0, Td), batch.seq_lens[:Rd], batch.query_start_loc[:Rd + 1],
+                batch.max_decode_query_len)
         if Tp:
             R = batch.num_reqs
             cu = self.prefill_cu[:R - Rd + 1]
             torch.sub(batch.query_start_loc[Rd:R + 1], batch.query_start_loc[Rd], out=cu)
-            td.trtllm_decode_dsv4(q_rot[Td:n], caches["swa"], idx[Td:], comp, lens[Td:],
-                                  batch.seq_lens[Rd:R], out[Td:n], cum_seq_lens_q=cu,
-                                  max_q_len=batch.max_prefill_query_len, **common)
-        self._zero_padding(batch, out)
+            run(slice(Td, n), batch.seq_lens[Rd:R], cu, batch.max_prefill_query_len)

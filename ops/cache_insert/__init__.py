@@ -1,4 +1,5 @@
-"""Cache-insert op family (SPEC §2, §3): quantize + RoPE + insert, gather + dequantize."""
+"""Cache-insert op family (docs/semantics.md §2, §3): quantize + RoPE + insert,
+gather + dequantize."""
 from sparse_mla.ops.cache_insert.ops import (  # noqa: F401
     fused_qnorm_rope_insert_plain,
     fused_qnorm_rope_insert_v4,

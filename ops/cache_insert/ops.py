@@ -1,4 +1,4 @@
-"""The cache-insert ops (SPEC §2, §3) as ``sparse_mla::`` custom ops.
+"""The cache-insert ops (docs/semantics.md §2, §3) as ``sparse_mla::`` custom ops.
 
 Each op: validate (raises before anything is written) → dispatch (triton or reference; no
 vendor kernel exists for cache writes) → implementation. The fake implementations validate
@@ -11,18 +11,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.cache_insert import reference, triton_kernels
+from sparse_mla.ops.cache_insert import reference, triton_kernels, vendor
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.opdef import custom_op
 
 FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-NO_VENDOR = no_vendor("no vendor wheel ships this op (vLLM's are in its own _C)")
 MAX_HEADS = 128
 
 
 def _dispatcher(name, ref_fn, triton_fn, *tensor_args):
     d = Dispatcher(name)
-    d.register("vendor", None, NO_VENDOR)
+    d.register("vendor", None, vendor.CHECK)
     d.register("triton", triton_fn, lambda *a, **k: triton_check(*[a[i] for i in tensor_args]))
     d.register("reference", ref_fn)
     return d
@@ -81,7 +81,7 @@ def _check_q_out(q_out, n, h, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# quantize + insert into a V4 584 B cache (SPEC §2.2, §3.4)
+# quantize + insert into a V4 584 B cache (docs/semantics.md §2.2, §3.4)
 
 _V4_INSERT = _dispatcher("quantize_insert_v4", reference.quantize_insert_v4,
                          triton_kernels.quantize_insert_v4, 0, 1, 2)
@@ -96,7 +96,7 @@ def _validate_v4_insert(k, k_cache, slot_mapping, block_size):
     return bs
 
 
-@torch.library.custom_op("sparse_mla::quantize_insert_v4", mutates_args=("k_cache",))
+@custom_op("sparse_mla::quantize_insert_v4", mutates_args=("k_cache",))
 def quantize_insert_v4(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                        block_size: Optional[int] = None, impl: str = "auto") -> None:
     """Quantize rows ``k`` [N, 512] into a V4 584 B paged cache at ``slot_mapping`` (−1 skips).
@@ -114,7 +114,7 @@ def _(k, k_cache, slot_mapping, block_size=None, impl="auto"):
 
 
 # ---------------------------------------------------------------------------------------------
-# V3.2 656 B insert (SPEC §2.1)
+# V3.2 656 B insert (docs/semantics.md §2.1)
 
 _V32_INSERT = _dispatcher("quantize_insert_v32", reference.quantize_insert_v32,
                           triton_kernels.quantize_insert_v32, 0, 1, 2, 3)
@@ -133,7 +133,7 @@ def _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_f
     return bs
 
 
-@torch.library.custom_op("sparse_mla::quantize_insert_v32", mutates_args=("kv_cache",))
+@custom_op("sparse_mla::quantize_insert_v32", mutates_args=("kv_cache",))
 def quantize_insert_v32(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                         block_size: Optional[int] = None, scale_format: str = "fp32",
                         impl: str = "auto") -> None:
@@ -148,7 +148,7 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, block_size=None, scale_format="fp32", 
 
 
 # ---------------------------------------------------------------------------------------------
-# fused q-norm + RoPE + kv insert into the V4 SWA cache (SPEC §3.1)
+# fused q-norm + RoPE + kv insert into the V4 SWA cache (docs/semantics.md §3.1)
 
 _FUSED_V4 = _dispatcher("fused_qnorm_rope_insert_v4", reference.fused_insert_v4,
                         triton_kernels.fused_insert_v4, 0, 1, 2, 3, 4, 5, 6)
@@ -165,12 +165,21 @@ def _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
     return bs
 
 
-@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_v4",
-                         mutates_args=("k_cache", "q_out"))
+@custom_op("sparse_mla::fused_qnorm_rope_insert_v4",
+           mutates_args=("k_cache", "q_out"))
 def fused_qnorm_rope_insert_v4(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                                positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
                                eps: float = 1e-6, block_size: Optional[int] = None,
                                apply_q_norm: bool = True, impl: str = "auto") -> None:
+    """vLLM's fused V4 SWA insert (docs/semantics.md §3.1), writing ``q_out`` and ``k_cache``.
+
+    ``q`` ``[N, H, 512]``: each head optionally RMS-normed without weight (``apply_q_norm``,
+    ``eps``), then GPT-J RoPE on dims 448..511 at ``positions[t]``, into ``q_out``
+    ``[N, Hp >= H, 512]`` bf16 (heads ``H..Hp`` written as zeros). ``kv`` ``[N, 512]``: RoPE at
+    the same position, then quantized (§2.2) into the V4 584 B ``k_cache`` at
+    ``slot_mapping[t]`` for ``t < len(slot_mapping)``; -1 skips. ``cos_sin_cache`` fp32
+    ``[max_pos, 64]`` (cos then sin). ``qnorm_rope_kv_insert_v4`` is vLLM's signature.
+    """
     bs = _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                             block_size)
     _FUSED_V4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps, bs,
@@ -204,7 +213,7 @@ def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cac
 
 
 # ---------------------------------------------------------------------------------------------
-# fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (SPEC §3.2)
+# fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (docs/semantics.md §3.2)
 
 _FUSED_PLAIN = _dispatcher("fused_qnorm_rope_insert_plain", reference.fused_insert_plain,
                            triton_kernels.fused_insert_plain, 0, 1, 2, 3, 4, 5, 6)
@@ -226,15 +235,15 @@ def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache
                               kv_scale=kv_scale, q_scale_inv=q_scale_inv)
 
 
-@torch.library.custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
-                         mutates_args=("k_cache", "q_out"))
+@custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
+           mutates_args=("k_cache", "q_out"))
 def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                                   positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
                                   kv_scale: Optional[Tensor] = None,
                                   q_scale_inv: Optional[Tensor] = None, eps: float = 1e-6,
                                   apply_q_norm: bool = True, impl: str = "auto") -> None:
-    """SPEC §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an fp8 cache);
-    kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
+    """docs/semantics.md §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an
+    fp8 cache); kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
     _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                           kv_scale, q_scale_inv)
     _FUSED_PLAIN(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale,
@@ -249,7 +258,7 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale=No
 
 
 # ---------------------------------------------------------------------------------------------
-# insert finished rows (the compressor's) into a plain bf16 / per-tensor fp8 cache (SPEC §3.3)
+# insert finished rows (the compressor's) into a plain bf16 / per-tensor fp8 cache (docs/semantics.md §3.3)
 
 _PLAIN_INSERT = _dispatcher("insert_plain", reference.insert_plain, triton_kernels.insert_plain,
                             0, 1, 2)
@@ -301,7 +310,7 @@ def _(k, k_cache, slot_mapping, kv_scale=None, impl="auto"):
 
 
 # ---------------------------------------------------------------------------------------------
-# gather + dequantize a request range into a bf16 workspace (SPEC §3.4)
+# gather + dequantize a request range into a bf16 workspace (docs/semantics.md §3.4)
 
 _GATHER = _dispatcher("gather_dequant", reference.gather_dequant, triton_kernels.gather_dequant,
                       0, 1, 2, 4)
@@ -340,7 +349,7 @@ def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_siz
     return bs
 
 
-@torch.library.custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
+@custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
 def gather_dequant(out: Tensor, k_cache: Tensor, seq_lens: Tensor, gather_lens: Optional[Tensor],
                    block_table: Tensor, block_size: Optional[int] = None, offset: int = 0,
                    cache_format: str = "v4", impl: str = "auto") -> None:

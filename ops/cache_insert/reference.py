@@ -1,4 +1,5 @@
-"""PyTorch reference for the cache-insert family (SPEC §2, §3): the oracle and the CPU kernel.
+"""PyTorch reference for the cache-insert family (docs/semantics.md §2, §3): the oracle and
+the CPU kernel.
 
 Arguments arrive validated (see ops.py). Writes go through byte views built from each cache's
 ``stride(0)``, so padded pages are addressed exactly as the kernels address them.
@@ -43,7 +44,8 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
 
 
 def rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm):
-    """SPEC §3.1 q path: optional weightless RMSNorm, forward GPT-J RoPE; fp32 [N, H, 512]."""
+    """The q path of docs/semantics.md §3.1: optional weightless RMSNorm, forward GPT-J RoPE;
+    fp32 [N, H, 512]."""
     qf = quant.rms_norm_no_weight(q, eps) if apply_q_norm else q.float()
     return quant.rope_gptj(qf, cos_sin_cache[positions.long()].unsqueeze(1))
 
@@ -99,7 +101,8 @@ def insert_plain(k, k_cache, slot_mapping, kv_scale):
 
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                    fmt_name):
-    """SPEC §3.4: request r's positions [seq_len - gather_len, seq_len) → out[r, offset + i]."""
+    """docs/semantics.md §3.4: request r's positions [seq_len - gather_len, seq_len) go to
+    out[r, offset + i]."""
     fmt = formats.get_format(fmt_name)
     blocks = checks.block_bytes_view(k_cache, fmt, block_size)
     max_tokens = out.shape[1]
@@ -117,11 +120,14 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         keep = (blk >= 0) & (blk < nb) & (dst >= 0) & (dst < max_tokens)
         blk, o, dst = blk[keep], (pos % block_size)[keep], dst[keep]
         if fmt is formats.V4:
-            data_cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(576, device=o.device)
-            scale_cols = fmt.token_scale_addr(block_size, o).unsqueeze(1) + torch.arange(8, device=o.device)
+            data_cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
+                         + torch.arange(fmt.token_data_bytes, device=o.device))
+            scale_cols = (fmt.token_scale_addr(block_size, o).unsqueeze(1)
+                          + torch.arange(fmt.scale_offset, device=o.device))
             rows = quant.dequantize_v4(blocks[blk.unsqueeze(1), data_cols],
                                        blocks[blk.unsqueeze(1), scale_cols])
         else:
-            cols = fmt.token_data_addr(block_size, o).unsqueeze(1) + torch.arange(656, device=o.device)
+            cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
+                    + torch.arange(fmt.token_data_bytes, device=o.device))
             rows = quant.dequantize_v32(blocks[blk.unsqueeze(1), cols])
         out[r, dst] = rows

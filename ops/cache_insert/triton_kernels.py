@@ -18,11 +18,21 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, soft_fp8,
                                                 to_bf16, ue8m0_scale)
 
-MODE_V4 = 0          # 584 B paged cache (SPEC §2.2)
-MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (SPEC §2.3)
-MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (SPEC §2.3)
+MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
+MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
+MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (docs/semantics.md §2.3)
 
 _LAUNCH = dict(enable_fp_fusion=False)
+
+# The byte layouts of ops/common/formats.py as the kernels' compile-time constants.
+NOPE = tl.constexpr(formats.NOPE_DIM)                     # 448 e4m3 NoPE dims, then RoPE
+E4M3_MAX = tl.constexpr(formats.E4M3_MAX)                 # 448.0
+V4_DATA = tl.constexpr(formats.V4.token_data_bytes)       # 576 B data record per token
+V4_ROPE = tl.constexpr(formats.V4.rope_offset)            # bf16 RoPE dims inside the record
+V4_SCALE_BYTES = tl.constexpr(formats.V4.scale_offset)    # 8 scale bytes per token (tail)
+V32_RECORD = tl.constexpr(formats.V32.token_data_bytes)   # 656 B record per token
+V32_SCALES = tl.constexpr(formats.V32.scale_offset)       # 4 fp32 scales inside the record
+V32_ROPE = tl.constexpr(formats.V32.rope_offset)          # bf16 RoPE dims inside the record
 
 
 @triton.jit
@@ -33,9 +43,9 @@ def _rotate(row_ptr, x, d, live, pos, cs_ptr, cs_stride, mul):
     stay contiguous. Rounding equals the reference's ``e*c - o*s`` / ``e*s + o*c``: the
     products round separately (no FMA) and ``a + (-b)`` is ``a - b`` exactly.
     """
-    is_rope = d >= 448
+    is_rope = d >= NOPE
     p = tl.load(row_ptr + (d ^ 1), mask=live & is_rope, other=0.0).to(tl.float32) * mul
-    k = tl.maximum(d - 448, 0) // 2
+    k = tl.maximum(d - NOPE, 0) // 2
     c = tl.load(cs_ptr + pos * cs_stride + k, mask=is_rope, other=1.0)
     s = tl.load(cs_ptr + pos * cs_stride + 32 + k, mask=is_rope, other=0.0)
     s = tl.where((d & 1) == 0, -s, s)
@@ -45,7 +55,7 @@ def _rotate(row_ptr, x, d, live, pos, cs_ptr, cs_stride, mul):
 @triton.jit
 def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     """Quantize one token ``y`` [8, 64] fp32 (tiles 0..6 NoPE, tile 7 the rotated RoPE dims)
-    and write its data record and scale bytes (SPEC §2.2)."""
+    and write its data record and scale bytes (docs/semantics.md §2.2)."""
     t = tl.arange(0, 8)[:, None]
     c = tl.arange(0, 64)[None, :]
     nope = t < 7
@@ -58,13 +68,13 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     blk = (slot // BS).to(tl.int64)
     off = slot % BS
     base = cache_ptr + blk * stride0
-    data = base + off * 576
+    data = base + off * V4_DATA
     tl.store(data + t * 64 + c, e4m3_sat(q, SOFT), mask=nope)
-    rope = (data + 448).to(tl.pointer_type(tl.bfloat16))
+    rope = (data + V4_ROPE).to(tl.pointer_type(tl.bfloat16))
     tl.store(rope + (t - 7) * 64 + c, to_bf16(y, SOFT), mask=t == 7)
     k = tl.arange(0, 8)
     sbytes = tl.where(k < 7, tl.minimum(tl.maximum(e + 127, 0), 255), 0).to(tl.uint8)
-    tl.store(base + BS * 576 + off * 8 + k, sbytes)
+    tl.store(base + BS * V4_DATA + off * V4_SCALE_BYTES + k, sbytes)
 
 
 @triton.jit
@@ -163,7 +173,7 @@ def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_
             x = tl.load(kvc_ptr + tok.to(tl.int64) * kvc_s0 + t * 128 + c)
             x = to_bf16(x.to(tl.float32), SOFT).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=1)
-            ratio = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            ratio = tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
             if POW2:
                 e = ceil_log2(tl.maximum(ratio, 1e-4))
                 scale = exp2_int(e)
@@ -171,12 +181,12 @@ def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_
             else:
                 scale = tl.maximum(ratio, 1.1754943508222875e-38)   # FLT_MIN
                 q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-            rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * 656
+            rec = cache_ptr + (slot // BS) * stride0 + (slot % BS) * V32_RECORD
             tl.store(rec + t * 128 + c, e4m3_sat(q, SOFT))
-            tl.store((rec + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
+            tl.store((rec + V32_SCALES).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
             r = tl.arange(0, 64)
             pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
-            tl.store((rec + 528).to(tl.pointer_type(tl.bfloat16)) + r, pe)
+            tl.store((rec + V32_ROPE).to(tl.pointer_type(tl.bfloat16)) + r, pe)
 
 
 @triton.jit
@@ -202,21 +212,21 @@ def _gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_bloc
     okd = ok[:, None]
     out_row = out_ptr + r * out_s0 + dst[:, None] * out_s1
     if V4:
-        data = base[:, None] + (o * 576)[:, None]
-        m = okd & (d < 448)
+        data = base[:, None] + (o * V4_DATA)[:, None]
+        m = okd & (d < NOPE)
         q = tl.load(data + d, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sb = tl.load(base[:, None] + BS * 576 + (o * 8)[:, None] + d // 64, mask=m,
+        sb = tl.load(base[:, None] + BS * V4_DATA + (o * V4_SCALE_BYTES)[:, None] + d // 64, mask=m,
                      other=127).to(tl.int32)
         tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=m)
-        rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
-        tl.store(out_row + 448 + p, rope, mask=okd)
+        rope = tl.load((data + V4_ROPE).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
+        tl.store(out_row + NOPE + p, rope, mask=okd)
     else:
-        rec = base[:, None] + (o * 656)[:, None]
+        rec = base[:, None] + (o * V32_RECORD)[:, None]
         q = tl.load(rec + d, mask=okd, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + d // 128, mask=okd,
+        scale = tl.load((rec + V32_SCALES).to(tl.pointer_type(tl.float32)) + d // 128, mask=okd,
                         other=1.0)
         tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=okd)
-        rope = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
+        rope = tl.load((rec + V32_ROPE).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
         tl.store(out_row + 512 + p, rope, mask=okd)
 
 
@@ -264,7 +274,8 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
         SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
-# Launch shapes, swept on an H200 with tools/tune_insert.py (docs/PERF.md): the fused q path
+# Launch shapes, swept on an H200 with tools/dev/tune_insert.py (docs/perf-log.md, "First
+# numbers: cache insert and index combine"): the fused q path
 # is fastest with 2 heads and 1 warp per program (87-91 % of copy bandwidth; 2+ warps lose
 # ~15 points to the fp64 norm), the row inserts with 4 tokens on 1 warp, the gather with 4.
 CONFIG = {"heads_per_program": 2, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 4,

@@ -48,7 +48,7 @@ def unit_stride(t):
     Kernels here and FlashMLA's take index lists, lengths and sinks by base pointer (index
     lists with their row stride), so an argument given as a strided view, e.g. every second
     column of a wider list, is copied first: read as it is, its elements are the wrong ones
-    (docs/PERF.md session 32). None passes through."""
+    (docs/perf-log.md, "Edges of the ops"). None passes through."""
     if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()

@@ -11,6 +11,10 @@ with the environment variable ``SPARSE_MLA_IMPL``:
 * ``SPARSE_MLA_IMPL=quantize_insert_v4=reference,gather_dequant=triton`` forces per op
   (op names without the ``sparse_mla::`` prefix); other ops stay automatic.
 
+The variable is checked as a whole at the first op call that reads it (and again whenever it
+changes): an unknown implementation or op name, or a malformed item, raises ``ValueError``
+naming the valid ones, so a typo cannot silently leave the choice automatic.
+
 A forced implementation that cannot run raises :class:`ImplementationUnavailable` naming what
 is missing; there is no silent fallback. ``last_choice(op)`` / ``explain(op, ...)`` report which
 implementation ran (or would run) and why the others were rejected.
@@ -18,6 +22,8 @@ implementation ran (or would run) and why the others were rejected.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import os
 import threading
 from typing import Callable, Optional
@@ -28,6 +34,20 @@ from sparse_mla.ops.common.errors import ImplementationUnavailable
 
 IMPLS = ("vendor", "triton", "reference")
 ENV_VAR = "SPARSE_MLA_IMPL"
+
+# Every op of the project, by family (the package that registers it when imported). Written
+# out so that SPARSE_MLA_IMPL and explain() can name the valid ops before a family is
+# imported; tests/ops/common/test_dispatch.py checks it against the registered dispatchers.
+OPS_BY_FAMILY = {
+    "cache_insert": ("quantize_insert_v4", "quantize_insert_v32", "fused_qnorm_rope_insert_v4",
+                     "fused_qnorm_rope_insert_plain", "gather_dequant"),
+    "index_combine": ("global_topk_indices_and_lens", "convert_req_index_to_global",
+                      "swa_indices_and_lens", "c128a_indices_and_lens",
+                      "combine_topk_swa_indices", "flashinfer_mixed_sparse_indices"),
+    "flashmla_decode": ("flashmla_sparse_decode", "flashmla_sparse_prefill"),
+    "trtllm_decode": ("trtllm_decode_dsv4", "trtllm_decode_v32"),
+}
+FAMILY_OF = {op: fam for fam, ops in OPS_BY_FAMILY.items() for op in ops}
 
 Check = Callable[..., Optional[str]]
 
@@ -49,17 +69,45 @@ _REGISTRY: dict = {}
 _LAST = threading.local()
 
 
-def _env_request(op: str) -> Optional[str]:
-    raw = os.environ.get(ENV_VAR, "").strip()
+def _valid_ops() -> list:
+    return sorted(set(FAMILY_OF) | set(_REGISTRY))
+
+
+@functools.lru_cache(maxsize=16)      # a ValueError is not cached: it is raised every call
+def parse_env(raw: str) -> dict:
+    """``SPARSE_MLA_IMPL``'s value as ``{op or "*": impl}`` (cached: do not mutate it).
+    Raises ValueError on an unknown implementation or op name, or a malformed item, naming
+    the valid ones."""
+    raw = raw.strip()
     if not raw:
-        return None
+        return {}
+    valid_impls = ("auto",) + IMPLS
     if "=" not in raw:
-        return raw
+        if raw not in valid_impls:
+            raise ValueError(f"{ENV_VAR} asks for implementation {raw!r}; expected one of "
+                             f"{valid_impls}, or op=impl pairs separated by commas")
+        return {"*": raw}
+    out = {}
     for item in raw.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() == op:
-            return value.strip()
-    return None
+        name, eq, value = (x.strip() for x in item.partition("="))
+        name = name.removeprefix("sparse_mla::")
+        if not eq or not name:
+            raise ValueError(f"{ENV_VAR}: item {item.strip()!r} is not op=impl (the whole "
+                             f"value is one implementation, or op=impl pairs separated by "
+                             f"commas)")
+        if name not in _valid_ops():
+            raise ValueError(f"{ENV_VAR}: unknown op {name!r}; valid ops: "
+                             f"{', '.join(_valid_ops())}")
+        if value not in valid_impls:
+            raise ValueError(f"{ENV_VAR} asks for implementation {value!r} for {name}; "
+                             f"expected one of {valid_impls}")
+        out[name] = value
+    return out
+
+
+def _env_request(op: str) -> Optional[str]:
+    request = parse_env(os.environ.get(ENV_VAR, ""))
+    return request.get("*", request.get(op))
 
 
 def _validate_request(op: str, requested: str, source: str) -> None:
@@ -109,7 +157,7 @@ class Dispatcher:
             if reason is not None:
                 raise ImplementationUnavailable(
                     f"{self.op}: implementation {requested!r} was forced by {forced_by} "
-                    f"but cannot run: {reason}")
+                    f"but cannot run: {reason}", reason)
             return Choice(self.op, requested, forced_by, {})
         rejected = {}
         for name in IMPLS:
@@ -144,18 +192,41 @@ def cuda_device_of(args, kwargs) -> Optional[int]:
     return None
 
 
+def load_family(op: str) -> None:
+    """Import the family that registers ``op`` (a no-op once imported)."""
+    fam = FAMILY_OF.get(op)
+    if fam is not None and op not in _REGISTRY:
+        importlib.import_module(f"sparse_mla.ops.{fam}")
+
+
+def load_all() -> list:
+    """Import every op family (registering all ops); returns the op names."""
+    for fam in OPS_BY_FAMILY:
+        importlib.import_module(f"sparse_mla.ops.{fam}")
+    return sorted(_REGISTRY)
+
+
+def _op_name(op: str) -> str:
+    name = op.removeprefix("sparse_mla::")
+    if name not in _REGISTRY:
+        load_family(name)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; valid ops: {', '.join(_valid_ops())}")
+    return name
+
+
 def last_choice(op: str) -> Optional[Choice]:
     """What the most recent call of ``op`` on this thread ran, and why the others were not."""
-    return getattr(_LAST, "choices", {}).get(op.removeprefix("sparse_mla::"))
+    return getattr(_LAST, "choices", {}).get(_op_name(op))
 
 
 def explain(op: str, *args, impl: Optional[str] = None, **kwargs) -> Choice:
     """Which implementation a call with these arguments would run, without running it."""
-    return _REGISTRY[op.removeprefix("sparse_mla::")].choose(impl, *args, **kwargs)
+    return _REGISTRY[_op_name(op)].choose(impl, *args, **kwargs)
 
 
 def dispatcher(op: str) -> Dispatcher:
-    return _REGISTRY[op.removeprefix("sparse_mla::")]
+    return _REGISTRY[_op_name(op)]
 
 
 # ---------------------------------------------------------------------------------------------

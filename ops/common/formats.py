@@ -1,4 +1,4 @@
-"""KV-cache byte layouts as data (SPEC §2).
+"""KV-cache byte layouts as data (docs/semantics.md §2).
 
 A format descriptor says where each byte of a token lives inside its block; the reference and
 the Triton kernels both address caches only through these numbers, so a layout fact is written
@@ -55,13 +55,15 @@ class PagedFormat:
         return math.ceil(raw / self.block_alignment) * self.block_alignment
 
 
-# DeepSeek-V4 / FlashMLA "MODEL1": per block [bs x 576 data][bs x 8 scales][pad] (SPEC §2.2).
+# DeepSeek-V4 / FlashMLA "MODEL1": per block [bs x 576 data][bs x 8 scales][pad]
+# (docs/semantics.md §2.2).
 V4 = PagedFormat(
     name="v4", bytes_per_token=584, token_data_bytes=576, data_bytes=448, rope_offset=448,
     rope_dims=64, scale_dtype="ue8m0", num_scales=7, tile=64, scale_in_tail=True,
     scale_offset=8, block_alignment=576, out_dim=512)
 
-# DeepSeek-V3.2 fp8_ds_mla: per token [512 e4m3][4 x fp32 scale][64 x bf16 rope] (SPEC §2.1).
+# DeepSeek-V3.2 fp8_ds_mla: per token [512 e4m3][4 x fp32 scale][64 x bf16 rope]
+# (docs/semantics.md §2.1).
 V32 = PagedFormat(
     name="v32", bytes_per_token=656, token_data_bytes=656, data_bytes=512, rope_offset=528,
     rope_dims=64, scale_dtype="fp32", num_scales=4, tile=128, scale_in_tail=False,
@@ -72,7 +74,8 @@ PAGED_FORMATS = {f.name: f for f in (V4, V32)}
 
 @dataclasses.dataclass(frozen=True)
 class PlainFormat:
-    """TRTLLM-gen "full cache" rows: [num_blocks, block_size, 512] of one dtype (SPEC §2.3)."""
+    """TRTLLM-gen "full cache" rows: [num_blocks, block_size, 512] of one dtype
+    (docs/semantics.md §2.3)."""
 
     name: str
     dtype: torch.dtype

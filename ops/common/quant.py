@@ -1,7 +1,8 @@
-"""Reference quantizers and dequantizers for the paged formats (SPEC §2), as plain PyTorch.
+"""Reference quantizers and dequantizers for the paged formats (docs/semantics.md §2), as
+plain PyTorch.
 
 These are the oracle every Triton kernel is compared with byte for byte; they are written to
-read like SPEC, one step a line.
+read like docs/semantics.md §2, one step a line.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_v4(x: torch.Tensor):
-    """SPEC §2.2 writer for rows ``x`` [N, 512] (any float dtype; already RoPE'd).
+    """docs/semantics.md §2.2 writer for rows ``x`` [N, 512] (any float dtype; already RoPE'd).
 
     Returns ``(data [N, 576] uint8, scales [N, 8] uint8)``: data = 448 e4m3 NoPE bytes then the
     64 RoPE dims as little-endian bf16; scales = 7 UE8M0 bytes then a zero pad byte.
@@ -56,7 +57,7 @@ def quantize_v4(x: torch.Tensor):
 
 
 def quantize_v32(kv_c: torch.Tensor, k_pe: torch.Tensor, scale_format: str) -> torch.Tensor:
-    """SPEC §2.1 writer: ``kv_c`` [N, 512], ``k_pe`` [N, 64] → records [N, 656] uint8.
+    """docs/semantics.md §2.1 writer: ``kv_c`` [N, 512], ``k_pe`` [N, 64] → records [N, 656] uint8.
 
     ``scale_format="fp32"``: vLLM's raw ``max(amax/448, FLT_MIN)`` scale, ``q = x / scale``.
     ``scale_format="pow2"``: FlashMLA's test quantizer, ``2**ceil(log2(max(amax/448, 1e-4)))``.
@@ -88,11 +89,11 @@ def dequantize_v4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def dequantize_v32(rec: torch.Tensor) -> torch.Tensor:
     """Records [N, 656] uint8 → bf16 rows [N, 576] (512 dequantized latent + 64 RoPE)."""
-    n = rec.shape[0]
-    q = rec[:, :512].contiguous().view(FP8).float().reshape(n, 4, 128)
-    scale = rec[:, 512:528].contiguous().view(torch.float32).reshape(n, 4, 1)
-    nope = (q * scale).reshape(n, 512).to(torch.bfloat16)
-    rope = rec[:, 528:656].contiguous().view(torch.bfloat16)
+    n, f = rec.shape[0], formats.V32
+    q = rec[:, :f.data_bytes].contiguous().view(FP8).float().reshape(n, f.num_scales, f.tile)
+    scale = rec[:, f.scale_offset:f.rope_offset].contiguous().view(torch.float32)
+    nope = (q * scale.reshape(n, f.num_scales, 1)).reshape(n, f.data_bytes).to(torch.bfloat16)
+    rope = rec[:, f.rope_offset:f.bytes_per_token].contiguous().view(torch.bfloat16)
     return torch.cat([nope, rope], dim=1)
 
 

@@ -3,8 +3,8 @@
 A query token attends to the union of up to two key lists ("sources"), each naming rows of one
 KV cache by slot id. K = V: the same row is used for q·k (all ``D_qk`` dims) and for the output
 (its first 512 dims). With an attention sink the output is scaled by ``sigmoid(lse - sink)``
-(SPEC §5.1, §6): sink = -inf changes nothing, +inf zeroes the output; no valid key gives output
-0 and lse = +inf whatever the sink.
+(docs/semantics.md §5.1, §6): sink = -inf changes nothing, +inf zeroes the output; no valid key
+gives output 0 and lse = +inf whatever the sink.
 
 Key validity in a source: column ``j < lengths[t]`` (all columns when ``lengths`` is None) and
 ``0 <= indices[t, j] < num_blocks * block_size``. (FlashMLA treats only -1 as invalid; other
@@ -78,7 +78,7 @@ def head_dims(sources: Sequence[KeySource]) -> int:
     """D_qk: 576 for V3.2 (512 latent + 64 RoPE; "v32" or a 576-wide plain cache), else 512."""
     if sources and sources[0].fmt in ("plain_bf16", "plain_fp8"):
         return sources[0].cache.shape[-1]
-    return 576 if sources and sources[0].fmt == "v32" else 512
+    return formats.V32.out_dim if sources and sources[0].fmt == "v32" else formats.HEAD_DIM
 
 
 def gather_rows(src: KeySource, slots: torch.Tensor) -> torch.Tensor:
@@ -88,13 +88,13 @@ def gather_rows(src: KeySource, slots: torch.Tensor) -> torch.Tensor:
     fmt = formats.get_format(src.fmt)
     blocks = checks.block_bytes_view(src.cache, fmt, src.block_size)
     b, o = slots // src.block_size, slots % src.block_size
-    if src.fmt == "v4":
-        data = blocks[b.unsqueeze(1), (o * 576).unsqueeze(1) + torch.arange(576, device=b.device)]
-        sc = blocks[b.unsqueeze(1), (src.block_size * 576 + o * 8).unsqueeze(1)
-                    + torch.arange(8, device=b.device)]
+    data = blocks[b.unsqueeze(1), fmt.token_data_addr(src.block_size, o).unsqueeze(1)
+                  + torch.arange(fmt.token_data_bytes, device=b.device)]
+    if fmt is formats.V4:
+        sc = blocks[b.unsqueeze(1), fmt.token_scale_addr(src.block_size, o).unsqueeze(1)
+                    + torch.arange(fmt.scale_offset, device=b.device)]
         return quant.dequantize_v4(data, sc).float()
-    rec = blocks[b.unsqueeze(1), (o * 656).unsqueeze(1) + torch.arange(656, device=b.device)]
-    return quant.dequantize_v32(rec).float()
+    return quant.dequantize_v32(data).float()
 
 
 def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],

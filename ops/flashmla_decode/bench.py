@@ -15,7 +15,8 @@ from sparse_mla.ops.common.benchcase import BenchCase
 from sparse_mla.ops.flashmla_decode import ops
 
 WINDOW = 128
-# FlashMLA-range data (outputs |o| < 1): SPEC §9's abs 1e-3 + rel 2/128 as one max-abs bound
+# FlashMLA-range data (outputs |o| < 1): docs/semantics.md §9's abs 1e-3 + rel 2/128 as one
+# max-abs bound
 TOLERANCE = 1e-3 + 2 / 128
 
 
@@ -47,7 +48,7 @@ def _rows(b, s_q, width, per_row, device, g_seed):
 
 
 def decode_inputs(b, s_q, h, topk, device, fmt="v4"):
-    d = 512 if fmt == "v4" else 576
+    d = formats.get_format(fmt).out_dim
     q = torch.randn(b, s_q, h, d, device=device).clamp(-1, 1).to(torch.bfloat16)
     sink = torch.randn(h, device=device)
     if fmt == "v32":
@@ -65,8 +66,7 @@ def decode_inputs(b, s_q, h, topk, device, fmt="v4"):
 
 
 def decode_cost(b, s_q, h, n_keys, fmt="v4"):
-    d = 512 if fmt == "v4" else 576
-    row = 584 if fmt == "v4" else 656
+    d, row = formats.get_format(fmt).out_dim, formats.get_format(fmt).bytes_per_token
     tokens = b * s_q
     flops = 2 * h * (d + 512) * n_keys * tokens
     nbytes = tokens * (n_keys * row + h * d * 2 + h * 512 * 2)

@@ -1,8 +1,11 @@
-"""FlashMLA-semantics sparse decode and prefill (SPEC §5) as ``sparse_mla::`` custom ops.
+"""FlashMLA-semantics sparse decode and prefill (docs/semantics.md §5) as ``sparse_mla::``
+custom ops.
 
 Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
 list, an optional extra (compressed) key list and an attention sink. Prefill:
-``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/common/sparse_attention.py.
+``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/common/sparse_attention.py:
+reference.py and triton_kernels.py translate the arguments into its key sources; vendor.py
+runs FlashMLA itself.
 """
 from __future__ import annotations
 
@@ -13,12 +16,11 @@ from torch import Tensor
 
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
-from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
-                                                    sparse_attention_triton)
-from sparse_mla.ops.flashmla_decode import vendor
+from sparse_mla.ops.common.opdef import custom_op
+from sparse_mla.ops.flashmla_decode import reference, triton_kernels, vendor
 
 MAX_HEADS = 128
-HEAD_DIM = {"v4": 512, "v32": 576}
+HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32)}   # q / key width: 512, 576
 
 
 def _check_sink_and_out(attn_sink, h, out, out_shape):
@@ -31,58 +33,11 @@ def _check_sink_and_out(attn_sink, h, out, out_shape):
     checks.expect_last_dim_contiguous("out", out)
 
 
-def _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
-                    extra_topk_length, kv_format, bs, extra_bs):
-    b, s_q = indices.shape[0], indices.shape[1]
-    # FlashMLA's lengths are per batch row [b]: every s_q token of the row shares them
-    # (the widths are spelled out: -1 cannot be inferred for an empty batch)
-    srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, indices.shape[-1]),
-                      topk_length, s_q)]
-    if extra_k_cache is not None:
-        srcs.append(KeySource(extra_k_cache, kv_format, extra_bs,
-                              extra_indices.reshape(b * s_q, extra_indices.shape[-1]),
-                              extra_topk_length, s_q))
-    return srcs
-
-
-def _token_rows(t: Tensor, shape):
-    """``(rows, target)``: ``t`` viewed as ``shape`` (tokens flattened) for the kernels to
-    write through, target None; or, where ``t``'s strides allow no such view (``lse`` as a
-    contiguous [b, h, s_q] buffer with s_q > 1), a new buffer and ``t`` to copy it into."""
-    try:
-        return t.view(shape), None
-    except RuntimeError:
-        return torch.empty(shape, dtype=t.dtype, device=t.device), t
-
-
-def _decode_reference(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                      extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
-    b, s_q, h, d = q.shape
-    srcs = _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
-                           extra_topk_length, kv_format, bs, extra_bs)
-    o, l = sparse_attention_reference(q.reshape(b * s_q, h, d), srcs, attn_sink, scale)
-    out.copy_(o.view(b, s_q, h, 512))
-    lse.copy_(l.view(b, s_q, h).transpose(1, 2))
-
-
-def _decode_triton(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                   extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
-    b, s_q, h, d = q.shape
-    srcs = _decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
-                           extra_topk_length, kv_format, bs, extra_bs)
-    o_rows, o_target = _token_rows(out, (b * s_q, h, 512))
-    l_rows, l_target = _token_rows(lse.transpose(1, 2), (b * s_q, h))
-    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows)
-    for rows, target in ((o_rows, o_target), (l_rows, l_target)):
-        if target is not None:
-            target.copy_(rows.view(target.shape))
-
-
 _DECODE = Dispatcher("flashmla_sparse_decode")
 _DECODE.register("vendor", vendor.decode, vendor.decode_check, vendor.decode_automatic)
-_DECODE.register("triton", _decode_triton, lambda q, k_cache, indices, out, *a, **k:
+_DECODE.register("triton", triton_kernels.decode, lambda q, k_cache, indices, out, *a, **k:
                  triton_check(q, k_cache, indices, out))
-_DECODE.register("reference", _decode_reference)
+_DECODE.register("reference", reference.decode)
 
 
 def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
@@ -146,7 +101,7 @@ def _check_lengths(q, lists):
                                     "batch row")
 
 
-@torch.library.custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"))
+@custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"))
 def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
                            topk_length: Optional[Tensor] = None,
                            extra_k_cache: Optional[Tensor] = None,
@@ -156,7 +111,7 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            softmax_scale: Optional[float] = None, kv_format: str = "v4",
                            block_size: Optional[int] = None,
                            extra_block_size: Optional[int] = None, impl: str = "auto") -> None:
-    """SPEC §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
+    """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
     bs, extra_bs = _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                                     extra_indices, extra_topk_length, attn_sink, kv_format,
                                     block_size, extra_block_size)
@@ -183,8 +138,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 
     Index columns past ``topk_length`` / ``extra_topk_length`` may hold anything. Within them,
     every id outside [0, the cache's slots) marks an unused column (-1 is the usual one) on
-    every implementation: FlashMLA itself skips only -1 (SPEC §5.1), so the vendor path maps
-    the others to -1 before calling it."""
+    every implementation: FlashMLA itself skips only -1 (docs/semantics.md §5.1), so the vendor path
+    maps the others to -1 before calling it."""
     b, s_q, h = q.shape[:3]
     if out is None:
         out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
@@ -197,31 +152,13 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 
 
 # ---------------------------------------------------------------------------------------------
-# prefill: flash_mla_sparse_fwd on a dense bf16 kv (SPEC §5.2)
-
-def _prefill_source(kv, indices, topk_length):
-    # dense kv [s_kv, 1, 512] is a "plain" cache of s_kv blocks of one row each
-    return [KeySource(kv, "plain_bf16", 1, indices[:, 0, :], topk_length)]
-
-
-def _prefill_reference(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
-    o, l, m = sparse_attention_reference(q, _prefill_source(kv, indices, topk_length),
-                                         attn_sink, scale, return_max_logits=True)
-    out.copy_(o)
-    lse.copy_(l)
-    max_logits.copy_(m)
-
-
-def _prefill_triton(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
-    sparse_attention_triton(q, _prefill_source(kv, indices, topk_length), attn_sink, scale, out,
-                            lse, max_logits=max_logits)
-
+# prefill: flash_mla_sparse_fwd on a dense bf16 kv (docs/semantics.md §5.2)
 
 _PREFILL = Dispatcher("flashmla_sparse_prefill")
 _PREFILL.register("vendor", vendor.prefill, vendor.prefill_check)
-_PREFILL.register("triton", _prefill_triton, lambda q, kv, indices, out, *a, **k:
+_PREFILL.register("triton", triton_kernels.prefill, lambda q, kv, indices, out, *a, **k:
                   triton_check(q, kv, indices, out))
-_PREFILL.register("reference", _prefill_reference)
+_PREFILL.register("reference", reference.prefill)
 
 
 def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink):
@@ -249,13 +186,13 @@ def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_si
     _check_lengths(q, (("topk_length", topk_length, indices),))
 
 
-@torch.library.custom_op("sparse_mla::flashmla_sparse_prefill",
-                         mutates_args=("out", "max_logits", "lse"))
+@custom_op("sparse_mla::flashmla_sparse_prefill",
+           mutates_args=("out", "max_logits", "lse"))
 def flashmla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, out: Tensor,
                             max_logits: Tensor, lse: Tensor, sm_scale: float,
                             topk_length: Optional[Tensor] = None,
                             attn_sink: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """SPEC §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
+    """docs/semantics.md §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
     j < topk_length[i]. lse / max_logits exclude the sink (+inf / -inf without keys)."""
     _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink)
     _PREFILL(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, sm_scale, impl=impl)

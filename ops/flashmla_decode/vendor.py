@@ -4,12 +4,12 @@ Only its frozen legacy kernels read the V4 584 B / V3.2 656 B formats, and they 
 here on SM90 (H100/H200) only, so that is all this path accepts. FlashMLA needs 64 or 128
 heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this module pads
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
-FlashMLA's decode skips only the slot id -1 (SPEC §5.1): on the H200 and H100 an id of -2,
--64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
-one at or past the capacity read past the cache (docs/PERF.md session 31). The reference and
-Triton paths skip every id outside [0, capacity), so this path writes its padded index lists
-with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA also
-refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
+FlashMLA's decode skips only the slot id -1 (docs/semantics.md §5.1): on the H200 and H100 an id of
+-2, -64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
+one at or past the capacity read past the cache (docs/perf-log.md, "Vendor decode route").
+The reference and Triton paths skip every id outside [0, capacity), so this path writes its padded
+index lists with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA
+also refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
 those are copied to unit stride first (``checks.unit_stride``), and it reads past an index
 list given a length past its width, so lengths reach it clamped to [0, width].
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
@@ -50,8 +51,8 @@ def capability_reason(major: int, minor: int) -> Optional[str]:
     if (major, minor) == (9, 0):
         return None
     if major == 10:
-        # SPEC §10: the wheel's current SM100 kernels read only the V4.1 formats (528 B fp8,
-        # 288 B fp4), which this op does not take; its legacy kernels were verified on SM90
+        # docs/semantics.md §10: the wheel's current SM100 kernels read only the V4.1 formats (528 B
+        # fp8, 288 B fp4), which this op does not take; its legacy kernels were verified on SM90
         return (f"FlashMLA's SM100 kernels read only the V4.1 cache formats, not V4 (584 B) "
                 f"or V3.2 (656 B); its legacy kernels are used on SM90 only (this GPU is "
                 f"SM{major}{minor})")
@@ -108,7 +109,7 @@ def _usable_lengths(lengths: Optional[torch.Tensor], width: int) -> Optional[tor
     """``lengths`` clamped to [0, width] (a new contiguous list), as the op defines them
     (``KeySource.usable``). FlashMLA reads index columns up to a length past the list's width
     (an H200 faulted at 5000 over a 64-wide list) and gave another answer than the reference
-    for negative ones (docs/PERF.md session 32)."""
+    for negative ones (docs/perf-log.md, "Edges of the ops")."""
     return None if lengths is None else lengths.clamp(0, width)
 
 
@@ -142,7 +143,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)
-    nbytes = 584 if kv_format == "v4" else 656
+    nbytes = formats.get_format(kv_format).bytes_per_token
     meta, _ = flash_mla.get_mla_metadata()
     kwargs = dict(softmax_scale=scale, causal=False, is_fp8_kvcache=True,
                   indices=_usable_ids(indices, k_cache.shape[0] * bs, 64),
@@ -165,10 +166,11 @@ def decode_automatic(*args, **kwargs):
     """Why the automatic choice passes this path over where our sm_90 kernel can run: a
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
     every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape
-    measured (H200 and H100, docs/PERF.md session 31). ``impl="vendor"`` still runs it."""
+    measured (H200 and H100, docs/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still
+    runs it."""
     if gluon_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
-                "slower here than the Triton kernel (docs/PERF.md session 31); "
+                "slower here than the Triton kernel (docs/perf-log.md, 'Vendor decode route'); "
                 "impl='vendor' runs it")
     return None
 

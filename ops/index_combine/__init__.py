@@ -1,5 +1,5 @@
-"""Index-combine op family (SPEC §4): local→global slots, SWA window indices, C128A indices,
-FlashMLA prefill combine, TRTLLM-gen mixed decode + prefill indices."""
+"""Index-combine op family (docs/semantics.md §4): local→global slots, SWA window indices, C128A
+indices, FlashMLA prefill combine, TRTLLM-gen mixed decode + prefill indices."""
 from sparse_mla.ops.index_combine.ops import (  # noqa: F401
     build_flashinfer_mixed_sparse_indices,
     c128a_indices_and_lens,

@@ -1,4 +1,4 @@
-"""The index ops (SPEC §4) as ``sparse_mla::`` custom ops.
+"""The index ops (docs/semantics.md §4) as ``sparse_mla::`` custom ops.
 
 Each op: validate (raises before anything is written) → dispatch (triton or reference; no
 vendor package ships these metadata kernels) → implementation. Every op writes into
@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.common.dispatch import Dispatcher, no_vendor, triton_check
-from sparse_mla.ops.index_combine import reference, triton_kernels
+from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.opdef import custom_op
+from sparse_mla.ops.index_combine import reference, triton_kernels, vendor
 
 I32 = torch.int32
-NO_VENDOR = no_vendor("no vendor package ships this index-metadata kernel")
 C128A_ALIGNMENT = 128        # FlashMLA decode needs extra_topk % 64 == 0; vLLM pads to 128
 PREFILL_ALIGNMENT = 128      # FlashMLA sparse prefill needs topk % 128 == 0 (SM90)
 TRTLLM_ALIGNMENT = 4         # TRTLLM-gen loads index rows with 16-byte cp.async
@@ -37,7 +37,7 @@ def round_up(x: int, m: int) -> int:
 
 def _dispatcher(name, ref_fn, triton_fn):
     d = Dispatcher(name)
-    d.register("vendor", None, NO_VENDOR)
+    d.register("vendor", None, vendor.CHECK)
     d.register("triton", triton_fn, lambda *a, **k: triton_check(
         *[x for x in a if isinstance(x, torch.Tensor)]))
     d.register("reference", ref_fn)
@@ -182,13 +182,13 @@ def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_va
                                 "top-k index")
 
 
-@torch.library.custom_op("sparse_mla::global_topk_indices_and_lens",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::global_topk_indices_and_lens",
+           mutates_args=("out_indices", "out_lens"))
 def global_topk_indices_and_lens(topk_indices: Tensor, token_to_req_indices: Tensor,
                                  block_table: Tensor, is_valid_token: Tensor, out_indices: Tensor,
                                  out_lens: Tensor, block_size: int, impl: str = "auto") -> None:
-    """SPEC §4.1 (vLLM ``compute_global_topk_indices_and_lens``): request-local top-k ids
-    ``topk_indices`` [T, K] (-1 = padding) → global slots
+    """docs/semantics.md §4.1 (vLLM ``compute_global_topk_indices_and_lens``): request-local top-k
+    ids ``topk_indices`` [T, K] (-1 = padding) → global slots
     ``block_table[req, i // bs] * bs + i % bs`` in ``out_indices`` [T, K] and
     ``out_lens[t]`` = number of entries >= 0 (0 when ``is_valid_token[t]`` is False).
 
@@ -196,7 +196,7 @@ def global_topk_indices_and_lens(topk_indices: Tensor, token_to_req_indices: Ten
     entry of a token whose request id is outside ``[0, R)`` becomes -1 and is not counted
     (vLLM would read outside the table). With value checks (CPU): such entries of valid tokens
     raise. The count is of all entries >= 0 wherever they sit; callers emit a left-aligned
-    valid prefix (SPEC §4.1), as the attention kernels read the first ``lens`` columns.
+    valid prefix (docs/semantics.md §4.1), as the attention kernels read the first ``lens`` columns.
     """
     _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_valid_token,
                           out_indices, out_lens, block_size)
@@ -277,16 +277,16 @@ def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
                              f"(block_table rows)")
 
 
-@torch.library.custom_op("sparse_mla::convert_req_index_to_global",
-                         mutates_args=("out", "valid_counts"))
+@custom_op("sparse_mla::convert_req_index_to_global",
+           mutates_args=("out", "valid_counts"))
 def convert_req_index_to_global(req_id: Tensor, block_table: Tensor, token_indices: Tensor,
                                 out: Tensor, valid_counts: Optional[Tensor],
                                 prefill_workspace_request_ids: Optional[Tensor],
                                 prefill_workspace_starts: Optional[Tensor], block_size: int,
                                 block_stride_rows: Optional[int] = None,
                                 impl: str = "auto") -> None:
-    """SPEC §4.1, V3.2 (vLLM ``triton_convert_req_index_to_global_index``), column for column:
-    ``out[t, j] = block_table[req_id[t], tok // bs] * block_stride_rows + tok % bs`` with
+    """docs/semantics.md §4.1, V3.2 (vLLM ``triton_convert_req_index_to_global_index``), column for
+    column: ``out[t, j] = block_table[req_id[t], tok // bs] * block_stride_rows + tok % bs`` with
     ``tok = token_indices[t, j]``; ``block_stride_rows`` (default ``block_size``) is the row
     distance between physical blocks of a packed pool. ``-1`` when ``tok < 0`` or its block
     index is beyond ``block_table`` (vLLM's documented "for safety" rule, so not an error).
@@ -381,16 +381,16 @@ def _validate_swa(query_start_loc, seq_lens, token_to_req_indices, is_valid_toke
         _check_table_covers("block_table", block_table, req, pos, block_size, "position")
 
 
-@torch.library.custom_op("sparse_mla::swa_indices_and_lens",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::swa_indices_and_lens",
+           mutates_args=("out_indices", "out_lens"))
 def swa_indices_and_lens(query_start_loc: Tensor, seq_lens: Tensor, token_to_req_indices: Tensor,
                          is_valid_token: Tensor, block_table: Tensor, out_indices: Tensor,
                          out_lens: Tensor, block_size: int, window_size: int = 128,
                          token_offset: int = 0, impl: str = "auto") -> None:
-    """SPEC §4.2 (vLLM ``_compute_swa_indices_and_lens_kernel``, newest form). Row ``i`` of
-    ``out_indices`` ([T, W] or vLLM's [T, 1, W]) is batch token ``t = token_offset + i`` (decode
-    rows: offset 0; prefill rows: offset = num_decode_tokens; ``query_start_loc`` is absolute,
-    not rebased). With ``pos = seq_len - query_len + (t - query_start)``: columns
+    """docs/semantics.md §4.2 (vLLM ``_compute_swa_indices_and_lens_kernel``, newest form). Row
+    ``i`` of ``out_indices`` ([T, W] or vLLM's [T, 1, W]) is batch token ``t = token_offset + i``
+    (decode rows: offset 0; prefill rows: offset = num_decode_tokens; ``query_start_loc`` is
+    absolute, not rebased). With ``pos = seq_len - query_len + (t - query_start)``: columns
     ``[0, min(pos+1, W))`` = SWA slots of positions ``max(pos-W+1, 0) ...  pos`` (oldest
     first) through ``block_table`` (block size ``block_size``, 64 in vLLM), the rest -1;
     ``out_lens[i] = min(pos+1, W)``. Graph-padding tokens (``is_valid_token`` False): length 0,
@@ -468,14 +468,14 @@ def _validate_c128a(positions, slot_mapping, token_to_req_indices, block_table, 
                             "compressed entry")
 
 
-@torch.library.custom_op("sparse_mla::c128a_indices_and_lens",
-                         mutates_args=("out_decode", "out_decode_lens", "out_prefill"))
+@custom_op("sparse_mla::c128a_indices_and_lens",
+           mutates_args=("out_decode", "out_decode_lens", "out_prefill"))
 def c128a_indices_and_lens(positions: Tensor, slot_mapping: Tensor, token_to_req_indices: Tensor,
                            block_table: Tensor, out_decode: Tensor, out_decode_lens: Tensor,
                            out_prefill: Tensor, block_size: int, compress_ratio: int = 128,
                            impl: str = "auto") -> None:
-    """SPEC §4.3 (vLLM ``build_c128a_topk_metadata``), one launch for decode and prefill
-    tokens (decodes first: token ``t < Td = out_decode.shape[0]`` is a decode token, token
+    """docs/semantics.md §4.3 (vLLM ``build_c128a_topk_metadata``), one launch for decode and
+    prefill tokens (decodes first: token ``t < Td = out_decode.shape[0]`` is a decode token, token
     ``Td + i`` is prefill row ``i``). ``n = min((pos+1) // ratio, width)`` with ``width =
     out_decode.shape[1]`` (a multiple of 128, see :func:`c128a_width`).
     Decode rows: global slots of compressed entries ``0 .. n-1`` through ``block_table``
@@ -571,14 +571,14 @@ def _validate_combine(topk_indices, query_start_loc, seq_lens, gather_lens, out_
                                      f"top-k ids must be request-local")
 
 
-@torch.library.custom_op("sparse_mla::combine_topk_swa_indices",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::combine_topk_swa_indices",
+           mutates_args=("out_indices", "out_lens"))
 def combine_topk_swa_indices(topk_indices: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
                              gather_lens: Tensor, out_indices: Tensor, out_lens: Tensor,
                              window_size: int, compress_ratio: int, topk: int, M: int, N: int,
                              impl: str = "auto") -> None:
-    """SPEC §4.4 (vLLM ``combine_topk_swa_indices``, FlashMLA prefill). Indices into the
-    gathered bf16 workspace viewed as ``[num_reqs * M, 1, 512]``: request b owns rows
+    """docs/semantics.md §4.4 (vLLM ``combine_topk_swa_indices``, FlashMLA prefill). Indices into
+    the gathered bf16 workspace viewed as ``[num_reqs * M, 1, 512]``: request b owns rows
     ``[b*M, b*M + M)``, compressed entries at ``b*M + idx`` (``idx < N``) and SWA positions
     ``[seq_len - gather_len, seq_len)`` at ``b*M + N + ...``. ``query_start_loc`` is rebased by
     its first element; token ``t`` of the chunk is row ``t``. Per token: ``topk_len =
@@ -587,8 +587,8 @@ def combine_topk_swa_indices(topk_indices: Tensor, query_start_loc: Tensor, seq_
     oldest first; every other column (up to ``round_up(topk + W, 128)``) is -1;
     ``out_lens = topk_len + swa_len``.
 
-    Choices (SPEC §4.4 *(vX)*): a top-k id outside ``[0, N)`` in the active columns becomes -1
-    (newest vLLM guard; still counted in the length, as in vLLM), and columns beyond
+    Choices (docs/semantics.md §4.4 *(vX)*): a top-k id outside ``[0, N)`` in the active columns
+    becomes -1 (newest vLLM guard; still counted in the length, as in vLLM), and columns beyond
     ``topk_indices.shape[1]`` read as -1. Rows beyond the last request's tokens (padding) get
     length 0 and all -1. With value checks (CPU) a top-k id >= N, a gather_len that does not
     cover the window, ``N + gather_len > M`` and ``query_len > seq_len`` raise; without them
@@ -701,8 +701,8 @@ def _validate_mixed(decode_swa_indices, decode_compressed_indices, decode_compre
                                     compressed_block_size, "compressed index")
 
 
-@torch.library.custom_op("sparse_mla::flashinfer_mixed_sparse_indices",
-                         mutates_args=("out_indices", "out_lens"))
+@custom_op("sparse_mla::flashinfer_mixed_sparse_indices",
+           mutates_args=("out_indices", "out_lens"))
 def flashinfer_mixed_sparse_indices(
         decode_swa_indices: Tensor, decode_compressed_indices: Optional[Tensor],
         decode_compressed_topk_lens: Optional[Tensor], prefill_topk_indices: Tensor,
@@ -713,8 +713,8 @@ def flashinfer_mixed_sparse_indices(
         topk: int, decode_compressed_indices_are_local: bool = False,
         swa_block_span: Optional[int] = None, compressed_block_span: Optional[int] = None,
         impl: str = "auto") -> None:
-    """SPEC §4.5 (vLLM ``build_flashinfer_mixed_sparse_indices``), decode rows and prefill rows
-    in ONE launch. Rows: ``Td = decode_swa_indices.shape[0]`` decode tokens, then
+    """docs/semantics.md §4.5 (vLLM ``build_flashinfer_mixed_sparse_indices``), decode rows and
+    prefill rows in ONE launch. Rows: ``Td = decode_swa_indices.shape[0]`` decode tokens, then
     ``Tp = prefill_topk_indices.shape[0]`` prefill tokens (batch token ``t`` = row ``t``;
     ``query_start_loc`` absolute). Width ``W + round_up(max(topk, Kd), 4)`` (:func:`mixed_width`):
     columns ``[0, W)`` index the SWA pool, the rest the compressed pool.

@@ -1,4 +1,5 @@
-"""PyTorch reference for the index-combine family (SPEC §4): the oracle and the CPU kernel.
+"""PyTorch reference for the index-combine family (docs/semantics.md §4): the oracle and the
+CPU kernel.
 
 Arguments arrive validated (see ops.py; on CPU the validation includes the value checks, so
 inconsistent batches raise there). The functions below still define a value for every input

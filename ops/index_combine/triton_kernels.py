@@ -1,4 +1,5 @@
-"""Triton kernels for the index-combine family (SPEC §4); element-for-element equal to reference.py.
+"""Triton kernels for the index-combine family (docs/semantics.md §4); element-for-element
+equal to reference.py.
 
 Rules every kernel here follows:
 * one program per output row, columns in tiles of ``BLOCK`` (a power of two); every column of
@@ -276,8 +277,9 @@ def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter,
     tl.store(lens_ptr + t, topk_len + swa_len)
 
 
-# Launch shape of the prefill combine (tools/tune_index.py sweeps it; block None = widest).
-# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/PERF.md)
+# Launch shape of the prefill combine (tools/dev/tune_index.py sweeps it; block None = widest).
+# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/perf-log.md, "Attention
+# core rework")
 COMBINE_CONFIG = {"block": 128, "num_warps": 1}
 
 

@@ -1,7 +1,7 @@
 """Benchmark cases for the TRTLLM-gen-semantics DSv4 decode (ops/common/benchcase.py contract).
 
 small=False: bf16 and per-tensor-fp8 plain caches, h 64 / 128, window 128 + compressed 512 /
-1024 (cross product), batch 1 / 4 / 64 / 256 with s_q = 2 (MTP, as DESIGN's FlashMLA
+1024 (cross product), batch 1 / 4 / 64 / 256 with s_q = 2 (MTP, as docs/design.md's FlashMLA
 anchor; batch 4 splits the keys and combines, as FlashMLA's batch-2 shapes do), long context
 (every SWA column visible, every compressed column valid). SWA pool page 64; compressed
 pool page 64 with scattered rows. small=True: tiny CPU shapes.
@@ -18,7 +18,8 @@ from sparse_mla.ops.common.benchcase import BenchCase
 from sparse_mla.ops.trtllm_decode import ops
 
 I32 = torch.int32
-# bf16 outputs of magnitude < 1: SPEC §9's decode bound (abs 1e-3 + rel 2/128) as one number
+# bf16 outputs of magnitude < 1: docs/semantics.md §9's decode bound (abs 1e-3 + rel 2/128) as
+# one number
 TOLERANCE = 1e-3 + 2 / 128
 W = 128
 PAGE = 64

@@ -1,4 +1,4 @@
-"""TRTLLM-gen-semantics sparse MLA decode (SPEC §6) as ``sparse_mla::`` custom ops.
+"""TRTLLM-gen-semantics sparse MLA decode (docs/semantics.md §6) as ``sparse_mla::`` custom ops.
 
 * ``trtllm_decode_dsv4``: FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (DeepSeek-V4,
   plain bf16 / per-tensor-fp8 SWA and compressed pools, 512-dim q/k/v).
@@ -10,15 +10,15 @@ Each op: validate (raises before anything is written) → dispatch → implement
 arguments are translated into ``KeySource`` lists of the shared attention layer
 (ops/common/sparse_attention.py), so the reference and the Triton kernel are the shared ones.
 Vendor: FlashInfer, imported lazily, only on SM100/SM103 with ``flashinfer`` installed. The
-vendor argument translation is a pure function (``dsv4_vendor_arguments``,
+vendor argument translation (vendor.py) is a pure function (``dsv4_vendor_arguments``,
 ``v32_vendor_arguments``) unit-tested on CPU; **FlashInfer's kernel itself was never run by
 this project (no SM100 GPU was available), so the vendor path is unverified.**
 
 Addressing: FlashInfer's TRTLLM-gen kernels see a pool as flat token rows (page size 1): slot
 ``s`` is read at ``base + s * token_stride``. For a contiguous pool that is page
 ``s // page_size``, offset ``s % page_size``; for a "packed" pool (pages further apart than
-``page_size`` rows, SPEC §2.3) callers must already have remapped slots to the page span, and
-this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
+``page_size`` rows, docs/semantics.md §2.3) callers must already have remapped slots to the page
+span, and this op reads exactly what FlashInfer reads. Slots outside ``[0, rows)`` are skipped.
 
 No host syncs on the hot path. Per-token column counts: a dense batch (one query length)
 hands ``seq_lens`` / ``sparse_topk_lens`` to the kernels as they are (``KeySource.causal`` /
@@ -37,28 +37,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.common import checks
+from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.opdef import custom_op
 from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
                                                     sparse_attention_triton)
-from sparse_mla.ops.common.vendor_heads import pad_heads
+from sparse_mla.ops.trtllm_decode import vendor
+from sparse_mla.ops.trtllm_decode.reference import SWA_COLS, dsv4_lengths as _dsv4_lengths
+from sparse_mla.ops.trtllm_decode.reference import v32_lengths as _v32_lengths
 
 I32 = torch.int32
-SWA_COLS = 128                        # fixed SWA window columns of a DSv4 index row
 TOPK_ALIGNMENT = 4                    # TRTLLM-gen loads index rows with 16-byte cp.async
 MAX_HEADS = 128
-DSV4_DIM = 512
-V32_DIM = 576                         # 512 latent + 64 RoPE
-V_DIM = 512
+DSV4_DIM = formats.HEAD_DIM
+V32_DIM = formats.V32.out_dim         # 576 = 512 latent + 64 RoPE
+V_DIM = formats.HEAD_DIM
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 LAYOUTS = ("HND", "NHD")
-FLASHINFER_DSV4_HEADS = (8, 16, 32, 64, 128)   # _check_dsv4_sparse_mla_inputs
-FLASHINFER_V32_PAGE_SIZES = (32, 64)           # trtllm-gen MLA decode block sizes
-VENDOR_CCS = ((10, 0), (10, 3))
-VENDOR_NEEDS = ("needs an SM100/SM103 GPU (compute capability 10.0 / 10.3) and the flashinfer "
-                "package (flashinfer-python); FlashInfer's kernel was never run by this "
-                "project's tests (no SM100 available), so this path is unverified")
-WORKSPACE_BYTES = 128 * 1024 * 1024   # vLLM's zero-initialised FlashInfer workspace
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,20 +212,6 @@ def _check_sinks(sinks, H):
         checks.expect_shape("sinks", sinks, (H,))
 
 
-def _token_map(T: int, B: int, Q: int, cum_seq_lens_q: Optional[Tensor], device):
-    """Per token: request id, index inside its request, its request's query length, and
-    whether it belongs to a request at all (varlen rows outside ``cum_seq_lens_q`` do not).
-    Tensor ops only (no host sync)."""
-    t = torch.arange(T, device=device)
-    if cum_seq_lens_q is None:
-        req = t // Q
-        return req, t - req * Q, torch.full_like(t, Q), torch.ones_like(t, dtype=torch.bool)
-    cu = cum_seq_lens_q.long()
-    req = torch.searchsorted(cu[1:].contiguous(), t, right=True).clamp_(max=B - 1)
-    start, end = cu[req], cu[req + 1]
-    return req, t - start, end - start, (t >= start) & (t < end)
-
-
 def _check_requests(cum_seq_lens_q, max_q_len, T):
     cu = cum_seq_lens_q.long()
     if int(cu[0]) < 0 or int(cu[-1]) > T:
@@ -257,38 +239,6 @@ def _check_active_slots(name, idx, ncols, capacity):
         t, j = int(bad[0, 0]), int(bad[0, 1])
         raise ValueError(f"{name}[{t}, {j}] = {int(idx[t, j])} is not a row of its pool "
                          f"({capacity} rows = pages * page_size, flat token addressing)")
-
-
-def _vendor_env() -> Optional[str]:
-    """None when FlashInfer could run here, else why not."""
-    if not torch.cuda.is_available():
-        return VENDOR_NEEDS + " (no CUDA device)"
-    cc = torch.cuda.get_device_capability()
-    if tuple(cc) not in VENDOR_CCS:
-        return VENDOR_NEEDS + f" (this GPU is SM{cc[0]}{cc[1]})"
-    try:
-        import flashinfer.decode  # noqa: F401
-    except Exception as exc:   # noqa: BLE001 - any import failure means "not available"
-        return VENDOR_NEEDS + f" (flashinfer is not importable: {exc})"
-    return None
-
-
-_WORKSPACES: dict = {}
-
-
-def _workspace(device) -> Tensor:
-    """One zero-initialised 128 MiB FlashInfer workspace per device (as vLLM allocates)."""
-    key = str(device)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return _WORKSPACES[key]
-
-
-def _pad_heads(H: int, allowed) -> int:
-    for a in allowed:
-        if H <= a:
-            return a
-    raise ValueError(f"{H} heads exceed the largest head count {allowed[-1]} FlashInfer accepts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,18 +306,6 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
     return T, B, Q, H, swa, cmp
 
 
-def _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
-    """SWA: ``min(seq_len - q_len + q_idx + 1, 128)`` leading columns (0 if negative);
-    compressed: ``sparse_topk_lens - 128`` leading columns (clamped to [0, TOPK - 128])."""
-    req, qi, ql, inb = _token_map(T, B, Q, cum_seq_lens_q, sparse_topk_lens.device)
-    visible = seq_lens.long()[req] - ql + qi + 1 if B else torch.zeros_like(req)
-    zero = torch.zeros_like(req)
-    swa_len = torch.where(inb, visible.clamp(0, SWA_COLS), zero).to(I32)
-    cmp_len = torch.where(inb, (sparse_topk_lens.long() - SWA_COLS).clamp(0, topk - SWA_COLS),
-                          zero).to(I32)
-    return swa_len, cmp_len
-
-
 def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
                   seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len, lengths=None):
     """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer; ``lengths``
@@ -409,8 +347,8 @@ def _dsv4_reference(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sp
 
 
 def _triton_lengths():
-    from sparse_mla.ops.trtllm_decode import triton_lengths   # imports Triton: Triton path only
-    return triton_lengths
+    from sparse_mla.ops.trtllm_decode import triton_kernels   # imports Triton: Triton path only
+    return triton_kernels
 
 
 def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
@@ -423,71 +361,11 @@ def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spars
                             out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
 
 
-def dsv4_vendor_arguments(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
-                          sparse_topk_lens, seq_lens, out, bmm1_scale=1.0,
-                          bmm1_scale_tensor=None, bmm2_scale=1.0, bmm2_scale_tensor=None,
-                          sinks=None, kv_layout="HND", cum_seq_lens_q=None, max_q_len=None,
-                          workspace_buffer=None) -> dict:
-    """Pure translation of validated op arguments into the call FlashInfer would receive.
-
-    Returns ``{"function": name in flashinfer.decode, "kwargs": {...}, "copy_out":
-    (padded_out, out) or None}``. Heads are padded up to the next count FlashInfer's DSv4 check
-    accepts (8, 16, 32, 64, 128): q pad heads are zeros, sink pad heads -inf, and the padded
-    output's first ``H`` heads are copied into ``out`` afterwards. Caches and the layout pass
-    unchanged (3-D stays 3-D); indices, lengths and sinks too, unless strided in their last
-    dimension (then as unit-stride copies: whether FlashInfer reads them by base pointer is
-    unverified, it does not run on SM90). A tensor ``bmm1_scale`` is passed as the tensor
-    in natural units: FlashInfer multiplies it by log2(e) itself (a float is converted in C++).
-    Makes only those copies (no other allocation or launch); imports nothing.
-    """
-    H = query.shape[-2]
-    Hp = _pad_heads(H, FLASHINFER_DSV4_HEADS)
-    q, s, padded_out = pad_heads(query, sinks, Hp, out_dim=V_DIM)
-    o, copy_out = (out, None) if padded_out is None else (padded_out, (padded_out, out))
-    us = checks.unit_stride     # strided lists reach FlashInfer as unit-stride copies
-    kwargs = dict(
-        query=q, swa_kv_cache=swa_kv_cache, workspace_buffer=workspace_buffer,
-        sparse_indices=us(sparse_indices), compressed_kv_cache=compressed_kv_cache,
-        sparse_topk_lens=us(sparse_topk_lens), seq_lens=us(seq_lens), out=o,
-        bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
-        bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
-        sinks=us(s), kv_layout=kv_layout, cum_seq_lens_q=us(cum_seq_lens_q),
-        max_q_len=max_q_len, backend="trtllm-gen")
-    return {"function": "trtllm_batch_decode_sparse_mla_dsv4", "kwargs": kwargs,
-            "copy_out": copy_out}
-
-
-def _run_vendor(plan):
-    import flashinfer.decode as fi_decode
-    getattr(fi_decode, plan["function"])(**plan["kwargs"])
-    if plan["copy_out"] is not None:
-        padded, out = plan["copy_out"]
-        out.copy_(padded[..., :out.shape[-2], :])
-
-
-def _vendor_runner(arguments):
-    """The vendor implementation: translate (pure ``arguments``), then call FlashInfer. The
-    last argument is the workspace; a process-wide zeroed one is used when it is None."""
-    def run(*args):
-        a = list(args)
-        if a[-1] is None:
-            a[-1] = _workspace(args[0].device)
-        _run_vendor(arguments(*a))
-    return run
-
-
-def _cuda_vendor_reason(query) -> Optional[str]:
-    reason = _vendor_env()
-    if reason is None and query.device.type != "cuda":
-        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
-    return reason
-
-
-_dsv4_vendor = _vendor_runner(dsv4_vendor_arguments)
+_dsv4_vendor = vendor.runner(vendor.dsv4_vendor_arguments)
 
 
 def _dsv4_vendor_check(*args) -> Optional[str]:
-    return _cuda_vendor_reason(args[0])
+    return vendor.cuda_reason(args[0])
 
 
 _DSV4 = Dispatcher("trtllm_decode_dsv4")
@@ -496,8 +374,8 @@ _DSV4.register("triton", _dsv4_triton, lambda *a: triton_check(*a[:7]))
 _DSV4.register("reference", _dsv4_reference)
 
 
-@torch.library.custom_op("sparse_mla::trtllm_decode_dsv4",
-                         mutates_args=("out", "workspace_buffer"))
+@custom_op("sparse_mla::trtllm_decode_dsv4",
+           mutates_args=("out", "workspace_buffer"))
 def trtllm_decode_dsv4(query: Tensor, swa_kv_cache: Tensor, sparse_indices: Tensor,
                        compressed_kv_cache: Tensor, sparse_topk_lens: Tensor, seq_lens: Tensor,
                        out: Tensor, bmm1_scale: float = 1.0,
@@ -507,7 +385,7 @@ def trtllm_decode_dsv4(query: Tensor, swa_kv_cache: Tensor, sparse_indices: Tens
                        cum_seq_lens_q: Optional[Tensor] = None,
                        max_q_len: Optional[int] = None,
                        workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """DeepSeek-V4 sparse decode with TRTLLM-gen semantics (SPEC §6); writes ``out``.
+    """DeepSeek-V4 sparse decode with TRTLLM-gen semantics (docs/semantics.md §6); writes ``out``.
 
     Per query token ``t`` of request ``b`` (token ``q_idx`` of its ``q_len``), keys are the
     union of: SWA pool rows ``sparse_indices[t, j]`` for ``j < min(seq_lens[b] - q_len + q_idx
@@ -629,12 +507,6 @@ def _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1
     return T, B, Q, H
 
 
-def _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
-    req, _, _, inb = _token_map(T, B, Q, cum_seq_lens_q, seq_lens.device)
-    n = seq_lens.long()[req].clamp(0, K) if B else torch.zeros_like(req)
-    return torch.where(inb, n, torch.zeros_like(n)).to(I32)
-
-
 def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, max_q_len,
                  lengths=None):
     H = query.shape[-2]
@@ -670,58 +542,14 @@ def _v32_triton(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_s
                             out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
 
 
-def _v32_vendor_heads(H: int) -> int:
-    """TRTLLM-gen MLA decode rejects 64 < H < 128 (FlashInfer ``trtllm_gen_not_supported_
-    reason``): pad those to 128. Other counts pass unchanged (whether cubins exist for every
-    H <= 64 is UNCONFIRMED; vLLM does not pad for this backend)."""
-    return 128 if 64 < H < 128 else H
-
-
-def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scale=1.0,
-                         bmm1_scale_tensor=None, bmm2_scale=1.0, bmm2_scale_tensor=None,
-                         sinks=None, cum_seq_lens_q=None, max_q_len=None,
-                         workspace_buffer=None) -> dict:
-    """Pure translation into ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` kwargs,
-    the way vLLM's ``FlashInferMLASparseImpl.forward_mqa`` calls it: a 3-D query without
-    ``cum_seq_lens_q`` becomes ``[T, 1, H, 576]`` (one token per batch row) with block tables
-    ``[T, 1, K]``; the cache becomes 4-D ``[pages, 1, page_size, 576]``; ``max_seq_len =
-    sparse_mla_top_k = K``; dims (128, 512, 64). Heads 65..127 are padded to 128 (zeros in q,
-    -inf sinks, output copied back). ``sinks`` is passed as a one-element list (FlashInfer's
-    type ``Optional[List[Tensor]]``)."""
-    H = query.shape[-2]
-    T = math.prod(query.shape[:-2])
-    q, o, bt = query, out, block_tables
-    if query.dim() == 3 and cum_seq_lens_q is None:
-        q, o, bt = query.unsqueeze(1), out.unsqueeze(1), block_tables.reshape(T, 1, -1)
-    elif query.dim() == 4 and block_tables.dim() == 2:
-        bt = block_tables.reshape(query.shape[0], query.shape[1], -1)
-    K = bt.shape[-1]
-    Hp = _v32_vendor_heads(H)
-    q, s, padded_out = pad_heads(q, sinks, Hp, out_dim=V_DIM)
-    copy_out = None if padded_out is None else (padded_out, o)
-    o = o if padded_out is None else padded_out
-    cache = kv_cache.unsqueeze(1) if kv_cache.dim() == 3 else kv_cache
-    kwargs = dict(
-        query=q, kv_cache=cache, workspace_buffer=workspace_buffer, qk_nope_head_dim=128,
-        kv_lora_rank=512, qk_rope_head_dim=64, block_tables=checks.unit_stride(bt),
-        seq_lens=checks.unit_stride(seq_lens), max_seq_len=K, sparse_mla_top_k=K, out=o,
-        bmm1_scale=bmm1_scale if bmm1_scale_tensor is None else bmm1_scale_tensor,
-        bmm2_scale=bmm2_scale if bmm2_scale_tensor is None else bmm2_scale_tensor,
-        sinks=None if s is None else [checks.unit_stride(s)], backend="trtllm-gen")
-    if cum_seq_lens_q is not None:
-        kwargs.update(cum_seq_lens_q=checks.unit_stride(cum_seq_lens_q), max_q_len=max_q_len)
-    return {"function": "trtllm_batch_decode_with_kv_cache_mla", "kwargs": kwargs,
-            "copy_out": copy_out}
-
-
-_v32_vendor = _vendor_runner(v32_vendor_arguments)
+_v32_vendor = vendor.runner(vendor.v32_vendor_arguments)
 
 
 def _v32_vendor_check(*args) -> Optional[str]:
-    reason = _cuda_vendor_reason(args[0])
+    reason = vendor.cuda_reason(args[0])
     if reason is None:
         ps = _pool_view("kv_cache", args[1], "HND", V32_DIM).shape[1]
-        if ps not in FLASHINFER_V32_PAGE_SIZES:
+        if ps not in vendor.FLASHINFER_V32_PAGE_SIZES:
             reason = f"TRTLLM-gen MLA decode needs page_size 32 or 64, got {ps}"
     return reason
 
@@ -732,7 +560,7 @@ _V32.register("triton", _v32_triton, lambda *a: triton_check(*a[:5]))
 _V32.register("reference", _v32_reference)
 
 
-@torch.library.custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"))
+@custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"))
 def trtllm_decode_v32(query: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                       out: Tensor, bmm1_scale: float = 1.0,
                       bmm1_scale_tensor: Optional[Tensor] = None, bmm2_scale: float = 1.0,
@@ -740,7 +568,7 @@ def trtllm_decode_v32(query: Tensor, kv_cache: Tensor, block_tables: Tensor, seq
                       sinks: Optional[Tensor] = None, cum_seq_lens_q: Optional[Tensor] = None,
                       max_q_len: Optional[int] = None,
                       workspace_buffer: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """DeepSeek-V3.2 sparse MLA decode with TRTLLM-gen semantics (SPEC §6 last bullet).
+    """DeepSeek-V3.2 sparse MLA decode with TRTLLM-gen semantics (docs/semantics.md §6 last bullet).
 
     ``query`` ``[T, H, 576]`` (one token per request, vLLM's call: ``seq_lens`` ``[T]``),
     ``[B, Q, H, 576]``, or varlen ``[sum_q, H, 576]`` with ``cum_seq_lens_q``/``max_q_len``;

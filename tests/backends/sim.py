@@ -9,7 +9,6 @@ the oracle never reads a cache.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -138,7 +137,7 @@ class Simulator:
         exp = torch.zeros(T, H, D, dtype=torch.float64)
         scale = cfg.softmax_scale
         for r, p, t in tok_req:
-            q_rot = rope(oracle.rms_norm(q[t].double(), cfg.eps), self.cos_sin[p])
+            q_rot = oracle.rope(oracle.rms_norm(q[t].double(), cfg.eps), self.cos_sin[p])
             qq = self.storage.query(q_rot)
             keys = [r.rows[i] for i in range(max(p - W + 1, 0), p + 1)]
             if kind is LayerKind.C4A:
@@ -184,10 +183,6 @@ class Simulator:
         self.free_comp.extend(r.comp_blocks)
 
 
-def rope(x, cos_sin):
-    return oracle.rope(x, cos_sin)
-
-
 def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) -> torch.Tensor:
     """A bool mask over the cache's whole allocation: the bytes of ``slots``' rows."""
     flat = torch.empty(0, dtype=torch.uint8, device=cache.device)
@@ -207,13 +202,3 @@ def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) ->
             a = base + b * s0 + o * cache.stride(1) * cache.element_size()
             mask[a:a + row] = True
     return mask
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    flat.set_(t.untyped_storage())
-    return flat.cpu().clone()
-
-
-def ceil_div(a, b):
-    return math.ceil(a / b)

@@ -1,4 +1,4 @@
-"""One attention step of a whole batch, backend against the dense step oracle (SPEC §4-§7):
+"""One attention step of a whole batch, backend against the dense step oracle (docs/semantics.md §4-§7):
 mixed decode / prefill batches, MTP decodes, chunked prefills with context, prefills from
 position 0, positions < 127 and (p+1) < ratio, graph padding, block sizes, head counts — on
 poisoned caches that must stay untouched outside each step's slots."""
@@ -9,6 +9,7 @@ import torch
 
 from sparse_mla.backends.common import LayerKind
 from sparse_mla.tests.backends.cases import BACKENDS, KINDS, Harness, config
+from sparse_mla.tests.backends.sim import Simulator
 from sparse_mla.tests.helpers import CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -58,9 +59,9 @@ def test_head_counts(device, backend, heads):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_chunks_split_by_workspace(device):
-    """A workspace that holds one request at a time: three prefills run as three chunks
-    (and the planner says so), same answer as the oracle."""
-    cfg = config(LayerKind.C4A, prefill_workspace_rows=300)
+    """A workspace that holds one request at a time (the largest needs 120 + 30 rows, two
+    need 2 * 150): three prefills run as three chunks, same answer as the oracle."""
+    cfg = config(LayerKind.C4A, prefill_workspace_rows=200)
     h = Harness("flashmla", cfg, device, seed=3)
     st = h.sim.step([], [(0, 120), (1, 100), (2, 90)])
     chunks = h.backend.planner.prefill_chunks(st.batch)
@@ -82,11 +83,50 @@ def test_padded_decode_requests(device):
     assert torch.count_nonzero(out[4:]) == 0
 
 
-def test_explain_names_each_op():
+def test_explain_names_the_ops_of_the_last_step():
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
     h.step([], [(0, 20)])
-    h.step([(0, 1)], [])
-    ran = {op: c.impl for op, c in h.backend.explain().items() if c is not None}
-    assert ran["flashmla_sparse_decode"] == "reference"
+    ran = {op: c.impl for op, c in h.backend.explain().items()}
     assert ran["flashmla_sparse_prefill"] == "reference"
-    assert "fused_qnorm_rope_insert_v4" in ran
+    assert "flashmla_sparse_decode" not in ran and "global_topk_indices_and_lens" not in ran
+    h.step([(0, 1)], [])
+    ran = {op: c.impl for op, c in h.backend.explain().items()}
+    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4",
+                        "swa_indices_and_lens", "global_topk_indices_and_lens",
+                        "flashmla_sparse_decode"}
+    assert set(ran.values()) == {"reference"}
+
+
+@pytest.mark.parametrize("kind", (LayerKind.SWA_ONLY, LayerKind.C4A), ids=lambda k: k.name)
+def test_check_catches_an_off_by_one_window(kind):
+    """The row bound is tight enough: the oracle of a 127-token window (one key short for
+    every token past position 126) is rejected, the 128-token one accepted."""
+    import dataclasses
+    h = Harness("flashmla", config(kind), "cpu", seed=9)
+    short = Simulator(dataclasses.replace(h.cfg, window=127), "cpu", h.sim.storage, seed=9)
+    for kw in SCRIPT[:2]:
+        st = h.sim.step(**kw)
+        out = h.run(st)
+        h.check(out, st)
+        alt = short.step(**kw)
+        assert torch.equal(alt.q.cpu(), st.q.cpu())           # same inputs, other window
+        with pytest.raises(AssertionError, match="relative L2 error"):
+            h.check(out, alt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_layers_share_one_step_plan(device, kind):
+    """Two layers of one kind (a FlashMLA-layout one and a plain one) share a planner: the
+    step is planned once, each layer runs with ``planned=True``, both match the oracle."""
+    cfg = config(kind)
+    first = Harness("flashmla", cfg, device, seed=4)
+    second = Harness("trtllm_bf16", cfg, device, seed=4, planner=first.backend.planner)
+    for kw in SCRIPT:
+        a, b = first.sim.step(**kw), second.sim.step(**kw)
+        first.backend.plan(a.batch, a.q.shape[0])
+        first.check(first.run(a, planned=True), a, "first layer")
+        second.check(second.run(b, batch=a.batch, planned=True), b, "second layer")
+    with pytest.raises(ValueError, match="cannot be shared"):
+        Harness("flashmla", config(kind, swa_block_size=256), device,
+                planner=first.backend.planner)

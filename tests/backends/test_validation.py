@@ -9,7 +9,7 @@ import torch
 
 from sparse_mla.backends.common import LayerConfig, LayerKind
 from sparse_mla.tests.backends.cases import Harness, config
-from sparse_mla.tests.backends.sim import storage_bytes
+from sparse_mla.tests.helpers import storage_bytes
 
 
 def _setup(kind=LayerKind.C4A, backend="flashmla"):
@@ -25,12 +25,12 @@ def _expect_refusal(h, st, match, **changes):
     q = changes.get("q", st.q)
     kv = changes.get("kv", st.kv)
     cos_sin = changes.get("cos_sin", h.cos_sin)
-    before = {n: storage_bytes(c) for n, c in h.caches.items()}
+    before = {n: storage_bytes(c).cpu() for n, c in h.caches.items()}
     out = torch.zeros(q.shape, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=match):
         h.backend.forward(q, kv, h.caches, batch, cos_sin, h.sink, out, st.compressed_kv)
     for n, c in h.caches.items():
-        assert torch.equal(storage_bytes(c), before[n]), f"{n} cache written before the error"
+        assert torch.equal(storage_bytes(c).cpu(), before[n]), f"{n} cache written before the error"
 
 
 def test_seq_len_below_query_len():

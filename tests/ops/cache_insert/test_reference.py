@@ -1,4 +1,5 @@
-"""The reference cache writers against values worked out by hand from SPEC §2 and §3."""
+"""The reference cache writers against values worked out by hand from docs/semantics.md
+§2 and §3."""
 import math
 
 import pytest

@@ -1,4 +1,7 @@
 """The dispatcher: automatic choice, per-call and environment overrides, honest refusals."""
+import inspect
+import re
+
 import pytest
 import torch
 
@@ -63,9 +66,9 @@ def test_forced_per_call_and_by_env(monkeypatch):
     with pytest.raises(ImplementationUnavailable, match="forced by SPARSE_MLA_IMPL"):
         d(1)
     assert d(1, impl="reference") == "reference"            # per call beats the environment
-    monkeypatch.setenv("SPARSE_MLA_IMPL", "other_op=reference,toy_forced=reference")
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "gather_dequant=reference,toy_forced=reference")
     assert d(20) == "reference"
-    monkeypatch.setenv("SPARSE_MLA_IMPL", "other_op=reference")
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "gather_dequant=reference")
     assert d(20) == "vendor"
     monkeypatch.setenv("SPARSE_MLA_IMPL", "fastest")
     with pytest.raises(ValueError, match="SPARSE_MLA_IMPL asks for implementation 'fastest'"):
@@ -102,3 +105,57 @@ def test_cuda_device_of_names_the_first_cuda_tensor():
     if torch.cuda.is_available():
         last = torch.cuda.device_count() - 1
         assert cuda_device_of((cpu, 1.0), {"t": torch.zeros(1, device=f"cuda:{last}")}) == last
+
+
+_ENV_TOY = _toy("toy_env_typo")
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("tritn", "SPARSE_MLA_IMPL asks for implementation 'tritn'; expected one of "
+              "('auto', 'vendor', 'triton', 'reference')"),
+    ("quantize_insert_v5=triton", "unknown op 'quantize_insert_v5'; valid ops: "
+                                  "c128a_indices_and_lens, combine_topk_swa_indices"),
+    ("gather_dequant=trition", "implementation 'trition' for gather_dequant"),
+    ("gather_dequant=triton,reference", "item 'reference' is not op=impl"),
+])
+def test_a_bad_sparse_mla_impl_raises_at_first_use_naming_the_valid_ones(monkeypatch, value,
+                                                                         msg):
+    """A typo in SPARSE_MLA_IMPL used to be ignored silently (the op stayed automatic); any
+    op call now refuses it, before running anything, and names what is valid."""
+    d = _ENV_TOY
+    monkeypatch.setenv("SPARSE_MLA_IMPL", value)
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        d(20)
+    monkeypatch.setenv("SPARSE_MLA_IMPL", "sparse_mla::toy_env_typo=reference,"
+                                          "gather_dequant=auto")
+    assert d(20) == "reference"
+
+
+def test_explain_of_an_unknown_op_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown op 'flashmla_decode'; valid ops: .*"
+                                         "flashmla_sparse_decode, flashmla_sparse_prefill"):
+        explain("flashmla_decode")
+    with pytest.raises(ValueError, match="unknown op"):
+        last_choice("sparse_mla::nope")
+
+
+def test_every_op_is_listed_by_family_and_documented_for_help():
+    """dispatch.OPS_BY_FAMILY (what SPARSE_MLA_IMPL and explain accept before a family is
+    imported) is exactly the set of registered ops; help() on each op object shows its own
+    signature and docstring, not torch's generic CustomOpDef text."""
+    import importlib
+    import pydoc
+    from sparse_mla.ops.common import dispatch
+    registered = set(dispatch.load_all())
+    listed = set(dispatch.FAMILY_OF)
+    assert listed <= registered
+    assert {op for op in registered if not op.startswith("toy_")} == listed
+    for fam, ops in dispatch.OPS_BY_FAMILY.items():
+        module = importlib.import_module(f"sparse_mla.ops.{fam}")
+        for name in ops:
+            op = getattr(module, name)
+            text = pydoc.render_doc(op, renderer=pydoc.plaintext)
+            first_line = op._init_fn.__doc__.strip().splitlines()[0]
+            assert f"sparse_mla::{name}(" in text and first_line in text, name
+            assert "CustomOpDef is a wrapper" not in text, name
+            assert list(inspect.signature(op).parameters)[-1] == "impl", name

@@ -1,7 +1,7 @@
-"""Random FlashMLA-style decode / prefill inputs with every corner SPEC §9 asks for.
+"""Random FlashMLA-style decode / prefill inputs with every corner docs/semantics.md §9 asks for.
 
 Value ranges follow FlashMLA's own tests (tests/test_flash_mla_sparse_decoding.py): q ~ randn
-clamped to ±1, K rows ~ randn / 10 clamped to ±1. SPEC §9's tolerances (FlashMLA's) are
+clamped to ±1, K rows ~ randn / 10 clamped to ±1. docs/semantics.md §9's tolerances (FlashMLA's) are
 calibrated for that scale: with K ~ randn both FlashMLA and this kernel exceed abs 1e-3 on a
 few near-zero outputs (bf16 P in P·V), measured on an H200.
 """
@@ -54,8 +54,8 @@ def lengths(b, width, g):
 
 def garbage_past_length(idx, lens, capacity):
     """``idx`` with every column at or past its batch row's length replaced by ids a kernel
-    must never dereference there (SPEC §5.1: such entries may hold garbage): INT_MAX, -2,
-    the capacity and past it, a NaN-poisoned unused slot and a real row's slot."""
+    must never dereference there (docs/semantics.md §5.1: such entries may hold garbage): INT_MAX,
+    -2, the capacity and past it, a NaN-poisoned unused slot and a real row's slot."""
     junk = torch.tensor([2 ** 31 - 1, -2, capacity, capacity + 1000, capacity - 1, 0],
                         dtype=idx.dtype)
     cols = torch.arange(idx.shape[2])
@@ -107,7 +107,8 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
 def out_of_cache_ids(capacity):
     """Ids a decode kernel must skip inside the lengths: -1 and every other id outside
     [0, capacity). FlashMLA itself skips only -1; unguarded, it faults on -2, -64 and INT_MAX
-    and reads past the cache at the capacity and beyond (docs/PERF.md session 31)."""
+    and reads past the cache at the capacity and beyond (docs/perf-log.md, "Vendor decode
+    route")."""
     return [-1, -2, -64, 2 ** 31 - 1, capacity, capacity + 1000]
 
 
@@ -136,7 +137,7 @@ def _capacity(cache, block_size):
 
 def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
     """Every 7th kv row is NaN and only columns past their row's ``topk_length`` point at
-    them (SPEC §5.2 warns that FlashMLA may leak such a row); the rest hold ids in
+    them (docs/semantics.md §5.2 warns that FlashMLA may leak such a row); the rest hold ids in
     [-2, s_kv + 3), some of them invalid."""
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn(s_kv + 4, 1, 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)

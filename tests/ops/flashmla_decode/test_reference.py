@@ -78,7 +78,7 @@ def test_prefill_validity_rules_and_max_logits():
 
 def test_decode_extra_length_and_garbage_past_both_lengths():
     """Each list has its own length; whatever lies past a length (INT_MAX, -2, a poisoned
-    slot, a real row) is never a key (SPEC §5.1)."""
+    slot, a real row) is never a key (docs/semantics.md §5.1)."""
     rows = _exact_rows(6)
     main = formats.alloc_paged_cache("v4", 2, 4, fill=0xFF)
     quantize_insert_v4(rows[:4].to(torch.bfloat16), main, torch.tensor([0, 1, 2, 5]))
@@ -123,8 +123,8 @@ def test_prefill_sink_scales_out_but_not_lse_and_empty_rows():
 
 
 def _v32_record(nope, scales, rope):
-    """One 656-byte V3.2 record written byte by byte (SPEC §2.1): 512 e4m3, 4 fp32 scales (one
-    per 128 dims), 64 bf16 RoPE dims."""
+    """One 656-byte V3.2 record written byte by byte (docs/semantics.md §2.1): 512 e4m3, 4 fp32
+    scales (one per 128 dims), 64 bf16 RoPE dims."""
     return torch.cat([nope.to(torch.float8_e4m3fn).view(torch.uint8),
                       scales.to(torch.float32).view(torch.uint8),
                       rope.to(torch.bfloat16).view(torch.uint8)])

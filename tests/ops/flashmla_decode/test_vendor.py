@@ -45,10 +45,11 @@ requires_vendor = pytest.mark.skipif(REASON is not None, reason=f"FlashMLA canno
 
 
 def vendor_cosine(fmt):
-    """The cosine bound for FlashMLA's answer on ``fmt``: SPEC §9's, except V3.2, where its
-    sm_90 kernel rounds each tile's fp32 scale to bf16 (SPEC §2.1). Our writer's scales are
-    vLLM's raw fp32 ones, not FlashMLA's powers of two, so FlashMLA lands 7.0-7.4e-6 from the
-    exact answer there (H200, docs/PERF.md session 33), within the elementwise bounds."""
+    """The cosine bound for FlashMLA's answer on ``fmt``: docs/semantics.md §9's, except V3.2, where
+    its sm_90 kernel rounds each tile's fp32 scale to bf16 (docs/semantics.md §2.1). Our writer's
+    scales are vLLM's raw fp32 ones, not FlashMLA's powers of two, so FlashMLA lands 7.0-7.4e-6 from
+    the exact answer there (H200, docs/perf-log.md, "Issue 4 audit"), within the elementwise
+    bounds."""
     return None if fmt == "v32" else 5e-6
 
 
@@ -97,7 +98,7 @@ def test_usable_ids_pad_and_mask_out_of_cache_ids(device):
 @requires_vendor
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 def test_vendor_skips_every_id_outside_the_cache(fmt):
-    """Within the lengths FlashMLA skips only -1 (SPEC §5.1): without the vendor path's
+    """Within the lengths FlashMLA skips only -1 (docs/semantics.md §5.1): without the vendor path's
     remapping these ids faulted or read past the cache. With it, the answer is the
     reference's, which skips them all."""
     v4 = fmt == "v4"
@@ -127,8 +128,8 @@ def test_vendor_decode_takes_every_cache_view(view):
 @pytest.mark.parametrize("cap,runs", [((9, 0), True), ((10, 0), False), ((10, 3), False),
                                       ((12, 0), False), ((8, 0), False)])
 def test_flash_mla_runs_this_op_on_sm90_only(cap, runs):
-    """SPEC §10: the legacy kernels (V4 / V3.2 formats) are verified on SM90; the wheel's
-    current SM100 kernels read only V4.1 formats, so SM100 says that rather than nothing."""
+    """docs/semantics.md §10: the legacy kernels (V4 / V3.2 formats) are verified on SM90; the
+    wheel's current SM100 kernels read only V4.1 formats, so SM100 says that rather than nothing."""
     from sparse_mla.ops.flashmla_decode.vendor import capability_reason
     reason = capability_reason(*cap)
     assert (reason is None) == runs
@@ -149,9 +150,9 @@ def test_vendor_decode_replays_under_cuda_graph(b, h):
 @requires_vendor
 def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monkeypatch):
     """Decode: FlashMLA, planned on every call, was slower than our kernel on every measured
-    shape (PERF.md session 31), so the automatic choice takes Triton there and says why;
-    without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill stays
-    FlashMLA's (faster than ours)."""
+    shape (docs/perf-log.md, "Vendor decode route"), so the automatic choice takes Triton there and
+    says why; without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill
+    stays FlashMLA's (faster than ours)."""
     from sparse_mla.ops.common.sparse_attention_triton import gluon_enabled
     monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
     if not gluon_enabled():
@@ -189,9 +190,9 @@ def test_vendor_prefill_matches_reference(h):
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 @pytest.mark.parametrize("h", [4, 64])
 def test_vendor_decode_takes_strided_lengths_and_sink(fmt, h):
-    """FlashMLA refuses strided lengths and sinks (RuntimeError, docs/PERF.md session 32);
-    the op accepts them, so the vendor path copies them. At 64 heads the sink reaches FlashMLA
-    unpadded."""
+    """FlashMLA refuses strided lengths and sinks (RuntimeError, docs/perf-log.md, "Edges of the
+    ops"); the op accepts them, so the vendor path copies them. At 64 heads the sink reaches
+    FlashMLA unpadded."""
     a, cases = strided_decode_args("cuda", fmt, h)
     ref = _run_decode(a, "reference")
     for name, b in cases:

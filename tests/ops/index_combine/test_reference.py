@@ -1,4 +1,4 @@
-"""The reference against hand-worked examples (SPEC §4), plus the same examples through
+"""The reference against hand-worked examples (docs/semantics.md §4), plus the same examples through
 Triton wherever Triton runs in this process."""
 import pytest
 import torch
@@ -99,7 +99,7 @@ def test_c128a_hand(device, impl):
 
 @pytest.mark.parametrize("device,impl", IMPLS)
 def test_combine_spec_worked_example(device, impl):
-    """SPEC §4.4: W=128, ratio=4, top_k=512, pos=1000, query_len = seq_len = 1024 ⇒
+    """docs/semantics.md §4.4: W=128, ratio=4, top_k=512, pos=1000, query_len = seq_len = 1024 ⇒
     gather_start 0, SWA positions 873..1000 in columns 250..377 = b*M + N + 873 … + 1000,
     topk_len = 250. Here the request is b = 1 of the chunk (b*M offsets)."""
     W, ratio, topk, N, M = 128, 4, 512, 256, 256 + 1024 + 7

@@ -1,12 +1,13 @@
 """The reference implementation against hand-made cases whose expected outputs are computed
-here with an explicit float64 softmax (tests/ops/trtllm_decode/expect.py), not with the shared
+here with an explicit float64 softmax (tests/ops/trtllm_decode/cases.py), not with the shared
 oracle. Unused pool rows are NaN, so any key the op should not read poisons the output."""
 import pytest
 import torch
 
 from sparse_mla.ops import trtllm_decode as td
+from sparse_mla.ops.trtllm_decode import ops, reference
 from sparse_mla.tests.helpers import seeded
-from sparse_mla.tests.ops.trtllm_decode.expect import I32, attend, fill, poisoned_pool, rows
+from sparse_mla.tests.ops.trtllm_decode.cases import I32, attend, fill, poisoned_pool, rows
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -132,7 +133,7 @@ def test_fp8_non_unit_scales(tensor_scales):
     swa_f = torch.randn(3, 64, 512, generator=g)
     cmp_f = torch.randn(1, 64, 512, generator=g)
     q_f = torch.randn(2, 4, 512, generator=g)
-    # per-tensor fp8 storage (SPEC §2.3): x8 = e4m3(x / scale); dequant x8 * scale
+    # per-tensor fp8 storage (docs/semantics.md §2.3): x8 = e4m3(x / scale); dequant x8 * scale
     swa8, cmp8 = (swa_f / kv_scale).to(E4M3), (cmp_f / kv_scale).to(E4M3)
     q8 = (q_f / q_scale).to(E4M3)
     sw = [[5 + j for j in range(128)], [2 * j for j in range(64)] + [-1] * 64]
@@ -232,7 +233,7 @@ def test_cache_layouts_agree(how):
 
 def test_packed_pool_uses_flat_token_addressing():
     """A pool whose pages are 80 rows apart but hold 64 tokens: slot s is row s of the span
-    (SPEC §2.3 packed pools), so slot 80 is page 1 offset 0."""
+    (docs/semantics.md §2.3 packed pools), so slot 80 is page 1 offset 0."""
     g = seeded(10)
     backing = poisoned_pool(1, 3 * 80, 512)
     fill(backing, [0, 5, 80, 81, 160 + 63], g)
@@ -313,3 +314,29 @@ def test_v32_fp8_varlen_mtp_request_count():
     deq = cache8.float() * kv_scale
     for t, cols in enumerate([[0, 1, 2], [4, 6], [10, 20, 30, 40]]):
         _check(out[t], attend(q8[t].float() * q_scale, rows(deq, cols), 576 ** -0.5))
+
+
+@pytest.mark.parametrize("B,Q", [(1, 1), (3, 2), (70, 3)])
+def test_dense_batch_sources_count_like_torch_definition(B, Q):
+    """A dense batch's key sources carry seq_lens / sparse_topk_lens as they are (the kernels
+    derive the counts); ``KeySource.usable`` must give the PyTorch definition's counts,
+    out-of-range lens and seq_len < q_len included."""
+    g = torch.Generator().manual_seed(7 * B + Q)
+    topk, T, H = 128 + 64, B * Q, 1
+    seq_lens = torch.randint(-2, 300, (B,), generator=g, dtype=I32)
+    topk_lens = torch.randint(100, topk + 40, (T,), generator=g, dtype=I32)
+    query = torch.zeros(B, Q, H, 512, dtype=torch.bfloat16)
+    pool = torch.zeros(4, 16, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(T, topk, dtype=I32)
+    out = torch.empty(B, Q, H, 512, dtype=torch.bfloat16)
+    _, sources, _ = ops._dsv4_problem(query, pool, idx, pool, topk_lens, seq_lens, out, "HND",
+                                      None, None)
+    want = reference.dsv4_lengths(T, B, Q, topk_lens, seq_lens, None, topk)
+    for src, w in zip(sources, want):
+        assert [src.usable(t) for t in range(T)] == w.tolist()
+    v32_q = torch.zeros(B, Q, H, 576, dtype=torch.bfloat16)
+    _, (src,), _ = ops._v32_problem(v32_q, torch.zeros(4, 16, 576, dtype=torch.bfloat16),
+                                    torch.zeros(T, 200, dtype=I32), seq_lens, out, None, None)
+    want = reference.v32_lengths(T, B, Q, seq_lens, None, 200)
+    assert [src.usable(t) for t in range(T)] == want.tolist()
+    assert (want > 0).any()          # the case is not trivially all-zero

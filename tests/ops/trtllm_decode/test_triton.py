@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sparse_mla.ops import trtllm_decode as td
+from sparse_mla.ops.trtllm_decode import reference
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
                                       hopper_with_gluon, naming, record_results, seeded,
                                       split_kernel_name, triton_params)
-from sparse_mla.tests.ops.trtllm_decode.expect import I32, fill, poisoned_pool
+from sparse_mla.tests.ops.trtllm_decode.cases import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -123,12 +124,12 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
     """A dense batch (one query length) hands seq_lens / sparse_topk_lens to the kernels as
     they are: each token's window (seq_len - Q + i + 1, partial for the first request) and
     compressed count are derived in-kernel, with no lengths launch."""
-    from sparse_mla.ops.trtllm_decode import triton_lengths
+    from sparse_mla.ops.trtllm_decode import triton_kernels
 
     def no_launch(*args):
         raise AssertionError("a dense batch must not launch the lengths kernel")
     force_tiny_launches(monkeypatch, tiny)
-    monkeypatch.setattr(triton_lengths, "dsv4_lengths", no_launch)
+    monkeypatch.setattr(triton_kernels, "dsv4_lengths", no_launch)
     x = _dense(_batch(H + 1, H, dtype, q_lens=(3, 3, 3), seq=(3, 130, 200)), 3, 3)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -302,3 +303,42 @@ def test_dsv4_tensor_scales_under_cuda_graph():
     torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=0)
     want = _run_scales(x, "cpu", "reference", torch.tensor([0.05]), torch.tensor([0.25]))
     torch.testing.assert_close(out.cpu().float(), want.float(), **TOL)
+
+
+# The one-launch Triton length kernel (varlen batches) gives exactly the PyTorch definition's
+# counts (reference.py).
+
+def _varlen(g, B, max_q):
+    q_lens = torch.randint(0, max_q + 1, (B,), generator=g)
+    cu = torch.zeros(B + 1, dtype=torch.long)
+    cu[1:] = q_lens.cumsum(0)
+    return cu.to(I32), int(q_lens.max()) if B else 1
+
+
+CASES = [  # (B, Q, varlen, extra rows beyond the last request)
+    (1, 1, False, 0), (3, 2, False, 0), (70, 3, False, 0), (5, 4, True, 0), (130, 2, True, 3),
+    (1, 3, True, 2)]
+
+
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("B,Q,varlen,extra", CASES)
+def test_triton_lengths_equal_torch_definition(device, B, Q, varlen, extra):
+    from sparse_mla.ops.trtllm_decode import triton_kernels
+    g = torch.Generator().manual_seed(B * 10 + Q)
+    topk = 128 + 64
+    if varlen:
+        cu, Q = _varlen(g, B, Q)
+        T = int(cu[-1]) + extra
+    else:
+        cu, T = None, B * Q
+    seq_lens = torch.randint(-2, 300, (B,), generator=g, dtype=I32)   # < q_len and < 0 too
+    topk_lens = torch.randint(100, topk + 40, (T,), generator=g, dtype=I32)   # out of range too
+    dev = lambda x: None if x is None else x.to(device)  # noqa: E731
+    want = reference.dsv4_lengths(T, B, Q, dev(topk_lens), dev(seq_lens), dev(cu), topk)
+    got = triton_kernels.dsv4_lengths(T, B, Q, dev(topk_lens), dev(seq_lens), dev(cu), topk)
+    for w, x in zip(want, got):
+        assert x.dtype == I32 and torch.equal(x.cpu(), w.cpu())
+    want = reference.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
+    got = triton_kernels.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert (want > 0).any()          # the case is not trivially all-zero

@@ -7,7 +7,7 @@ import torch
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common.dispatch import explain, triton_interpreting
 from sparse_mla.ops.common.errors import ImplementationUnavailable
-from sparse_mla.tests.ops.trtllm_decode.expect import I32
+from sparse_mla.tests.ops.trtllm_decode.cases import I32
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -76,8 +76,8 @@ def test_dsv4_dense_query_and_fp8():
 
 
 def test_dsv4_float_and_tensor_scales():
-    """SPEC §6: a float passes as a float; a tensor passes as the same fp32 tensor in natural
-    units (FlashInfer multiplies it by log2(e) itself — pre-multiplying would be wrong)."""
+    """docs/semantics.md §6: a float passes as a float; a tensor passes as the same fp32 tensor in
+    natural units (FlashInfer multiplies it by log2(e) itself — pre-multiplying would be wrong)."""
     a = _dsv4(8)
     kw = td.dsv4_vendor_arguments(**a, bmm1_scale=0.044, bmm2_scale=0.5)["kwargs"]
     assert kw["bmm1_scale"] == 0.044 and kw["bmm2_scale"] == 0.5

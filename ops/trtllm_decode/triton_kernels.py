@@ -1,7 +1,7 @@
 """Per-token usable-column counts of the TRTLLM-gen ops in one Triton launch (varlen batches:
 a dense batch's counts are derived inside the attention kernels, see ``ops._dsv4_problem``).
 
-The PyTorch formulation (``ops._dsv4_lengths`` / ``ops._v32_lengths``, kept as the readable
+The PyTorch formulation (``reference.dsv4_lengths`` / ``reference.v32_lengths``, kept as the readable
 definition and used by the reference path) costs about ten tiny kernels: most of a batch-1
 decode step under CUDA graphs. This kernel computes the same int32 counts in one launch.
 
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, pdl_supported
-from sparse_mla.ops.trtllm_decode.ops import SWA_COLS
+from sparse_mla.ops.trtllm_decode.reference import SWA_COLS
 
 BLOCK = 128
 
@@ -79,10 +79,10 @@ def _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, topk_lens, dsv4):
 
 
 def dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
-    """(swa_len, cmp_len) int32 [T]: the same values as ``ops._dsv4_lengths``."""
+    """(swa_len, cmp_len) int32 [T]: the same values as ``reference.dsv4_lengths``."""
     return _launch(T, B, Q, topk, seq_lens, cum_seq_lens_q, sparse_topk_lens, True)
 
 
 def v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
-    """n int32 [T]: the same values as ``ops._v32_lengths``."""
+    """n int32 [T]: the same values as ``reference.v32_lengths``."""
     return _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, None, False)[0]

@@ -1,6 +1,6 @@
 """Sweep the sparse-attention core's launch shape on FlashMLA shapes (graph-timed µs).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_decode [--quick] [--gluon]
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.tune_decode [--quick] [--gluon]
 
 --gluon sweeps the sm_90 warp-specialized kernel's module settings instead: the V4 shapes plus
 plain bf16 / e4m3 TRTLLM-gen shapes and the prefill shape (MODE 2 / 3 rows time the producer /

@@ -1,7 +1,7 @@
-"""tools/probe_registers.py compiles the attention core for sm_90a without a GPU."""
+"""tools/dev/probe_registers.py compiles the attention core for sm_90a without a GPU."""
 import pytest
 
-from sparse_mla.tools import probe_registers
+from sparse_mla.tools.dev import probe_registers
 
 
 def _ptxas_or_skip():

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the attention core's split kernel for sm_90a,
 compiled on this machine: no GPU needed (Triton's own ptxas does the register allocation).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.probe_registers \\
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.probe_registers \\
       [--fmt v4|v32|plain_bf16|plain_fp8] [--block-n 64] [--stages 2] [--warps 8] [--dv 1] \\
       [--one-tile] [--dump DIR]
 
@@ -9,7 +9,7 @@ Integer strides are marked divisible by 16 and pointers 16-byte aligned, as Trit
 specializes them for the production shapes. The numbers depend on the Triton version: the
 lent H100/H200 has triton 3.6 (pip install --target a directory and put it first on
 PYTHONPATH to match). --dump writes the TTGIR and PTX (where the layouts, async copies and
-register-resident dot operands show). docs/PERF.md has the history of these numbers.
+register-resident dot operands show). docs/perf-log.md has the history of these numbers.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Sweep the fused insert kernel's heads-per-program and warps on the GPU (graph-timed).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_insert
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.tune_insert
 """
 import torch
 

@@ -3,12 +3,13 @@
   ncu --clock-control none --kernel-name _ws_kernel --launch-skip 2 --launch-count 1 \\
       --set full -o rep python3 <script that runs the op a few times>
   ncu -i rep.ncu-rep --page source --csv --print-source sass > source.csv
-  python3 -m sparse_mla.tools.ncu_stalls source.csv [--top 30]
+  python3 -m sparse_mla.tools.dev.ncu_stalls source.csv [--top 30]
 
 Prints the stall reasons over the whole kernel, the samples per SASS opcode, and the
 hottest instructions with their index, so a warp-specialized kernel's regions (producer
 loop, consumer loop, epilogue: find them by their barriers) can be summed by index range
-(``--range A:B`` prints one range's share). docs/PERF.md (session 5) shows a reading.
+(``--range A:B`` prints one range's share). docs/perf-log.md ("Three kernel changes dropped") shows
+a reading.
 """
 from __future__ import annotations
 

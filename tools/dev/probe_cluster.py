@@ -1,12 +1,12 @@
 """Can a Gluon kernel share shared memory across a 2-CTA cluster on this GPU (sm_90)?
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.probe_cluster [--ctas 264]
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.probe_cluster [--ctas 264]
 
 FlashMLA's h128 decode halves each CTA's fp8 dequantization by sharing the dequantized rows
-between the two CTAs of a cluster (docs/PERF.md, sessions 9-11). Triton 3.6 Gluon has no API
-for it: ``num_ctas=2`` forces a CGA layout onto every tensor, and no op exposes a buffer's
-shared-memory address, a remote mbarrier or distributed shared memory. This probe checks the
-route around that on a real GPU:
+between the two CTAs of a cluster (docs/perf-log.md, "bf16 stage completion by cp.async"). Triton
+3.6 Gluon has no API for it: ``num_ctas=2`` forces a CGA layout onto every tensor, and no op exposes
+a buffer's shared-memory address, a remote mbarrier or distributed shared memory. This probe checks
+the route around that on a real GPU:
 
 * the kernel is compiled with ``num_ctas=1`` (ordinary layouts) and launched as clusters of
   two by patching the compiled kernel's packed launch metadata (Triton's launcher turns

@@ -1,9 +1,9 @@
 """Resource use of the decode core on FlashMLA shapes: registers, spills, shared memory,
 grid; run under Nsight Compute for counters:
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.profile_decode
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.profile_decode
   ncu --clock-control none -k regex:_split_kernel -c 2 --section SpeedOfLight \\
-      --section WarpStateStats python3 -m sparse_mla.tools.profile_decode
+      --section WarpStateStats python3 -m sparse_mla.tools.dev.profile_decode
 """
 import torch
 

@@ -1,7 +1,7 @@
-"""tools/ncu_stalls.py on a hand-made export in Nsight Compute's source-page CSV layout."""
+"""tools/dev/ncu_stalls.py on a hand-made export in Nsight Compute's source-page CSV layout."""
 import pytest
 
-from sparse_mla.tools import ncu_stalls
+from sparse_mla.tools.dev import ncu_stalls
 
 EXPORT = '''"Kernel Name","_ws_kernel",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"

@@ -1,6 +1,6 @@
 """Sweep the prefill-combine launch shape on the GPU (graph-timed).
 
-  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.tune_index
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.tune_index
 """
 import itertools
 
