@@ -19,7 +19,8 @@ import logging
 
 from sparse_mla.integration.vllm import names
 
-logger = logging.getLogger("sparse_mla.integration.vllm")
+# A child of vLLM's "vllm" logger, so the lines go where vLLM's own go (its handler, its level).
+logger = logging.getLogger("vllm.plugins.sparse_mla")
 
 SUPPORTED = {"0.32.0": "cpu", "0.33.0": "cuda"}
 _state = {"done": False, "route": None}

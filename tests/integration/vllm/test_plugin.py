@@ -80,8 +80,7 @@ def test_backend_member_unpickles_in_a_fresh_process():
 
 def test_unsupported_version_logs_once_and_patches_nothing():
     code = """
-import logging, vllm
-logging.basicConfig(level=logging.INFO)
+import vllm
 vllm.__version__ = "0.31.0"
 from sparse_mla.integration.vllm import plugin
 plugin.register(); plugin.register()
@@ -94,7 +93,8 @@ print("UNTOUCHED")
     out = _fresh(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "UNTOUCHED" in out.stdout
-    lines = [l for l in out.stderr.splitlines() if "sparse_mla vLLM plugin" in l]
+    lines = [line for line in (out.stdout + out.stderr).splitlines()
+             if "sparse_mla vLLM plugin" in line]
     assert len(lines) == 1 and "0.31.0" in lines[0] and "not patching" in lines[0], lines
 
 
@@ -107,16 +107,19 @@ def test_version_routes():
     assert plugin.vllm_route("0.34.0", is_cpu=False) is None
 
 
-def test_entry_point_declared_by_the_wheel(tmp_path):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import build_test_wheel
+def test_entry_point_declared_by_the_wheel():
     import zipfile
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(plugin.__file__)))
-    wheel = build_test_wheel.build(root, str(tmp_path))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_engine_e2e
+
+    wheel = [w for w in test_engine_e2e.wheels() if "sparse_mla_integration_vllm-" in w][0]
     with zipfile.ZipFile(wheel) as zf:
-        eps = zf.read("sparse_mla_vllm-0.0.1.dist-info/entry_points.txt").decode()
+        dist = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")][0]
+        eps = zf.read(dist).decode()
         files = zf.namelist()
+        meta = zf.read(dist.replace("entry_points.txt", "METADATA")).decode()
     assert "[vllm.general_plugins]\nsparse_mla = sparse_mla.integration.vllm:register" in eps
     assert "sparse_mla/integration/vllm/plugin.py" in files
-    assert "sparse_mla/backends/flashmla/backend.py" in files
+    assert "Requires-Dist: sparse-mla-backends-flashmla==" in meta
+    assert "Requires-Dist: vllm" in meta and "extra == \"vllm\"" in meta     # an extra only
