@@ -10,11 +10,19 @@ worker process writes our per-layer call counts (SPARSE_MLA_VLLM_CALL_LOG).
 
 Both engines write and read the same 584 B fp8 caches; the difference is the arithmetic of the
 cache insert (q-norm, RoPE, quantization) and of the sparse attention (vLLM's AMX kernel vs the
-backend's reference). Compared per generated step, while both runs have produced the same
-tokens: every token in both top-5 lists has |log-prob difference| <= LOGPROB_TOL. Where the
-greedy tokens differ, the step must be a near tie in the stock run (our token's stock log-prob
-within TIE_TOL of the stock top); after it the contexts differ, so that request's comparison
-ends there (reported in the output).
+backend's reference), which test_mapping.py bounds at one bf16 step per value. Compared per
+generated step, while both runs have produced the same tokens: every token in both top-5
+lists has |log-prob difference| <= LOGPROB_TOL. Where the greedy tokens differ, the step must
+be a near tie in the stock run (our token's stock log-prob within TIE_TOL of the stock top);
+after it the contexts differ, so that request's comparison ends there.
+
+One more way the runs may part: the Lightning indexer (vLLM's, in both runs) picks the top
+512 of a long prompt's compressed entries from scores computed on hidden states, which carry
+the rounding differences of the earlier layers' attention; a near tie can then select other
+entries, and a token attending other entries is no rounding-level comparison. Both runs
+record a digest of every selection (SPARSE_MLA_TESTENV_TOPK_LOG, testenv); from the first
+position whose selection differs, steps are checked only for consistency (each greedy token
+in the other run's top-5). Everything skipped or relaxed is printed.
 """
 import json
 import os
@@ -45,11 +53,11 @@ def wheels():
     return found
 
 
-def _engine_env(pythonpath=None, call_log=None):
+def _engine_env(topk_log, pythonpath=None, call_log=None):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",
                                                             "SPARSE_MLA_VLLM_CALL_LOG")}
     env.update(VLLM_USE_V2_MODEL_RUNNER="0", TRITON_INTERPRET="1",
-               SPARSE_MLA_TESTENV_DUMMY_WEIGHTS="scaled")
+               SPARSE_MLA_TESTENV_DUMMY_WEIGHTS="scaled", SPARSE_MLA_TESTENV_TOPK_LOG=topk_log)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     if call_log:
@@ -82,19 +90,40 @@ def runs(tmp_path_factory):
     # --no-deps: the wheels' one third-party requirement, torch, is the venv's own.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", site, *wheels()], check=True)
-    stock, stock_log = _run_engine(tmp, "stock", _engine_env())
+    stock, stock_log = _run_engine(tmp, "stock", _engine_env(os.path.join(tmp, "topk_stock")))
     calls = os.path.join(tmp, "calls")
-    ours, ours_log = _run_engine(tmp, "sparse_mla", _engine_env(site, calls),
+    ours, ours_log = _run_engine(tmp, "sparse_mla",
+                                 _engine_env(os.path.join(tmp, "topk_ours"), site, calls),
                                  ("--attention-backend", "SPARSE_MLA"))
     counts = {}
-    for name in os.listdir(tmp):
-        if name.startswith("calls.") and name.endswith(".json"):
+    for layer, c in _records(tmp, "calls").items():
+        for k, v in c.items():
+            counts.setdefault(layer, {}).setdefault(k, 0)
+            counts[layer][k] += v
+    return dict(stock=stock, ours=ours, counts=counts, stock_log=stock_log, ours_log=ours_log,
+                topk_stock=_records(tmp, "topk_stock"), topk_ours=_records(tmp, "topk_ours"))
+
+
+def _records(tmp, prefix):
+    """The JSON files `<prefix>.<pid>.json` the engine's worker wrote, merged per layer."""
+    merged = {}
+    for name in sorted(os.listdir(tmp)):
+        if name.startswith(prefix + ".") and name.endswith(".json"):
             with open(os.path.join(tmp, name)) as f:
-                for layer, c in json.load(f).items():
-                    for k, v in c.items():
-                        counts.setdefault(layer, {}).setdefault(k, 0)
-                        counts[layer][k] += v
-    return dict(stock=stock, ours=ours, counts=counts, stock_log=stock_log, ours_log=ours_log)
+                for layer, entries in json.load(f).items():
+                    merged.setdefault(layer, {}).update(entries)
+    return merged
+
+
+def first_selection_difference(stock, ours):
+    """The first position where the indexer selected other entries in the two runs (any C4A
+    layer), or None. Positions past index_topk * 4 exist only in the long prompt here."""
+    assert sorted(stock) == sorted(ours), (sorted(stock), sorted(ours))
+    firsts = []
+    for layer in stock:
+        assert sorted(stock[layer]) == sorted(ours[layer]), layer
+        firsts += [int(p) for p in stock[layer] if stock[layer][p] != ours[layer][p]]
+    return min(firsts, default=None)
 
 
 def test_our_layer_ran_in_every_layer_and_step(runs):
@@ -123,8 +152,17 @@ def test_model_is_not_degenerate(runs):
     assert max(spreads) > 0.2, spreads
 
 
+def test_the_real_indexer_ran(runs):
+    """The long prompt made the indexer choose (else C4A compared nothing but short lists)."""
+    assert runs["topk_stock"] and all(len(v) >= 40 for v in runs["topk_stock"].values()), {
+        k: len(v) for k, v in runs["topk_stock"].items()}
+
+
 def test_greedy_tokens_and_logprobs_agree(runs):
-    report, compared, diffs = [], 0, []
+    report, compared, diffs, relaxed = [], 0, [], set()
+    parted = first_selection_difference(runs["topk_stock"], runs["topk_ours"])
+    if parted is not None:
+        report.append(f"the indexer's selections first differ at position {parted}")
     for rs, ro in zip(runs["stock"]["requests"], runs["ours"]["requests"]):
         assert rs["prompt_len"] == ro["prompt_len"]
         assert len(rs["token_ids"]) == len(ro["token_ids"]) == engine_run.MAX_TOKENS
@@ -134,6 +172,13 @@ def test_greedy_tokens_and_logprobs_agree(runs):
             assert str(ts) in lo or str(to) in ls, (
                 f"prompt {rs['prompt_len']}, step {i}: neither greedy token is in the other "
                 f"run's top-5 ({ls} vs {lo})")
+            if parted is not None and rs["prompt_len"] - 1 + i >= parted:
+                relaxed.add(rs["prompt_len"])
+                if ts != to:
+                    report.append(f"prompt {rs['prompt_len']}: step {i} token {ts} vs {to} "
+                                  f"after the selections parted; later steps not compared")
+                    break
+                continue
             worst = max(abs(ls[k] - lo[k]) for k in common)
             diffs.append(worst)
             compared += 1
@@ -149,8 +194,12 @@ def test_greedy_tokens_and_logprobs_agree(runs):
                               f"near tie in the stock run (margin {gap:.4f}); later steps "
                               f"differ in context, not compared")
                 break
-    print(f"compared {compared} steps, max |log-prob diff| {max(diffs):.4f}")
+    for n in sorted(relaxed):
+        report.append(f"prompt {n}: steps after the selections parted checked for top-5 "
+                      f"consistency only")
+    print(f"compared {compared} steps within {LOGPROB_TOL}, max |log-prob diff| "
+          f"{max(diffs):.4f}")
     for line in report:
         print(line)
-    # Not vacuous: at least the first step of every request, and most steps overall.
-    assert compared >= len(engine_run.PROMPT_LENGTHS) + engine_run.MAX_TOKENS, (compared, report)
+    # Not vacuous: the short prompts (no indexer choice) take part, several steps in all.
+    assert compared >= engine_run.MAX_TOKENS + 1, (compared, report)

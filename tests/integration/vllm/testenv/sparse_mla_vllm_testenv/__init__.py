@@ -16,6 +16,13 @@ They fix the stock engine, so they load in every vLLM process of the test venv (
   on such a model cannot fail. "scaled" draws matrices uniform with unit output variance
   (+-sqrt(3 / fan_in)) and vectors (norm weights, sinks, biases) uniform in [0.5, 1.5], from
   the same seeded generator in the same order, so two runs get identical weights.
+- ``SPARSE_MLA_TESTENV_TOPK_LOG=<path prefix>``: records, per C4A layer and position, a digest
+  of the entries vLLM's Lightning indexer selected, wherever it had to choose (more candidates
+  than index_topk), in ``<prefix>.<pid>.json``. The indexer reads hidden states that the
+  attention of earlier layers produced, so two attention implementations that differ by
+  rounding can tip a near tie in its scores; the engine test uses this record to tell
+  "attended other entries" from "computed the same entries differently". Recorded around the
+  stock layer's ``_sparse_indexer_and_attn``, which the plugin's layer inherits unchanged.
 """
 import logging
 import os
@@ -48,6 +55,46 @@ def register() -> None:
     logger.info("sparse_mla test env: DeepseekV4CPUSparseSWAMetadataBuilder c1a fix applied")
     if os.environ.get("SPARSE_MLA_TESTENV_DUMMY_WEIGHTS") == "scaled":
         _scale_dummy_weights()
+    if os.environ.get("SPARSE_MLA_TESTENV_TOPK_LOG"):
+        _record_topk(os.environ["SPARSE_MLA_TESTENV_TOPK_LOG"])
+
+
+def _record_topk(prefix: str) -> None:
+    import hashlib
+    import json
+
+    import torch
+    from vllm.forward_context import get_forward_context
+    from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
+
+    original = DeepseekV4CPUAttention._sparse_indexer_and_attn
+    if getattr(original, _MARK, False):
+        return
+    record = {}
+
+    def _sparse_indexer_and_attn(self, hidden_states, index_q, index_q_scale, index_weights,
+                                 q, kv, positions, out):
+        result = original(self, hidden_states, index_q, index_q_scale, index_weights, q, kv,
+                          positions, out)
+        if self.compress_ratio != 4 or not isinstance(get_forward_context().attn_metadata,
+                                                      dict):
+            return result
+        topk = self.topk_indices_buffer.shape[1]
+        rows = self.topk_indices_buffer[:q.shape[0]]
+        layer = record.setdefault(self.prefix, {})
+        for t, pos in enumerate(positions.tolist()):
+            if (pos + 1) // 4 <= topk:
+                continue          # every entry selected: nothing was chosen
+            ids = torch.sort(rows[t][rows[t] >= 0]).values.to(torch.int64).numpy().tobytes()
+            layer[str(pos)] = hashlib.sha1(ids).hexdigest()[:16]
+        path = f"{prefix}.{os.getpid()}.json"
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+        return result
+
+    setattr(_sparse_indexer_and_attn, _MARK, True)
+    DeepseekV4CPUAttention._sparse_indexer_and_attn = _sparse_indexer_and_attn
 
 
 def _scale_dummy_weights() -> None:
