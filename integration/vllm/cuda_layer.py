@@ -31,8 +31,7 @@ def _make(base):
         # The TRTLLM backend's caches and q buffer take the SWA cache's element type.
         if self.sparse_mla_name.fp8_ds_mla_layout:
             return None
-        return self.swa_cache_layer.kv_cache_torch_dtype if hasattr(
-            self.swa_cache_layer, "kv_cache_torch_dtype") else self.kv_cache_torch_dtype
+        return self.kv_cache_torch_dtype      # set by DeepseekV4Attention.__init__
 
     return dict(__init__=__init__, _sparse_cache_dtype=_sparse_cache_dtype,
                 get_padded_num_q_heads=classmethod(_unpadded_heads))

