@@ -148,7 +148,10 @@ def register() -> None:
                          "patching anything", version)
         return
     _register_names()
-    _patch_cpu() if route == "cpu" else _patch_cuda()
+    if route == "cpu":
+        _patch_cpu()
+    else:
+        _patch_cuda()
     _state["route"] = route
     logger.info("sparse_mla vLLM plugin: vLLM %s (%s); --attention-backend %s select "
                 "sparse_mla for DeepSeek-V4", version, route, " / ".join(names.ALL))
