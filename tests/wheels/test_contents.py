@@ -21,7 +21,8 @@ from sparse_mla.tests.wheels.wheelfiles import read_wheel, record_digest
 
 VERSION_PIN = re.compile(r"^(sparse-mla-[a-z0-9-]+)==([0-9][0-9a-z.]*)$")
 # third-party modules imported at module level (import time) -> the requirement that ships them
-THIRD_PARTY = {"torch": "torch", "triton": "triton"}
+# vllm: only the vLLM plugin's wheel, where it is the extra [vllm] (tools/bazel/versions.bzl).
+THIRD_PARTY = {"torch": "torch", "triton": "triton", "vllm": "vllm"}
 
 PRODUCTS = {w.name: w for w in map(read_wheel, wheelfiles.product_wheels())}
 FIXTURE = read_wheel(wheelfiles.fixture_wheel())
@@ -202,6 +203,8 @@ def test_fixture_wheel_entry_points_and_extras():
     assert sorted(w.payload) == ["sparse_mla/tests/wheels/fixture/__init__.py",
                                  "sparse_mla/tests/wheels/fixture/plugin.py"]
     for p in PRODUCTS.values():
+        if p.name == "sparse-mla-integration-vllm":
+            continue        # the plugin's one entry point: tests/integration/vllm checks it
         assert not any(n.endswith("entry_points.txt") for n in p.names), p.name
 
 

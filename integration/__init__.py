@@ -1,0 +1,1 @@
+"""Engine integrations of the sparse_mla backends (vLLM; HF transformers)."""

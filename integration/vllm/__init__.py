@@ -1,0 +1,17 @@
+"""sparse_mla's vLLM plugin: DeepSeek-V4 attention on the sparse_mla backends.
+
+Installed with pip, it declares the entry point
+``vllm.general_plugins: sparse_mla = sparse_mla.integration.vllm:register``; vLLM calls
+:func:`register` in every process (engine core and workers included). Selecting
+``--attention-backend SPARSE_MLA`` (584 B FlashMLA-layout caches, ``backends/flashmla``) or
+``SPARSE_MLA_TRTLLM`` (plain caches, ``backends/trtllm``) then builds DeepSeek-V4's attention
+layers from this package; any other backend name or model is left untouched. See the README's
+"vLLM" section.
+"""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (re-entrant; vLLM may call it repeatedly)."""
+    from sparse_mla.integration.vllm import plugin
+
+    plugin.register()

@@ -1,0 +1,31 @@
+"""The attention-backend names the plugin adds, and the sparse_mla backend each one runs."""
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendName:
+    name: str               # what users pass to --attention-backend
+    backend: str            # the sparse_mla backend package (backends/<backend>)
+    fp8_ds_mla_layout: bool  # caches in FlashMLA's 584 B layout (else plain rows)
+
+
+SPARSE_MLA = BackendName("SPARSE_MLA", "flashmla", True)
+SPARSE_MLA_TRTLLM = BackendName("SPARSE_MLA_TRTLLM", "trtllm", False)
+ALL = {b.name: b for b in (SPARSE_MLA, SPARSE_MLA_TRTLLM)}
+
+
+def lookup(selected):
+    """The BackendName for vLLM's configured attention backend (an enum member, a string or
+    None), or None when it is not one of ours."""
+    if selected is None:
+        return None
+    name = getattr(selected, "name", selected)
+    return ALL.get(name) if isinstance(name, str) else None
+
+
+def backend_class(which: BackendName):
+    if which.backend == "flashmla":
+        from sparse_mla.backends.flashmla import FlashMLABackend
+        return FlashMLABackend
+    from sparse_mla.backends.trtllm import TrtllmBackend
+    return TrtllmBackend

