@@ -21,7 +21,7 @@ from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.trtllm_decode.ops import WORKSPACE_BYTES
+from sparse_mla.ops.trtllm_decode.vendor import WORKSPACE_BYTES
 
 D = formats.HEAD_DIM
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
