@@ -118,9 +118,10 @@ class V32Backend(Backend):
         self._run_attention(q, caches, batch, None, out)
         return out
 
-    def write(self, kv_c: Tensor, k_pe: Tensor, q: Tensor, caches,
+    def write(self, q: Tensor, kv_c: Tensor, k_pe: Tensor, caches,
               batch: BatchDescription) -> None:
-        """This step's rows into the cache only (``q`` is used for the checks)."""
+        """This step's rows into the cache only (``q`` is only checked: V3.2's q arrives
+        rotated from the model)."""
         self.validate(q, caches, batch, kv_c, k_pe)
         with _ops_run(self.OPS) as ran:
             self._write(kv_c, k_pe, caches, batch)

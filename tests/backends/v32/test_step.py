@@ -135,3 +135,17 @@ def test_layers_share_one_step_plan(device):
         second.check(second.run(b, batch=a.batch, planned=True), b, "second layer")
     with pytest.raises(ValueError, match="cannot be shared"):
         Harness("flashmla_bf16", config(block_size=32), device, planner=first.backend.planner)
+
+
+def test_write_then_attend_equals_forward():
+    """The step in two pieces (an engine that splits it) gives forward's answer."""
+    whole, split = (Harness("flashmla_fp8_separate", config(), "cpu", seed=8) for _ in range(2))
+    for kw in SCRIPT:
+        a, b = whole.sim.step(**kw), split.sim.step(**kw)
+        out = whole.run(a)
+        got = torch.full_like(out, float("nan"))
+        split.backend.write(b.q, b.kv_c, b.k_pe, split.caches, b.batch)
+        split.backend.attend(b.q, split.caches, b.batch, got)
+        split.written.update(b.slots)
+        assert torch.equal(got, out)
+        split.check(got, b)
