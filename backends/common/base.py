@@ -27,6 +27,7 @@ class Backend:
 
     name = "base"
     OPS: tuple = ()
+    PLANNER = IndexPlanner      # the step planner this family of layers shares
 
     def __init__(self, config: LayerConfig, device="cpu", impl: str = "auto",
                  attention_impl: Optional[str] = None,
@@ -41,7 +42,7 @@ class Backend:
         if planner is not None and not planner.compatible(config):
             raise ValueError("planner belongs to a layer of another kind, window, block size "
                              "or capacity; it cannot be shared with this one")
-        self.planner = planner or IndexPlanner(config, self.device, impl)
+        self.planner = planner or self.PLANNER(config, self.device, impl)
         self._choices: Dict[str, Optional[dispatch.Choice]] = {}
 
     # -- caches ---------------------------------------------------------------------------

@@ -56,7 +56,8 @@ class BatchDescription:
     - ``compressed_slot_mapping`` int64 ``[N_c]``: where this step's compressor rows go (-1: the
       row's token completes no entry).
     - ``topk_indices`` int32 ``[T, K]`` (C4A): the indexer's request-local top-k, valid ids a
-      left-aligned prefix, -1 after; ``K`` is the layer's ``topk``.
+      left-aligned prefix, -1 after; ``K`` is the layer's ``topk``. DeepSeek-V3.2 layers
+      (backends/v32): request-local token positions, the same shape.
     - ``max_decode_query_len`` / ``max_prefill_query_len``: Python ints (no host sync).
     - ``query_start_loc_cpu`` / ``seq_lens_cpu``: host copies used to plan prefill chunks; when
       absent and there are prefills, the planner copies them once (a sync, prefill only).
@@ -78,6 +79,16 @@ class BatchDescription:
     max_prefill_query_len: int = 0
     query_start_loc_cpu: Optional[Tensor] = None
     seq_lens_cpu: Optional[Tensor] = None
+
+    # DeepSeek-V3.2 layers have one cache of every token (no window, no compression): its
+    # block table and slot mapping travel in the swa_* fields; these names read better there.
+    @property
+    def block_table(self) -> Tensor:
+        return self.swa_block_table
+
+    @property
+    def slot_mapping(self) -> Tensor:
+        return self.swa_slot_mapping
 
     @property
     def num_reqs(self) -> int:

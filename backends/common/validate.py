@@ -35,6 +35,16 @@ def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
         raise ValueError(f"q must have shape [num_tokens, {cfg.num_heads}, 512] (the layer's "
                          f"local heads), got {list(q.shape)}")
     T = q.shape[0]
+    Rd, Td, Rp, Tp, R = validate_requests(cfg, batch, T)
+    if kv is not None:
+        checks.expect_shape("kv", kv, (T, formats.HEAD_DIM))
+    _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention)
+
+
+def validate_requests(cfg, batch: BatchDescription, T: int):
+    """The request layout every backend shares (counts, query_start_loc, seq_lens, positions,
+    the token cache's block table and slot mapping) against ``T`` rows of q and ``cfg``'s
+    capacities (``max_num_tokens``, ``max_num_reqs``). Returns ``(Rd, Td, Rp, Tp, R)``."""
     if T > cfg.max_num_tokens:
         raise ValueError(f"q has {T} tokens, more than the planner's capacity max_num_tokens="
                          f"{cfg.max_num_tokens}")
@@ -69,8 +79,10 @@ def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
     checks.expect_last_dim_contiguous("batch.swa_block_table", batch.swa_block_table)
     checks.expect_dtype("batch.swa_slot_mapping", batch.swa_slot_mapping, checks.INDEX_DTYPES)
     checks.expect_shape("batch.swa_slot_mapping", batch.swa_slot_mapping, (T,))
-    if kv is not None:
-        checks.expect_shape("kv", kv, (T, formats.HEAD_DIM))
+    return Rd, Td, Rp, Tp, R
+
+
+def _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention):
     kind = cfg.kind
     if kind.compressed:
         if batch.compressed_block_table is None:
@@ -136,6 +148,53 @@ def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
     """The checks that read values; only where ``checks.value_checks_enabled``."""
     if not checks.value_checks_enabled(q, batch.seq_lens):
         return
+    qsl, seq, ql, tok, want = check_request_values(batch, cos_sin_cache)
+    R = batch.num_reqs
+    check_slots("batch.swa_slot_mapping", batch.swa_slot_mapping, swa_blocks * cfg.swa_block_size)
+    rr = torch.arange(R)
+    first = torch.clamp(seq - ql - (cfg.window - 1), min=0)
+    _table_covers("batch.swa_block_table", batch.swa_block_table.cpu(), swa_blocks, rr, first,
+                  seq - 1, cfg.swa_block_size, "position")
+    if not cfg.kind.compressed:
+        return
+    n_entries = seq // cfg.kind.ratio
+    _table_covers("batch.compressed_block_table", batch.compressed_block_table.cpu(),
+                  compressed_blocks, rr, torch.zeros_like(seq), n_entries - 1,
+                  cfg.compressed_block_size, "compressed entry")
+    if batch.compressed_slot_mapping is not None:
+        check_slots("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
+                    compressed_blocks * cfg.compressed_block_size)
+    if cfg.kind is LayerKind.C4A and attention and tok.numel():
+        tk = batch.topk_indices.long().cpu()[tok]
+        avail = ((want + 1) // cfg.kind.ratio).unsqueeze(1)
+        bad = ((tk < -1) | (tk >= avail)).nonzero()
+        if bad.numel():
+            i, j = int(bad[0, 0]), int(bad[0, 1])
+            raise ValueError(f"batch.topk_indices[{int(tok[i])}, {j}] = {int(tk[i, j])}: a "
+                             f"token at position {int(want[i])} has compressed entries "
+                             f"0..{int(avail[i]) - 1} (-1 pads)")
+
+
+def check_slots(name: str, slots: Tensor, cap: int) -> None:
+    """Every slot -1 (no write) or in [0, cap) (host read: value checks only)."""
+    s = slots.long().cpu()
+    if s.numel() and (int(s.min()) < -1 or int(s.max()) >= cap):
+        raise ValueError(f"{name} must be -1 or a slot in [0, {cap}), got "
+                         f"[{int(s.min())}, {int(s.max())}]")
+
+
+def table_covers(name, table, num_blocks, first, last, block_size, what):
+    """Per request r, the blocks of positions ``first[r]..last[r]`` exist in ``table`` and name
+    blocks of a cache of ``num_blocks`` (host read: value checks only)."""
+    _table_covers(name, table.cpu(), num_blocks, torch.arange(table.shape[0]), first, last,
+                  block_size, what)
+
+
+def check_request_values(batch: BatchDescription, cos_sin_cache: Optional[Tensor] = None):
+    """The value checks every backend shares (query_start_loc, seq_len >= query_len, the
+    query-length maxima, each token's position, positions within the RoPE table when given).
+    Returns host tensors ``(qsl, seq, ql, tok, want)``: rows of the real tokens and their
+    positions."""
     Rd, Td, Tp = batch.num_decodes, batch.num_decode_tokens, batch.num_prefill_tokens
     R = batch.num_reqs
     qsl = batch.query_start_loc.long().cpu()
@@ -178,36 +237,7 @@ def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
             int(pos.min()) < 0 or int(pos.max()) >= cos_sin_cache.shape[0]):
         raise ValueError(f"batch.positions must be in [0, {cos_sin_cache.shape[0]}) (rows of "
                          f"cos_sin_cache), got [{int(pos.min())}, {int(pos.max())}]")
-    slots = batch.swa_slot_mapping.long().cpu()
-    cap = swa_blocks * cfg.swa_block_size
-    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= cap):
-        raise ValueError(f"batch.swa_slot_mapping must be -1 or a slot in [0, {cap}), got "
-                         f"[{int(slots.min())}, {int(slots.max())}]")
-    rr = torch.arange(R)
-    first = torch.clamp(seq - ql - (cfg.window - 1), min=0)
-    _table_covers("batch.swa_block_table", batch.swa_block_table.cpu(), swa_blocks, rr, first,
-                  seq - 1, cfg.swa_block_size, "position")
-    if not cfg.kind.compressed:
-        return
-    n_entries = seq // cfg.kind.ratio
-    _table_covers("batch.compressed_block_table", batch.compressed_block_table.cpu(),
-                  compressed_blocks, rr, torch.zeros_like(seq), n_entries - 1,
-                  cfg.compressed_block_size, "compressed entry")
-    if batch.compressed_slot_mapping is not None:
-        cs = batch.compressed_slot_mapping.long().cpu()
-        ccap = compressed_blocks * cfg.compressed_block_size
-        if cs.numel() and (int(cs.min()) < -1 or int(cs.max()) >= ccap):
-            raise ValueError(f"batch.compressed_slot_mapping must be -1 or a slot in "
-                             f"[0, {ccap}), got [{int(cs.min())}, {int(cs.max())}]")
-    if cfg.kind is LayerKind.C4A and attention and tok.numel():
-        tk = batch.topk_indices.long().cpu()[tok]
-        avail = ((want + 1) // cfg.kind.ratio).unsqueeze(1)
-        bad = ((tk < -1) | (tk >= avail)).nonzero()
-        if bad.numel():
-            i, j = int(bad[0, 0]), int(bad[0, 1])
-            raise ValueError(f"batch.topk_indices[{int(tok[i])}, {j}] = {int(tk[i, j])}: a "
-                             f"token at position {int(want[i])} has compressed entries "
-                             f"0..{int(avail[i]) - 1} (-1 pads)")
+    return qsl, seq, ql, tok, want
 
 
 def check_prefill_fits(cfg: LayerConfig, seq_cpu: Tensor, ql_cpu: Tensor) -> None:

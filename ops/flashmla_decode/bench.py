@@ -2,8 +2,9 @@
 
 Decode: every token attends a 128-token window (SWA cache, page 256) plus top-k compressed
 entries (compressed cache, page 64): h 64 with 512, h 128 with 1024; s_q 1 and 2. V3.2: h 128,
-s_q 2, top-k 2048 of a 656 B cache. Prefill: 4096 queries, h 128, top-k 2048 of 32768 keys.
-FLOPs = 2·h·(D_qk + 512) per (token, key); bytes = key rows + q + out.
+s_q 2, top-k 2048 of a 656 B cache. Prefill: 4096 queries, h 128, top-k 2048 of 32768 keys,
+at d_qk 512 (V4) and 576 (V3.2). FLOPs = 2·h·(D_qk + 512) per (token, key); bytes = key rows
++ q + out.
 """
 from __future__ import annotations
 
@@ -73,13 +74,14 @@ def decode_cost(b, s_q, h, n_keys, fmt="v4"):
     return flops, nbytes
 
 
-def prefill_inputs(s_q, h, s_kv, topk, device):
+def prefill_inputs(s_q, h, s_kv, topk, device, d=512):
+    """``d`` 512: V4 (with a sink); 576: V3.2, which has no sink (vLLM passes none)."""
     g = torch.Generator(device=device).manual_seed(3)
     idx = torch.rand(s_q, 1, s_kv, device=device, generator=g).argsort(-1)[..., :topk]
-    return dict(q=torch.randn(s_q, h, 512, device=device).clamp(-1, 1).to(torch.bfloat16),
-                kv=(torch.randn(s_kv, 1, 512, device=device) / 10).to(torch.bfloat16),
-                indices=idx.to(torch.int32), sm_scale=512 ** -0.5,
-                attn_sink=torch.randn(h, device=device))
+    return dict(q=torch.randn(s_q, h, d, device=device).clamp(-1, 1).to(torch.bfloat16),
+                kv=(torch.randn(s_kv, 1, d, device=device) / 10).to(torch.bfloat16),
+                indices=idx.to(torch.int32), sm_scale=d ** -0.5,
+                attn_sink=torch.randn(h, device=device) if d == 512 else None)
 
 
 def _decode_case(b, s_q, h, topk, device, fmt="v4", check=True):
@@ -98,15 +100,16 @@ def _decode_case(b, s_q, h, topk, device, fmt="v4", check=True):
                      flops=flops, compare=_max_err, reference=check, tolerance=TOLERANCE)
 
 
-def _prefill_case(s_q, h, s_kv, topk, device, check):
-    flops = 2 * h * 1024 * topk * s_q
-    nbytes = s_q * (topk * 1024 + h * 512 * 4)
+def _prefill_case(s_q, h, s_kv, topk, device, check, d=512):
+    flops = 2 * h * (d + 512) * topk * s_q
+    nbytes = s_q * (topk * 2 * d + h * (d + 512) * 2)
 
     def run(a, impl):
         return ops.flash_mla_sparse_fwd(impl=impl, **a)
 
-    return BenchCase("flashmla_sparse_prefill", f"s_q={s_q} h={h} topk={topk}/{s_kv}",
-                     lambda: prefill_inputs(s_q, h, s_kv, topk, device), run, bytes=nbytes,
+    name = ("v32 " if d == 576 else "") + f"s_q={s_q} h={h} topk={topk}/{s_kv}"
+    return BenchCase("flashmla_sparse_prefill", name,
+                     lambda: prefill_inputs(s_q, h, s_kv, topk, device, d), run, bytes=nbytes,
                      flops=flops, compare=_max_err, reference=check, tolerance=TOLERANCE)
 
 
@@ -123,4 +126,5 @@ def cases(device: str, small: bool):
            for h, topk, s_q, b in DECODE_SHAPES + SHARD_SHAPES]
     out.append(_decode_case(64, 2, 128, 2048, device, fmt="v32", check=False))
     out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False))
+    out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False, d=576))   # V3.2
     return out

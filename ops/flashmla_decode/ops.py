@@ -21,6 +21,7 @@ from sparse_mla.ops.flashmla_decode import reference, triton_kernels, vendor
 
 MAX_HEADS = 128
 HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32)}   # q / key width: 512, 576
+PREFILL_DIMS = (512, 576)     # d_qk of the prefill: V4, V3.2; the output is 512 wide either way
 
 
 def _check_sink_and_out(attn_sink, h, out, out_shape):
@@ -163,14 +164,18 @@ _PREFILL.register("reference", reference.prefill)
 
 def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink):
     checks.expect_dtype("q", q, torch.bfloat16)
-    if q.dim() != 3 or q.shape[2] != 512:
-        raise ValueError(f"q must have shape [s_q, heads, 512], got {list(q.shape)}")
+    if q.dim() != 3 or q.shape[2] not in PREFILL_DIMS:
+        raise ValueError(f"q must have shape [s_q, heads, 512] (DeepSeek-V4) or [s_q, heads, "
+                         f"576] (V3.2: 512 latent + 64 RoPE), got {list(q.shape)}")
     s_q, h = q.shape[:2]
+    d = q.shape[2]
     if not 1 <= h <= MAX_HEADS:
         raise ValueError(f"q has {h} heads; expected 1..{MAX_HEADS}")
     checks.expect_last_dim_contiguous("q", q)
     checks.expect_dtype("kv", kv, torch.bfloat16)
-    checks.expect_shape("kv", kv, (None, 1, 512))
+    if kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != d:
+        raise ValueError(f"kv must have shape [s_kv, 1, {d}] (the width of q), got "
+                         f"{list(kv.shape)}")
     checks.expect_last_dim_contiguous("kv", kv)
     checks.expect_dtype("indices", indices, torch.int32)
     checks.expect_shape("indices", indices, (s_q, 1, None))
@@ -192,8 +197,11 @@ def flashmla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, out: Tensor,
                             max_logits: Tensor, lse: Tensor, sm_scale: float,
                             topk_length: Optional[Tensor] = None,
                             attn_sink: Optional[Tensor] = None, impl: str = "auto") -> None:
-    """docs/semantics.md §5.2. Key j of query i is valid iff 0 <= indices[i, 0, j] < s_kv and
-    j < topk_length[i]. lse / max_logits exclude the sink (+inf / -inf without keys)."""
+    """docs/semantics.md §5.2. ``q`` [s_q, h, d_qk] and ``kv`` [s_kv, 1, d_qk] bf16 with d_qk
+    512 (DeepSeek-V4) or 576 (V3.2: scores over all 576 dims); ``out`` [s_q, h, 512] is the
+    first 512 dims of the weighted rows. Key j of query i is valid iff
+    0 <= indices[i, 0, j] < s_kv and j < topk_length[i]. lse / max_logits exclude the sink
+    (+inf / -inf without keys)."""
     _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink)
     _PREFILL(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, sm_scale, impl=impl)
 

@@ -30,7 +30,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
 
 
 def prefill_source(kv, indices, topk_length):
-    # dense kv [s_kv, 1, 512] is a "plain" cache of s_kv blocks of one row each
+    # dense kv [s_kv, 1, 512 or 576] is a "plain" cache of s_kv blocks of one row each
     return [KeySource(kv, "plain_bf16", 1, indices[:, 0, :], topk_length)]
 
 

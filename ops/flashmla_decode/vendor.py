@@ -186,6 +186,8 @@ def prefill_check(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, 
 
 
 def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    """d_qk 512 (V4) or 576 (V3.2): the legacy SM90 prefill reads both widths (FlashMLA's
+    V3.2 case classes, sinks and topk_length included, matched the reference on an H200)."""
     flash_mla, _ = _flash_mla()
     h = q.shape[1]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=1)

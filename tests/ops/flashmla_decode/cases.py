@@ -135,12 +135,12 @@ def _capacity(cache, block_size):
     return cache.shape[0] * block_size
 
 
-def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
+def prefill_case(device, *, s_q, h, s_kv, topk, seed=0, d=512):
     """Every 7th kv row is NaN and only columns past their row's ``topk_length`` point at
     them (docs/semantics.md §5.2 warns that FlashMLA may leak such a row); the rest hold ids in
-    [-2, s_kv + 3), some of them invalid."""
+    [-2, s_kv + 3), some of them invalid. ``d``: d_qk, 512 (V4) or 576 (V3.2)."""
     g = torch.Generator().manual_seed(seed)
-    kv = (torch.randn(s_kv + 4, 1, 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+    kv = (torch.randn(s_kv + 4, 1, d, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
     kv[s_kv:] = float("nan")                       # rows beyond s_kv: never valid
     unused = torch.arange(0, s_kv, 7)
     kv[unused] = float("nan")
@@ -159,7 +159,65 @@ def prefill_case(device, *, s_q, h, s_kv, topk, seed=0):
     sink = torch.randn(h, generator=g)
     if h > 1:
         sink[0], sink[1] = float("inf"), float("-inf")
-    return dict(q=torch.randn(s_q, h, 512, generator=g).clamp(-1, 1).to(torch.bfloat16)
+    return dict(q=torch.randn(s_q, h, d, generator=g).clamp(-1, 1).to(torch.bfloat16)
                 .to(device),
                 kv=kv.to(device), indices=idx.to(device), topk_length=lens.to(device),
-                attn_sink=sink.to(device), sm_scale=512 ** -0.5)
+                attn_sink=sink.to(device), sm_scale=d ** -0.5)
+
+
+# FlashMLA's own V3.2 prefill test classes (tests/test_flash_mla_sparse_prefill.py upstream):
+# (name, s_q, h, s_kv, topk). Regular and irregular s_kv / topk, s_q 1 / 62 / 213 / 1024.
+V32_PREFILL_CLASSES = [
+    ("regular", 62, 128, 4096, 2048),
+    ("regular_h64", 213, 64, 8192, 2048),
+    ("irregular_skv", 62, 128, 592, 512),
+    ("irregular_topk", 213, 64, 1234, 1000),
+    ("sq1", 1, 128, 4096, 2048),
+    ("sq1024", 1024, 128, 4096, 2048),
+    ("sq1024_h64", 1024, 64, 8192, 1024),
+]
+
+
+def v32_prefill_case(device, *, s_q, h, s_kv, topk, seed=0, out_of_range=False,
+                     invalid_rows=0, lengths=True):
+    """A 576-wide V3.2 prefill in FlashMLA's test style: distinct ids in [0, s_kv) per row
+    (topk may exceed s_kv: then ids repeat), q ~ randn clamped, kv ~ randn / 10.
+
+    ``out_of_range``: about a tenth of each row's ids are s_kv..s_kv + 999 or -1 (FlashMLA's
+    "invalid index" class). ``invalid_rows``: that many leading rows hold only invalid ids
+    (all -1 / >= s_kv): out 0 and lse +inf whatever the sink. ``lengths``: random
+    ``topk_length`` per row (columns past it point at NaN rows, which must stay unread)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(s_kv, 1, 576, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+    if topk <= s_kv:
+        idx = torch.stack([torch.randperm(s_kv, generator=g)[:topk] for _ in range(s_q)])
+    else:
+        idx = torch.randint(0, s_kv, (s_q, topk), generator=g)
+    idx = idx.to(torch.int32)
+    if out_of_range:
+        bad = torch.rand(s_q, topk, generator=g) < 0.1
+        junk = torch.where(torch.rand(s_q, topk, generator=g) < 0.5, -1,
+                           s_kv + torch.randint(0, 1000, (s_q, topk), generator=g))
+        idx = torch.where(bad, junk.to(torch.int32), idx)
+    idx[:invalid_rows] = torch.where(torch.arange(topk) % 2 == 0, -1, s_kv + 5).to(torch.int32)
+    a = dict(q=torch.randn(s_q, h, 576, generator=g).clamp(-1, 1).to(torch.bfloat16),
+             kv=kv, indices=idx.unsqueeze(1), sm_scale=576 ** -0.5)
+    if lengths:
+        lens = torch.randint(1, topk + 1, (s_q,), generator=g, dtype=torch.int32)
+        lens[-1] = topk
+        nan_rows = torch.arange(0, s_kv, 97)
+        kv[nan_rows] = float("nan")
+        # ids of NaN rows only past the length; inside it, moved to the next row
+        inside = torch.arange(topk)[None, :] < lens[:, None].long()
+        hit = (idx % 97 == 0) & (idx >= 0) & (idx < s_kv)
+        idx = torch.where(inside & hit, idx + 1, idx)
+        idx = torch.where(~inside, nan_rows[torch.arange(topk) % nan_rows.numel()]
+                          .to(torch.int32), idx)
+        idx[:invalid_rows] = torch.where(torch.arange(topk) % 2 == 0, -1,
+                                         s_kv + 5).to(torch.int32)
+        a.update(indices=idx.unsqueeze(1), topk_length=lens)
+    sink = torch.randn(h, generator=g)
+    if h > 1:
+        sink[0], sink[1] = float("inf"), float("-inf")
+    a["attn_sink"] = sink
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}

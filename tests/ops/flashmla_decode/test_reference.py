@@ -155,3 +155,31 @@ def test_v32_decode_against_hand_built_records():
     torch.testing.assert_close(out[0, 0].double(), torch.softmax(s, -1) @ v, rtol=2 / 128,
                                atol=1e-3)
     assert out.shape == (1, 1, 2, 512)
+
+
+def test_v32_prefill_576_scores_512_values_and_rules():
+    """d_qk 576 (V3.2): scores over all 576 dims, output the first 512, the default scale of
+    the caller's choosing; -1, s_kv and INT_MAX ids and columns past topk_length unused (a NaN
+    row sits there), a row without keys gives 0 / +inf / -inf; sinks as at 512."""
+    g = torch.Generator().manual_seed(11)
+    kv = (torch.randn(6, 1, 576, generator=g) / 4).to(torch.bfloat16)
+    kv[5] = float("nan")
+    q = torch.randn(3, 2, 576, generator=g).to(torch.bfloat16)
+    scale = 576 ** -0.5
+    idx = torch.tensor([[[1, -1, 6, 4, 2 ** 31 - 1]], [[2, 0, 5, 5, 5]], [[5, 5, 0, 1, 2]]],
+                       dtype=torch.int32)
+    sink = torch.tensor([0.5, float("-inf")])
+    out, mx, lse = flash_mla_sparse_fwd(q, kv, idx, scale, attn_sink=sink,
+                                        topk_length=torch.tensor([5, 2, 0], dtype=torch.int32),
+                                        impl="reference")
+    assert out.shape == (3, 2, 512)
+    for t, ids in ((0, [1, 4]), (1, [2, 0])):
+        k = kv[ids, 0].double()
+        s = scale * (q[t].double() @ k.T)
+        lse_t = torch.logsumexp(s, -1)
+        o = torch.softmax(s, -1) @ k[:, :512] * torch.sigmoid(lse_t - sink.double())[:, None]
+        torch.testing.assert_close(lse[t].double(), lse_t, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mx[t].double(), s.amax(-1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[t].double(), o, rtol=2 / 128, atol=1e-3)
+    assert out[2].eq(0).all() and (lse[2] == float("inf")).all()
+    assert (mx[2] == float("-inf")).all()

@@ -13,8 +13,9 @@ from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_
 from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
                                       last_plan, naming, requires_cuda, split_kernel_name,
                                       triton_params)
-from sparse_mla.tests.ops.flashmla_decode.cases import (cache_view, decode_case,
-                                                        out_of_cache_ids, plant, prefill_case)
+from sparse_mla.tests.ops.flashmla_decode.cases import (V32_PREFILL_CLASSES, cache_view,
+                                                        decode_case, out_of_cache_ids, plant,
+                                                        prefill_case, v32_prefill_case)
 
 DEVICES = triton_params()
 
@@ -420,3 +421,53 @@ def test_prefill_matches_reference(device, case):
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
     check_prefill((ro, rm, rl), (o, m, l))
+
+
+# V3.2 (d_qk 576) prefill: FlashMLA's case classes on CUDA, a tiny one in the interpreter.
+V32_VARIANTS = {"plain": {}, "out_of_range": dict(out_of_range=True),
+                "invalid_rows": dict(invalid_rows=3, out_of_range=True),
+                "no_lengths": dict(lengths=False)}
+
+
+def v32_prefill_params():
+    """(class, variant) pairs: every class plain, the variants on two classes (budget)."""
+    out = [(c[0], "plain") for c in V32_PREFILL_CLASSES]
+    out += [(c, v) for c in ("irregular_skv", "sq1024_h64") for v in V32_VARIANTS if
+            v != "plain"]
+    out += [("sq1", "out_of_range")]
+    return out
+
+
+def v32_prefill_args(device, name, variant, seed=0):
+    if device == "cpu":
+        shape = dict(s_q=4, h=2, s_kv=80, topk=64)
+        v = dict(V32_VARIANTS[variant])
+        if "invalid_rows" in v:
+            v["invalid_rows"] = 1
+    else:
+        c = next(c for c in V32_PREFILL_CLASSES if c[0] == name)
+        shape = dict(zip(("s_q", "h", "s_kv", "topk"), c[1:]))
+        v = V32_VARIANTS[variant]
+    return v32_prefill_case(device, seed=seed, **shape, **v)
+
+
+def _v32_triton_params():
+    """CUDA devices run every (class, variant); the interpreter (CPU) two tiny ones."""
+    out = []
+    for d in DEVICES:
+        dev = d.values[0]
+        pairs = v32_prefill_params() if dev != "cpu" else [("regular", "plain"),
+                                                           ("irregular_skv", "invalid_rows")]
+        out += [pytest.param(dev, n, v, id=f"{d.id}-{n}-{v}", marks=d.marks) for n, v in pairs]
+    return out
+
+
+@pytest.mark.parametrize("device,name,variant", _v32_triton_params())
+def test_v32_prefill_576_matches_reference(device, name, variant):
+    a = v32_prefill_args(device, name, variant)
+    ref = flash_mla_sparse_fwd(impl="reference", **a)
+    got = flash_mla_sparse_fwd(impl="triton", **a)
+    check_prefill(ref, got)
+    if "invalid_rows" in variant:
+        n = 3 if device != "cpu" else 1
+        assert got[0][:n].eq(0).all() and got[2][:n].isinf().all() and (got[2][:n] > 0).all()

@@ -89,7 +89,11 @@ def _prefill_args(**over):
 
 BAD_PREFILL = [
     ("kv rank", lambda a: dict(kv=a["kv"][:, 0]), ValueError,
-     r"kv must have shape \[\*, 1, 512\]"),
+     r"kv must have shape \[s_kv, 1, 512\]"),
+    ("q 576 over kv 512", lambda a: dict(q=torch.zeros(3, 2, 576, dtype=torch.bfloat16)),
+     ValueError, r"kv must have shape \[s_kv, 1, 576\] \(the width of q\), got \[10, 1, 512\]"),
+    ("q width", lambda a: dict(q=torch.zeros(3, 2, 520, dtype=torch.bfloat16)), ValueError,
+     r"q must have shape \[s_q, heads, 512\] \(DeepSeek-V4\) or \[s_q, heads, 576\]"),
     ("kv dtype", lambda a: dict(kv=a["kv"].float()), TypeError, "kv must have dtype bfloat16"),
     ("q dtype", lambda a: dict(q=a["q"].float()), TypeError, "q must have dtype bfloat16"),
     ("heads > 128", lambda a: dict(q=torch.zeros(3, 129, 512, dtype=torch.bfloat16)),

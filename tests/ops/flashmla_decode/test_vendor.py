@@ -20,7 +20,9 @@ from sparse_mla.tests.ops.flashmla_decode.test_triton import (_run_decode, captu
                                                                check_prefill, check_same,
                                                                empty_decode_case, given_buffers,
                                                                strided_decode_args,
-                                                               strided_prefill_args)
+                                                               strided_prefill_args,
+                                                               v32_prefill_args,
+                                                               v32_prefill_params)
 
 
 def _explain_decode(a, impl=None):
@@ -296,3 +298,13 @@ def test_vendor_writes_into_given_buffers(layout):
     o, l = flash_mla_with_kvcache(q, cache, idx, out=out, lse=lse, impl="vendor", **a)
     assert o is out and l is lse
     check_decode(ref, (out, lse))
+
+
+@requires_vendor
+@pytest.mark.parametrize("name,variant", v32_prefill_params())
+def test_vendor_v32_prefill_576_matches_reference(name, variant):
+    """FlashMLA's legacy V3.2 prefill (d_qk 576) on its own test classes; heads padded to
+    64/128 by the vendor path where the case has fewer."""
+    a = v32_prefill_args("cuda", name, variant, seed=1)
+    ref = flash_mla_sparse_fwd(impl="reference", **a)
+    check_prefill(ref, flash_mla_sparse_fwd(impl="vendor", **a))
