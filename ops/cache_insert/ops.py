@@ -294,7 +294,7 @@ def _validate_plain_insert(k, k_cache, slot_mapping, kv_scale):
                               kv_scale=kv_scale)
 
 
-@torch.library.custom_op("sparse_mla::insert_plain", mutates_args=("k_cache",))
+@custom_op("sparse_mla::insert_plain", mutates_args=("k_cache",))
 def insert_plain(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                  kv_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
     """Row ``t`` of ``k`` [N, 512] (already normed and rotated: the compressor's output) goes to
