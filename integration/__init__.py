@@ -1,0 +1,1 @@
+"""Integrations of the sparse_mla ops into inference engines (see DESIGN.md)."""
