@@ -13,9 +13,9 @@ Three pieces, all idempotent:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import re
 
-import transformers
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -32,9 +32,13 @@ def _version(text: str):
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
+def installed_version() -> str:
+    return importlib.metadata.version("transformers")
+
+
 def unsupported_reason(config) -> str | None:
     """Why ``config``'s model cannot use sparse_mla attention here, or None."""
-    have = transformers.__version__
+    have = installed_version()
     if _version(have) < MIN_TRANSFORMERS:
         return (f"transformers {have} predates DeepSeek-V4's block_bias in the attention "
                 f"mask (needs >= {'.'.join(map(str, MIN_TRANSFORMERS))})")

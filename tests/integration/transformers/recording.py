@@ -30,8 +30,11 @@ def record(model, run, mask_function=eager_mask):
 
     def recording(module, query, key, value, attention_mask, **kwargs):
         calls.append(Call(module, query, key, value, attention_mask, kwargs))
-        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and \
-            attention_mask.is_floating_point() else None
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # computed as an sdpa-style mask means (True = attend), so layers before the
+            # one inspected see the same window masks as under eager
+            mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
         return dsv4.eager_attention_forward(module, query, key, value, mask, **kwargs)
 
     name = f"_sparse_mla_test_recording_{next(_NAMES)}"
