@@ -117,16 +117,25 @@ def test_fp32_greedy_tokens_equal_eager(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_greedy_tokens_equal_eager(device, seed):
-    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16. Seeds 0 and 1
-    are cases where bf16 rounding alone does not change eager's tokens (asserted: eager bf16
-    generates what the same weights generate in fp32); where it does, no bf16
-    implementation can be held to eager's exact tokens."""
-    model = models.random_model(models.tiny_config(), torch.bfloat16, device=device, seed=seed)
-    ids, mask = _prompts(model.config, seed, device=device)
-    eager = models.greedy(model, ids, mask)
-    assert torch.equal(eager, models.greedy(_fp32_twin(model), ids, mask))
-    model.set_attn_implementation("sparse_mla")
-    ours = models.greedy(model, ids, mask)
-    assert torch.equal(ours, eager)
+def test_bf16_greedy_tokens_equal_eager(device):
+    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16, on the first two
+    seeds whose greedy tokens bf16 rounding does not change (eager bf16 generates what the
+    same weights generate in fp32). Where rounding alone changes eager's own tokens, no bf16
+    implementation can be held to them; such seeds are skipped over and counted."""
+    checked, skipped = 0, []
+    for seed in range(8):
+        model = models.random_model(models.tiny_config(), torch.bfloat16, device=device,
+                                    seed=seed)
+        ids, mask = _prompts(model.config, seed, device=device)
+        eager = models.greedy(model, ids, mask)
+        if not torch.equal(eager, models.greedy(_fp32_twin(model), ids, mask)):
+            skipped.append(seed)
+            continue
+        model.set_attn_implementation("sparse_mla")
+        ours = models.greedy(model, ids, mask)
+        assert torch.equal(ours, eager), f"seed {seed}"
+        checked += 1
+        if checked == 2:
+            break
+    print(f"checked 2 seeds; bf16-sensitive seeds passed over: {skipped}")
+    assert checked == 2, f"only {checked} of 8 seeds are insensitive to bf16 rounding"
