@@ -116,26 +116,44 @@ def test_fp32_greedy_tokens_equal_eager(device, seed):
     assert torch.equal(ours, eager)
 
 
+def _greedy_with_margin(model, ids, mask):
+    """Greedy tokens and the smallest top-1 minus top-2 logit gap over all their choices."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                             min_new_tokens=20, pad_token_id=model.config.pad_token_id,
+                             output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values
+    return out.sequences, (top2[..., 0] - top2[..., 1]).min().item()
+
+
+# Smallest greedy margin (in the fp32 model) for a bf16 comparison to be decidable: eager
+# bf16's logits differ from the same weights' fp32 logits by up to ~0.04 here (measured;
+# test_bf16_forward_logits... prints it), and bf16 logits near 3 are 1/64 apart.
+DECIDABLE_MARGIN = 0.03
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_greedy_tokens_equal_eager(device):
-    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16, on the first two
-    seeds whose greedy tokens bf16 rounding does not change (eager bf16 generates what the
-    same weights generate in fp32). Where rounding alone changes eager's own tokens, no bf16
-    implementation can be held to them; such seeds are skipped over and counted."""
-    checked, skipped = 0, []
-    for seed in range(8):
+    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16. A random tiny
+    model's 40 greedy choices are often closer than bf16 rounding (eager bf16 then generates
+    other tokens than its own fp32 weights: 4 of 8 seeds here), and there no bf16
+    implementation can be held to eager's exact tokens. So: of the first 12 seeds, every
+    one whose fp32 greedy margins all exceed DECIDABLE_MARGIN must give identical tokens,
+    and there must be at least one."""
+    checked, passed_over = [], []
+    for seed in range(12):
         model = models.random_model(models.tiny_config(), torch.bfloat16, device=device,
                                     seed=seed)
         ids, mask = _prompts(model.config, seed, device=device)
-        eager = models.greedy(model, ids, mask)
-        if not torch.equal(eager, models.greedy(_fp32_twin(model), ids, mask)):
-            skipped.append(seed)
+        _, margin = _greedy_with_margin(_fp32_twin(model), ids, mask)
+        if margin < DECIDABLE_MARGIN:
+            passed_over.append(seed)
             continue
+        eager = models.greedy(model, ids, mask)
         model.set_attn_implementation("sparse_mla")
         ours = models.greedy(model, ids, mask)
-        assert torch.equal(ours, eager), f"seed {seed}"
-        checked += 1
-        if checked == 2:
-            break
-    print(f"checked 2 seeds; bf16-sensitive seeds passed over: {skipped}")
-    assert checked == 2, f"only {checked} of 8 seeds are insensitive to bf16 rounding"
+        assert torch.equal(ours, eager), f"seed {seed} (fp32 greedy margin {margin:.3f})"
+        checked.append(seed)
+    print(f"bf16 greedy identical on seeds {checked}; seeds with a choice within "
+          f"{DECIDABLE_MARGIN} passed over: {passed_over}")
+    assert checked, "no seed's greedy choices are all decidable in bf16"
