@@ -2,8 +2,10 @@
 eager attention and with ``attn_implementation="sparse_mla"``; same tokens required.
 
 Model: ``models.tiny_config`` (head_dim 512; sliding, CSA and HCA layers), bf16, batch 2 with
-unequal prompt lengths, prefill + 20 decode steps. Seed 0: a case whose greedy tokens bf16
-rounding does not change (the tests check this against the fp32 model).
+unequal prompt lengths, prefill + 20 decode steps. Seed 3: a case whose greedy choices are
+all decidable in bf16 (each top-1 logit leads by more than bf16 noise in the fp32 model; most
+seeds of a random tiny model have a near-tie somewhere, where eager bf16 itself departs from
+its fp32 tokens: tests/integration/transformers/test_attention.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from sparse_mla.integration.transformers import models, registration
 
-PROMPT, PAD, NEW_TOKENS = 30, 9, 20
+PROMPT, PAD, NEW_TOKENS, SEED = 30, 9, 20, 3
 
 
 def _generate(model, ids, mask, device):
@@ -29,8 +31,8 @@ def _generate(model, ids, mask, device):
 def run(device: str) -> bool:
     """Prints the section; True when both implementations generate the same tokens."""
     registration.register()
-    model = models.random_model(models.tiny_config(), torch.bfloat16, device=device, seed=0)
-    g = torch.Generator().manual_seed(0)
+    model = models.random_model(models.tiny_config(), torch.bfloat16, device=device, seed=SEED)
+    g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(3, model.config.vocab_size, (2, PROMPT), generator=g)
     mask = torch.ones(2, PROMPT, dtype=torch.long)
     ids[1, :PAD], mask[1, :PAD] = model.config.pad_token_id, 0
