@@ -1,8 +1,9 @@
 """The main job's model section: a small random-weight DeepSeek-V4 generates greedily with
 eager attention and with ``attn_implementation="sparse_mla"``; same tokens required.
 
-Model: ``models.tiny_config`` (head_dim 512; sliding, CSA and HCA layers), bf16, batch 2 with
-unequal prompt lengths, prefill + 20 decode steps. Seed 3: a case whose greedy choices are
+Model on CPU: ``models.tiny_config`` (head_dim 512; sliding, CSA and HCA layers); on a GPU
+``models.real_dims_config`` (the same layer types at real attention dimensions, 256-token
+prompts). bf16, batch 2 with unequal prompt lengths, prefill + 20 decode steps. CPU seed 3: a case whose greedy choices are
 all decidable in bf16 (each top-1 logit leads by more than bf16 noise in the fp32 model; most
 seeds of a random tiny model have a near-tie somewhere, where eager bf16 itself departs from
 its fp32 tokens: tests/integration/transformers/test_attention.py).
@@ -15,7 +16,9 @@ import torch
 
 from sparse_mla.integration.transformers import models, registration
 
-PROMPT, PAD, NEW_TOKENS, SEED = 30, 9, 20, 3
+NEW_TOKENS = 20
+# (config, seed, prompt length, padding of row 1) per device kind
+CASES = {"cpu": (models.tiny_config, 3, 30, 9), "cuda": (models.real_dims_config, 0, 256, 64)}
 
 
 def _generate(model, ids, mask, device):
@@ -31,15 +34,16 @@ def _generate(model, ids, mask, device):
 def run(device: str) -> bool:
     """Prints the section; True when both implementations generate the same tokens."""
     registration.register()
-    model = models.random_model(models.tiny_config(), torch.bfloat16, device=device, seed=SEED)
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(3, model.config.vocab_size, (2, PROMPT), generator=g)
-    mask = torch.ones(2, PROMPT, dtype=torch.long)
-    ids[1, :PAD], mask[1, :PAD] = model.config.pad_token_id, 0
+    config, seed, prompt, pad = CASES["cpu" if device == "cpu" else "cuda"]
+    model = models.random_model(config(), torch.bfloat16, device=device, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=g)
+    mask = torch.ones(2, prompt, dtype=torch.long)
+    ids[1, :pad], mask[1, :pad] = model.config.pad_token_id, 0
     ids, mask = ids.to(device), mask.to(device)
     print(f"\nmodel: random DeepSeek-V4, {model.config.layer_types}, "
           f"{model.config.num_attention_heads} heads x {model.config.head_dim}, bf16, batch 2 "
-          f"(prompts {PROMPT} and {PROMPT - PAD} tokens), greedy {NEW_TOKENS} tokens, "
+          f"(prompts {prompt} and {prompt - pad} tokens), greedy {NEW_TOKENS} tokens, "
           f"transformers {registration.installed_version()}", flush=True)
     tokens, rows = {}, []
     for impl in ("eager", "sparse_mla"):

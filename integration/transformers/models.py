@@ -53,6 +53,15 @@ def bench_config(num_hidden_layers: int = 2, **overrides) -> DeepseekV4Config:
     return DeepseekV4Config(**kw)
 
 
+def real_dims_config(**overrides) -> DeepseekV4Config:
+    """``bench_config``'s real attention dimensions with one layer of each type (sliding,
+    CSA, HCA): the model section's and the GPU greedy test's model on a GPU."""
+    kw = dict(num_hidden_layers=3, layer_types=list(LAYER_TYPES),
+              mlp_layer_types=["moe"] * 3)
+    kw.update(overrides)
+    return bench_config(**kw)
+
+
 def random_model(config, dtype=torch.bfloat16, device="cpu", seed=0,
                  attn_implementation="eager") -> DeepseekV4ForCausalLM:
     """``config``'s model with random weights (sinks, position biases and the hash table
