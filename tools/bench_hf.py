@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     for impl in IMPLS:
         model.set_attn_implementation(impl)
         try:
-            models.greedy(model, ids, new_tokens=2)      # warm-up
+            # warm-up over the same steps: Triton compiles its launch variants here, once
+            models.greedy(model, ids, new_tokens=args.decode_tokens)
             t, out[impl] = _timed(lambda: models.greedy(model, ids, new_tokens=args.decode_tokens),
                                   device)
         except torch.cuda.OutOfMemoryError:

@@ -86,3 +86,40 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=20):
         return model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               pad_token_id=model.config.pad_token_id)
+
+
+# Largest top-1 minus top-2 logit gap that bf16 rounding can flip in these models: eager
+# bf16's logits differ from the same weights' fp32 logits by up to ~0.045 (measured, tiny
+# model on CPU and H200; tests/integration/transformers/test_attention.py prints it).
+NEAR_TIE = 0.05
+
+
+def greedy_with_margins(model, input_ids, attention_mask=None, new_tokens=20):
+    """Greedy tokens and, per generated step and row, the top-1 minus top-2 logit gap."""
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=model.config.pad_token_id, output_scores=True,
+                             return_dict_in_generate=True)
+    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values      # [B, steps, 2]
+    return out.sequences, top2[..., 0] - top2[..., 1]
+
+
+def compare_greedy(model, input_ids, attention_mask=None, new_tokens=20):
+    """Greedy generation with eager and with sparse_mla attention (the model is left on
+    sparse_mla). Returns ``(eager, ours, divergences)``: per row whose tokens differ,
+    ``(row, step, eager's margin at that step)`` of the first differing token. Up to that
+    step both saw the same tokens, so a divergence is explained by rounding only where
+    eager's own margin there is below ``NEAR_TIE``."""
+    model.set_attn_implementation("eager")
+    eager, margins = greedy_with_margins(model, input_ids, attention_mask, new_tokens)
+    model.set_attn_implementation("sparse_mla")
+    ours, _ = greedy_with_margins(model, input_ids, attention_mask, new_tokens)
+    prompt = input_ids.shape[1]
+    divergences = []
+    for row in range(eager.shape[0]):
+        diff = (eager[row, prompt:] != ours[row, prompt:]).nonzero()
+        if len(diff):
+            step = int(diff[0])
+            divergences.append((row, step, float(margins[row, step])))
+    return eager, ours, divergences

@@ -59,10 +59,11 @@ def test_every_call_is_as_close_to_fp32_as_eager_bf16(device):
         assert weights is None and got.dtype == torch.bfloat16
         assert got.shape == (c.query.shape[0], c.query.shape[2], c.query.shape[1], 512)
         err = (got.float() - want).abs()
-        # bf16 rounding of the probabilities (the kernels' p·v operand) and of the result:
-        # 2^-8 of the row's scale
+        # SPEC §9's prefill tolerance (FlashMLA's tests: abs 8e-4, rel 3/128), relative to
+        # the row's scale: the kernels round p to bf16 for p·v, so an element's error follows
+        # its row's magnitude, not its own
         scale = want.abs().amax(-1, keepdim=True)
-        assert (err <= scale * 2 ** -8 + 1e-5).all(), err.max()
+        assert (err <= scale * 3 / 128 + 8e-4).all(), err.max()
         assert err.max() <= (eager_bf16.float() - want).abs().max()
     if device != "cpu":
         assert last_choice("flashmla_sparse_prefill").impl in ("triton", "vendor")
@@ -118,47 +119,30 @@ def test_fp32_greedy_tokens_equal_eager(device, seed):
     assert torch.equal(ours, eager)
 
 
-def _greedy_with_margin(model, ids, mask):
-    """Greedy tokens and the smallest top-1 minus top-2 logit gap over all their choices."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                             min_new_tokens=20, pad_token_id=model.config.pad_token_id,
-                             output_scores=True, return_dict_in_generate=True)
-    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values
-    return out.sequences, (top2[..., 0] - top2[..., 1]).min().item()
-
-
-# Smallest greedy margin (in the fp32 model) for a bf16 comparison to be decidable: eager
-# bf16's logits differ from the same weights' fp32 logits by up to ~0.04 here (measured;
-# test_bf16_forward_logits... prints it), and bf16 logits near 3 are 1/64 apart.
-DECIDABLE_MARGIN = 0.03
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_greedy_tokens_equal_eager(device):
-    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16. A random tiny
-    model's 40 greedy choices are often closer than bf16 rounding (eager bf16 then generates
-    other tokens than its own fp32 weights: 4 of 8 seeds here), and there no bf16
-    implementation can be held to eager's exact tokens. So: of the first 12 seeds (on a GPU
-    also 2 seeds of the real-dimension model, 256-token prompts), every one whose fp32
-    greedy margins all exceed DECIDABLE_MARGIN must give identical tokens, and there must
-    be at least one."""
-    cases = [(models.tiny_config, seed, PROMPT) for seed in range(12)]
+def test_bf16_greedy_tokens_equal_eager_up_to_near_ties(device):
+    """Prefill + 20 decode steps, batch 2 with unequal prompt lengths, bf16, 6 seeds (on a
+    GPU also 2 seeds of the real-dimension model with 256-token prompts). A random model's
+    greedy choices are often near-ties, which bf16 rounding alone flips (eager bf16 then
+    departs from its own fp32 weights' tokens: 4 of 8 tiny seeds on CPU). So: sparse_mla's
+    tokens must equal eager's up to the first step where eager's top-2 logits are within
+    models.NEAR_TIE; a difference at any other step fails. And most of the 20-step
+    sequences must be identical throughout."""
+    cases = [(models.tiny_config, seed, PROMPT) for seed in range(6)]
     if device != "cpu":                 # the real attention dimensions, too slow on CPU
         cases += [(models.real_dims_config, seed, 256) for seed in range(2)]
-    checked, passed_over = [], []
+    identical, near_ties = 0, []
     for config, seed, length in cases:
         model = models.random_model(config(), torch.bfloat16, device=device, seed=seed)
         ids, mask = _prompts(model.config, seed, length=length, device=device)
-        _, margin = _greedy_with_margin(_fp32_twin(model), ids, mask)
-        if margin < DECIDABLE_MARGIN:
-            passed_over.append((config.__name__, seed))
-            continue
-        eager = models.greedy(model, ids, mask)
-        model.set_attn_implementation("sparse_mla")
-        ours = models.greedy(model, ids, mask)
-        assert torch.equal(ours, eager), f"seed {seed} (fp32 greedy margin {margin:.3f})"
-        checked.append((config.__name__, seed))
-    print(f"bf16 greedy identical on seeds {checked}; seeds with a choice within "
-          f"{DECIDABLE_MARGIN} passed over: {passed_over}")
-    assert checked, "no seed's greedy choices are all decidable in bf16"
+        eager, ours, divergences = models.compare_greedy(model, ids, mask)
+        assert ours.shape == eager.shape == (2, length + 20)
+        for row, step, margin in divergences:
+            assert margin < models.NEAR_TIE, (
+                f"{config.__name__} seed {seed} row {row}: tokens differ at step {step}, "
+                f"where eager's top-2 logits are {margin:.4f} apart")
+            near_ties.append((config.__name__, seed, row, step, round(margin, 4)))
+        identical += 2 - len(divergences)
+    print(f"bf16 greedy: {identical} of {2 * len(cases)} sequences identical; first "
+          f"differences, all at near-ties (config, seed, row, step, margin): {near_ties}")
+    assert identical > len(cases)
