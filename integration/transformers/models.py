@@ -88,10 +88,12 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=20):
                               pad_token_id=model.config.pad_token_id)
 
 
-# Largest top-1 minus top-2 logit gap that bf16 rounding can flip in these models: eager
-# bf16's logits differ from the same weights' fp32 logits by up to ~0.045 (measured, tiny
-# model on CPU and H200; tests/integration/transformers/test_attention.py prints it).
-NEAR_TIE = 0.05
+# Largest top-1 minus top-2 logit gap that bf16 rounding can flip in these models. Eager
+# bf16's and sparse_mla's logits each differ from the same weights' fp32 logits by up to
+# ~0.045 (tiny model, CPU and H200; test_bf16_forward_logits... prints it), so from each
+# other by up to about twice that: a gap below 0.1 can come out either way. (0.05 was tried
+# first: the H200 run flipped a 0.070 gap at decode step 11.)
+NEAR_TIE = 0.1
 
 
 def greedy_with_margins(model, input_ids, attention_mask=None, new_tokens=20):
