@@ -5,7 +5,10 @@ reference) runs on random inputs sized to the device (small on CPU, production s
 is compared with the reference, and is timed: "graph µs" replays the op captured in a CUDA
 graph (its GPU time in a captured decode step; throughput and % roofline use it when present),
 "eager µs" includes Python, validation and launch overhead. Bandwidth and FLOP rates are shown next to the
-card's own copy bandwidth and matmul rate, measured in the same run.
+card's own copy bandwidth and matmul rate, measured in the same run. Then the model section
+(``--no-model`` skips it): a small random-weight HF transformers DeepSeek-V4 generates greedily
+with eager attention and with ``attn_implementation="sparse_mla"`` (same tokens required) and
+prints both times per token.
 
   bazel run //tools:sparse_mla                    # all ops, auto device
   bazel run //tools:sparse_mla -- --ops cache_insert --impls triton
@@ -113,7 +116,19 @@ def run(args) -> int:
         print(line(r))
     if failures:
         print(f"{failures} result(s) differ from the reference", file=sys.stderr)
+    if args.model and not _model_section(device):
+        failures += 1
     return 1 if failures else 0
+
+
+def _model_section(device) -> bool:
+    """HF transformers DeepSeek-V4: the same greedy tokens with sparse_mla as with eager
+    (integration/transformers/main_job.py)."""
+    from sparse_mla.integration.transformers import main_job
+    same = main_job.run(device)
+    if not same:
+        print("the model generated different tokens with sparse_mla", file=sys.stderr)
+    return same
 
 
 def main(argv=None) -> int:
@@ -123,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--ops", nargs="+", choices=FAMILIES, help="op families (default: all)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                    help="implementations to run (default: all that can run)")
+    p.add_argument("--no-model", dest="model", action="store_false",
+                   help="skip the model section (HF transformers DeepSeek-V4, eager vs "
+                        "sparse_mla greedy tokens and ms/token)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--small", dest="small", action="store_true", default=None,
                       help="tiny shapes (default on CPU)")

@@ -1,0 +1,145 @@
+"""The ``"sparse_mla"`` attention function for HF transformers' DeepSeek-V4.
+
+DeepSeek-V4's attention layer hands every attention function the same things (transformers
+>= 5.8.1): query ``[B, H, S_q, 512]``; key = value ``[B, 1, S_kv + T, 512]`` (the sliding
+window's keys, then the compressor's T entries); the eager additive mask ``[B, 1, S_q,
+S_kv + T]`` with the compressor's per-query ``block_bias`` concatenated on; ``s_aux`` = the
+per-head sinks; ``scaling``. Eager attends over every column; here each query's visible
+columns become an index list and sparse attention runs over exactly those keys with the sink
+(softmax denominator + exp(sink)), so the result is eager's up to rounding.
+
+Routes: bf16 models run ``sparse_mla::flashmla_sparse_prefill`` (reference on CPU, Triton or
+FlashMLA on a GPU, chosen by the op's dispatcher). That op is bf16 by contract, so fp32
+models run ``attend_fp32`` instead: the same index lists, keys gathered and attended in fp32
+— serving them through the bf16 op would round q, k and the output to bf16 and lose the fp32
+model's precision relative to its own eager attention.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_mla.integration.transformers.index_lists import visible_index_lists
+from sparse_mla.ops.common import checks
+from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
+
+HEAD_DIM = 512
+MAX_HEADS = 128
+# Query rows per fp32 chunk: bounds the gathered keys ([B, rows, width, 512] fp32).
+_FP32_CHUNK_ELEMENTS = 1 << 26
+
+
+def list_width(module, n_keys: int, n_queries: int) -> int:
+    """A width every query's visible-column count fits in, from shapes and the config alone.
+
+    Window part: at most ``sliding_window`` keys (HF's window is ``q - window < k <= q``).
+    Compressed part: its T entries are the key columns beyond the window part, which holds
+    at least this call's ``n_queries`` tokens, so ``T <= n_keys - n_queries``; a CSA query
+    sees at most ``index_topk`` of them (``block_bias`` has 0 at the top-k picks only)."""
+    cfg = module.config
+    extra = max(0, n_keys - n_queries)
+    if module.layer_type == "sliding_attention":
+        extra = 0
+    elif module.layer_type == "compressed_sparse_attention":
+        extra = min(extra, cfg.index_topk)
+    return min(n_keys, cfg.sliding_window + extra)
+
+
+def _check_inputs(module, query, key, value, attention_mask, dropout):
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            "sparse_mla attention needs DeepSeek-V4's additive attention mask (with the "
+            "compressor's block_bias); got "
+            f"{type(attention_mask).__name__}: register the mask function with "
+            "sparse_mla.integration.transformers.register()")
+    if query.dim() != 4 or query.shape[-1] != HEAD_DIM:
+        raise ValueError(f"query must have shape [batch, heads, queries, {HEAD_DIM}], "
+                         f"got {list(query.shape)}")
+    b, h, s, _ = query.shape
+    if key.dim() != 4 or key.shape[0] != b or key.shape[1] != 1 or key.shape[-1] != HEAD_DIM:
+        raise ValueError(f"key must have shape [{b}, 1, keys, {HEAD_DIM}] (one shared KV "
+                         f"head), got {list(key.shape)}")
+    same = value is key or (value.data_ptr() == key.data_ptr() and value.shape == key.shape
+                            and value.stride() == key.stride() and value.dtype == key.dtype)
+    if not same:
+        raise ValueError("value must be key (DeepSeek-V4 shares one tensor as K and V)")
+    n = key.shape[2]
+    if attention_mask.dim() != 4 or tuple(attention_mask.shape) != (b, 1, s, n):
+        raise ValueError(f"attention_mask must have shape [{b}, 1, {s}, {n}], "
+                         f"got {list(attention_mask.shape)}")
+    if query.dtype not in (torch.bfloat16, torch.float32) or key.dtype != query.dtype:
+        raise TypeError("sparse_mla attention serves bf16 and fp32 models; got query "
+                        f"{query.dtype}, key {key.dtype}")
+    if dropout:
+        raise ValueError(f"sparse_mla attention has no dropout; got dropout={dropout} "
+                         "(call model.eval() or set attention_dropout=0)")
+    if not 1 <= h <= MAX_HEADS:
+        raise ValueError(f"query has {h} heads; sparse_mla attention takes 1..{MAX_HEADS}")
+
+
+def _sinks(s_aux, heads, device):
+    if s_aux is None:
+        return None
+    sink = s_aux.detach().float().reshape(-1)
+    if sink.shape[0] != heads:
+        raise ValueError(f"s_aux must have one sink per head ({heads}), got {list(s_aux.shape)}")
+    return sink.to(device)
+
+
+def attend_fp32(query, key, indices, sink, scale):
+    """fp32 sparse attention with a sink: ``[B, H, S, D]`` q, ``[B, N, D]`` keys (= values),
+    ``[B, S, W]`` int32 column lists (-1 = none). Returns ``[B, S, H, D]`` fp32."""
+    b, h, s, d = query.shape
+    w = indices.shape[-1]
+    out = query.new_zeros(b, s, h, d)
+    rows = max(1, _FP32_CHUNK_ELEMENTS // max(1, b * w * d))
+    batch = torch.arange(b, device=query.device)[:, None, None]
+    for r0 in range(0, s, rows):
+        idx = indices[:, r0:r0 + rows].long()
+        k = key[batch, idx.clamp(min=0)]                              # [B, r, W, D]
+        logits = torch.einsum("bhrd,brwd->bhrw", query[:, :, r0:r0 + rows], k) * scale
+        logits = logits.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+        if sink is not None:
+            logits = torch.cat([logits, sink.view(1, h, 1, 1).expand(b, h, logits.shape[2], 1)],
+                               dim=-1)
+        # a row with no key and no sink has no softmax: its output is 0, like the kernels'
+        m = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+        p = torch.exp(logits - m)
+        p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        out[:, r0:r0 + rows] = torch.einsum("bhrw,brwd->brhd", p[..., :w], k)
+    return out
+
+
+def sparse_mla_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                                 dropout=0.0, s_aux=None, **kwargs):
+    """HF attention function: returns ``(out [B, S_q, H, 512], None)`` (no weights)."""
+    _check_inputs(module, query, key, value, attention_mask, dropout)
+    b, h, s, d = query.shape
+    n = key.shape[2]
+    scale = float(HEAD_DIM ** -0.5 if scaling is None else scaling)
+    width = list_width(module, n, s)
+    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width)
+    checkable = checks.value_checks_enabled(attention_mask)
+    if checkable and bool(bad.any()):
+        row = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer "
+            f"{getattr(module, 'layer_idx', '?')} has more than {width} visible keys or a "
+            "finite nonzero bias; sparse_mla attention takes masks of 0 / -inf entries with "
+            "DeepSeek-V4's sliding-window + compressed structure only")
+    sink = _sinks(s_aux, h, query.device)
+    keys = key[:, 0]                                                   # [B, N, D]
+    if query.dtype == torch.float32:
+        out = attend_fp32(query, keys, indices, sink, scale)
+    else:
+        # one flat batch: query rows b*S.., keys b*N.., each list offset into its own keys
+        offset = (torch.arange(b, device=query.device, dtype=torch.int32) * n).view(b, 1, 1)
+        flat = torch.where(indices >= 0, indices + offset, -1).reshape(b * s, 1, width)
+        q = query.transpose(1, 2).reshape(b * s, h, d)
+        kv = keys.reshape(b * n, 1, d)
+        out, _, _ = flash_mla_sparse_fwd(q, kv, flat, scale, attn_sink=sink,
+                                         topk_length=lengths.reshape(b * s))
+        out = out.view(b, s, h, d)
+    if not checkable:
+        # rows the lists cannot reproduce become NaN: loud, and no host sync to find them
+        out = out.masked_fill(bad.view(b, s, 1, 1), float("nan"))
+    return out, None

@@ -1,0 +1,61 @@
+"""Per-query index lists of the visible key columns of an additive attention mask.
+
+HF's eager mask for DeepSeek-V4 is additive: 0 where a key is visible, ``finfo(dtype).min``
+(sliding-window / padding part) or ``-inf`` (the compressor's ``block_bias``) where it is
+not. Sparse attention needs, per query, the list of visible columns. The lists are built on
+the mask's device with a width fixed by shapes alone, so nothing waits for the GPU.
+
+Only 0 and "masked" are representable: a finite nonzero bias cannot be applied by a sparse
+kernel. Rows holding one, or holding more visible columns than the width, are reported in
+``bad`` so the caller can refuse them (CPU) or poison them with NaN (GPU, no sync).
+"""
+from __future__ import annotations
+
+import torch
+
+# Rows per compaction chunk: bounds the temporaries (int64 scatter indices are 8 bytes per
+# mask element) at about 256 MiB whatever the prompt length.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def is_masked(mask: torch.Tensor) -> torch.Tensor:
+    """True where an additive mask hides a key: -inf or at most the dtype's minimum.
+
+    (eager's ``finfo.min`` plus a score can round back to ``finfo.min`` but never above
+    ``finfo.min / 2``, so the threshold separates the two kinds of entries.)"""
+    return mask <= torch.finfo(mask.dtype).min / 2
+
+
+def visible_index_lists(mask: torch.Tensor, width: int):
+    """``(indices, lengths, bad)`` for an additive mask ``[B, S_q, N]``.
+
+    indices: ``[B, S_q, width]`` int32, row r's visible columns in increasing order, then -1.
+    lengths: ``[B, S_q]`` int32, visible columns per row, clamped to ``width``.
+    bad: ``[B, S_q]`` bool, rows with more than ``width`` visible columns or a finite
+        nonzero bias (what sparse attention cannot reproduce exactly).
+    """
+    if mask.dim() != 3:
+        raise ValueError(f"mask must have shape [batch, queries, keys], got {list(mask.shape)}")
+    if not mask.is_floating_point():
+        raise TypeError(f"mask must be an additive float mask, got {mask.dtype}")
+    if width < 0:
+        raise ValueError(f"width must be >= 0, got {width}")
+    b, s, n = mask.shape
+    indices = torch.full((b, s, width + 1), -1, dtype=torch.int32, device=mask.device)
+    lengths = torch.empty((b, s), dtype=torch.int32, device=mask.device)
+    bad = torch.empty((b, s), dtype=torch.bool, device=mask.device)
+    cols = torch.arange(n, dtype=torch.int32, device=mask.device)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, b * n))
+    for r0 in range(0, s, rows):
+        m = mask[:, r0:r0 + rows]
+        visible = m == 0
+        count = visible.sum(-1, dtype=torch.int32)
+        # slot of each visible column in its row's list; hidden columns (and overflow) go to
+        # the spare last slot, which is dropped
+        slot = torch.cumsum(visible, -1, dtype=torch.int32) - 1
+        slot = torch.where(visible & (slot < width), slot, width).long()
+        chunk = indices[:, r0:r0 + rows]
+        chunk.scatter_(-1, slot, cols.expand_as(slot))   # the spare slot's value is arbitrary
+        lengths[:, r0:r0 + rows] = count.clamp(max=width)
+        bad[:, r0:r0 + rows] = (count > width) | (~visible & ~is_masked(m)).any(-1)
+    return indices[..., :width], lengths, bad

@@ -1,0 +1,18 @@
+"""The main job's model section and the benchmark, on CPU with the tiny model."""
+from sparse_mla.integration.transformers import main_job
+from sparse_mla.tools import bench_hf
+
+
+def test_model_section_generates_the_same_tokens_and_prints_times(capsys):
+    assert main_job.run("cpu") is True
+    out = capsys.readouterr().out
+    assert "same greedy tokens: True" in out
+    assert out.count("ms/token") == 2 and "eager" in out and "sparse_mla" in out
+
+
+def test_benchmark_runs_both_implementations_side_by_side(capsys):
+    assert bench_hf.main(["--tiny", "--device", "cpu", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    prefill = [line.split() for line in out.splitlines() if line.split()[:1] in (["24"], ["40"])]
+    assert len(prefill) == 2 and all(row[2] == "ms" and row[5] == "ms" for row in prefill)
+    assert "same greedy tokens: True" in out

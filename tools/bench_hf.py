@@ -1,0 +1,142 @@
+"""HF transformers DeepSeek-V4: eager attention vs ``attn_implementation="sparse_mla"``.
+
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_hf
+      [--lengths 1024 4096 ...] [--decode-prompt 4096] [--decode-tokens 32] [--tiny]
+
+One random-weight model with real attention dimensions (integration/transformers/models.py
+``bench_config``: 2 layers, CSA then HCA, 64 heads, head_dim 512, window 128, CSA ratio 4
+with top-k 512 and 64 indexer heads, HCA ratio 128, hidden 1024), bf16, both implementations
+side by side in one process. Prefill: one forward of a batch-1 prompt of each length (cache
+on, as generate's prefill), the median of ``--reps`` runs after a warm-up, and the peak
+memory allocated during it; "OOM" where it does not fit. Decode: ``generate`` of
+``--decode-tokens`` greedy tokens after a ``--decode-prompt`` prompt (prefill included, as
+the issue's baseline), and the tokens/s of the decode steps alone (generate time minus the
+prefill time measured above). Also printed: whether both generated the same tokens.
+``--tiny``: the tests' tiny model and short lengths (a CPU smoke run).
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+from sparse_mla.integration.transformers import models
+from sparse_mla.tools import harness
+
+IMPLS = ("eager", "sparse_mla")
+
+
+def _timed(fn, device):
+    harness.sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    harness.sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _prefill(model, ids, device, reps):
+    """(median seconds, peak bytes) of a prefill forward, or None where it runs out of
+    memory."""
+    def run():
+        with torch.no_grad():
+            return model(ids).logits[:, -1]
+    try:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        run()                                            # warm-up (Triton compiles here)
+        times = [_timed(run, device)[0] for _ in range(reps)]
+        peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else None
+        return statistics.median(times), peak
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench_hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+",
+                   default=[1024, 4096, 8192, 16384, 24576, 32768])
+    p.add_argument("--decode-prompt", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--tiny", action="store_true", help="tiny model, short lengths (CPU smoke)")
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        config = models.tiny_config()
+        args.lengths = [n for n in args.lengths if n <= 64] or [24, 40]
+        args.decode_prompt, args.decode_tokens = min(args.decode_prompt, 24), \
+            min(args.decode_tokens, 4)
+    else:
+        config = models.bench_config()
+    model = models.random_model(config, torch.bfloat16, device=device)
+    print(f"device: {harness.device_name(device)}   torch {torch.__version__}   transformers "
+          f"{sparse_mla.integration.transformers.registration.installed_version()}", flush=True)
+    print(f"model: {config.num_hidden_layers} layers {config.layer_types}, "
+          f"{config.num_attention_heads} heads x {config.head_dim}, window "
+          f"{config.sliding_window}, ratios {config.compress_rates}, top-k {config.index_topk}, "
+          f"hidden {config.hidden_size}, bf16", flush=True)
+    g = torch.Generator().manual_seed(0)
+    rows, prefill_s = [], {}
+    for n in sorted(set(args.lengths) | {args.decode_prompt}):
+        ids = torch.randint(3, config.vocab_size, (1, n), generator=g).to(device)
+        cells = {}
+        for impl in IMPLS:
+            model.set_attn_implementation(impl)
+            cells[impl] = _prefill(model, ids, device, 1 if n >= 16384 else args.reps)
+            prefill_s[(impl, n)] = cells[impl][0] if cells[impl] else None
+        if n not in args.lengths:
+            continue
+        e, s = cells["eager"], cells["sparse_mla"]
+        fmt = lambda c: "OOM" if c is None else f"{c[0] * 1e3:,.1f} ms"  # noqa: E731
+        mem = lambda c: "-" if c is None or c[1] is None else f"{c[1] / 2**30:.2f} GiB"  # noqa: E731
+        speed = f"{e[0] / s[0]:.2f}x" if e and s else "-"
+        rows.append((n, fmt(e), mem(e), fmt(s), mem(s), speed))
+        print(f"  prefill {n} done", file=sys.stderr, flush=True)
+    head = ("prompt", "eager", "eager peak", "sparse_mla", "sparse_mla peak", "speed-up")
+    _table(head, rows)
+
+    ids = torch.randint(3, config.vocab_size, (1, args.decode_prompt), generator=g).to(device)
+    out, rows = {}, []
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        try:
+            # warm-up over the same steps: Triton compiles its launch variants here, once
+            models.greedy(model, ids, new_tokens=args.decode_tokens)
+            t, out[impl] = _timed(lambda: models.greedy(model, ids, new_tokens=args.decode_tokens),
+                                  device)
+        except torch.cuda.OutOfMemoryError:
+            rows.append((impl, "OOM", "-", "-"))
+            continue
+        pre = prefill_s.get((impl, args.decode_prompt))
+        steps = args.decode_tokens - 1                  # the first token comes with the prefill
+        rate = f"{steps / (t - pre):,.1f}" if pre and t > pre else "-"
+        rows.append((impl, f"{t * 1e3:,.1f} ms", f"{args.decode_tokens / t:,.1f}", rate))
+    print()
+    _table((f"generate {args.decode_tokens} after {args.decode_prompt}", "total",
+            "tokens/s (with prefill)", "decode tokens/s"), rows)
+    if len(out) == 2:
+        same = torch.equal(out["eager"], out["sparse_mla"])
+        print(f"same greedy tokens: {same}")
+    return 0
+
+
+def _table(head, rows):
+    widths = [max(len(str(r[i])) for r in list(rows) + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
+    print(line(head))
+    print(line(["-" * w for w in widths]))
+    for r in rows:
+        print(line(r))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
