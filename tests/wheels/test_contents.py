@@ -21,8 +21,10 @@ from sparse_mla.tests.wheels.wheelfiles import read_wheel, record_digest
 
 VERSION_PIN = re.compile(r"^(sparse-mla-[a-z0-9-]+)==([0-9][0-9a-z.]*)$")
 # third-party modules imported at module level (import time) -> the requirement that ships them
-# vllm: only the vLLM plugin's wheel, where it is the extra [vllm] (tools/bazel/versions.bzl).
-THIRD_PARTY = {"torch": "torch", "triton": "triton", "vllm": "vllm"}
+# vllm: only the vLLM plugin's wheel, where it is the extra [vllm] (tools/bazel/versions.bzl);
+# transformers: only the HF integration's wheel, where it is a requirement.
+THIRD_PARTY = {"torch": "torch", "triton": "triton", "vllm": "vllm",
+               "transformers": "transformers"}
 
 PRODUCTS = {w.name: w for w in map(read_wheel, wheelfiles.product_wheels())}
 FIXTURE = read_wheel(wheelfiles.fixture_wheel())
