@@ -49,10 +49,10 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned):
     take the byte-wise path. Both must agree with the reference (the poisoned padding is
     never read)."""
     from sparse_mla.ops.common import sparse_attention_triton as core
-    from sparse_mla.ops.flashmla_decode.ops import _decode_sources
+    from sparse_mla.ops.flashmla_decode.reference import decode_sources
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=96, extra_bs=61, extra_topk=40,
                     seed=5, pad_bytes=pad_bytes)
-    srcs = _decode_sources(a["k_cache"], a["indices"], a["topk_length"], a["extra_k_cache"],
+    srcs = decode_sources(a["k_cache"], a["indices"], a["topk_length"], a["extra_k_cache"],
                            a["extra_indices_in_kvcache"], a["extra_topk_length"], "v4", 53, 61)
     assert all(core._scales_aligned(s) for s in srcs) == aligned
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
