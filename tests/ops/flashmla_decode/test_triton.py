@@ -113,8 +113,9 @@ def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch):
     monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
     force_tiny_launches(monkeypatch, False)
     cuda = device == "cuda"
-    a = decode_case(device, b=3, s_q=2, h=128 if cuda else 16, bs=64, topk=128 if cuda else 64,
-                    extra=True, extra_topk=64 if cuda else 32, extra_bs=64, seed=5)
+    a = decode_case(device, b=3 if cuda else 2, s_q=2 if cuda else 1, h=128 if cuda else 8,
+                    bs=64, topk=128 if cuda else 32, extra=True, extra_topk=64 if cuda else 16,
+                    extra_bs=64, seed=5)
     ref = _run_decode(a, "reference")
     assert last_choice("flashmla_sparse_decode").route == "reference"
     got = _run_decode(a, "triton")
