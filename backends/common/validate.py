@@ -107,21 +107,27 @@ def _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention):
         checks.expect_shape("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
                             (compressed_kv.shape[0],))
     if kind is LayerKind.C4A and attention:
-        tk = batch.topk_indices
-        if tk is None:
-            raise ValueError("batch.topk_indices (the indexer's request-local top-k) is "
-                             "required for a C4A layer")
-        checks.expect_dtype("batch.topk_indices", tk, I32)
-        if tk.dim() != 2 or tk.shape[1] != cfg.topk or tk.shape[0] < Td + Tp:
-            raise ValueError(f"batch.topk_indices must have shape [>= {Td + Tp}, {cfg.topk}] "
-                             f"(the layer's topk), got {list(tk.shape)}")
-        checks.expect_last_dim_contiguous("batch.topk_indices", tk)
+        check_topk(batch, cfg.topk, Td + Tp, "a C4A layer")
     checks.expect_same_device(
         q=q, kv=kv, compressed_kv=compressed_kv, query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens, positions=batch.positions, swa_block_table=batch.swa_block_table,
         swa_slot_mapping=batch.swa_slot_mapping,
         compressed_block_table=batch.compressed_block_table,
         compressed_slot_mapping=batch.compressed_slot_mapping, topk_indices=batch.topk_indices)
+
+
+def check_topk(batch: BatchDescription, topk: int, rows: int, layer: str) -> Tensor:
+    """The indexer's top-k rows are there, int32 ``[>= rows, topk]`` with a unit last stride."""
+    tk = batch.topk_indices
+    if tk is None:
+        raise ValueError(f"batch.topk_indices (the indexer's request-local top-k) is "
+                         f"required for {layer}")
+    checks.expect_dtype("batch.topk_indices", tk, I32)
+    if tk.dim() != 2 or tk.shape[1] != topk or tk.shape[0] < rows:
+        raise ValueError(f"batch.topk_indices must have shape [>= {rows}, {topk}] "
+                         f"(the layer's topk), got {list(tk.shape)}")
+    checks.expect_last_dim_contiguous("batch.topk_indices", tk)
+    return tk
 
 
 def _table_covers(name, table, num_blocks, req, first, last, block_size, what):

@@ -18,13 +18,13 @@ from torch import Tensor
 from sparse_mla.backends.common.base import Backend, _ops_run
 from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.backends.common.validate import (check_request_values, check_slots,
-                                                 table_covers, validate_requests)
+                                                 check_topk, table_covers,
+                                                 validate_requests)
 from sparse_mla.backends.v32.config import D_QK, D_V, V32Config
 from sparse_mla.backends.v32.planner import V32Planner
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops.common import checks
 
-I32 = torch.int32
 BF16 = torch.bfloat16
 
 
@@ -61,15 +61,7 @@ class V32Backend(Backend):
                 checks.expect_dtype(name, t, BF16)
                 checks.expect_shape(name, t, (T, w))
                 checks.expect_last_dim_contiguous(name, t)
-        tk = batch.topk_indices
-        if tk is None:
-            raise ValueError("batch.topk_indices (the indexer's request-local top-k) is "
-                             "required for a V3.2 layer")
-        checks.expect_dtype("batch.topk_indices", tk, I32)
-        if tk.dim() != 2 or tk.shape[1] != cfg.topk or tk.shape[0] < Td + Tp:
-            raise ValueError(f"batch.topk_indices must have shape [>= {Td + Tp}, {cfg.topk}] "
-                             f"(the layer's topk), got {list(tk.shape)}")
-        checks.expect_last_dim_contiguous("batch.topk_indices", tk)
+        tk = check_topk(batch, cfg.topk, Td + Tp, "a V3.2 layer")
         checks.expect_same_device(q=q, kv_c=kv_c, k_pe=k_pe, topk_indices=tk,
                                   query_start_loc=batch.query_start_loc,
                                   seq_lens=batch.seq_lens, positions=batch.positions,
