@@ -1,0 +1,95 @@
+"""Where HF DeepSeek-V4's time goes with ``attn_implementation="sparse_mla"`` vs eager.
+
+  PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.profile_hf
+      [--prompt 1024] [--decode 8] [--rows 25]
+
+For each implementation: the attention function alone (host-timed with a sync around each
+call, per layer, prefill and one decode step), then a torch profile of one prefill forward
+and of ``--decode`` decode steps, top ops by self CPU time and by device time. The model is
+``models.bench_config()``, the benchmark's (tools/bench_hf.py).
+"""
+import argparse
+import collections
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AttentionInterface
+
+import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+from sparse_mla.integration.transformers import models
+
+
+def _synced(fn, key, store):
+    """``fn`` recording its host time with a device sync on each side, per layer type and
+    query count."""
+    def timed(module, *a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(module, *a, **k)
+        torch.cuda.synchronize()
+        store[(key, module.layer_type, a[0].shape[2])].append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args(argv)
+    config = models.bench_config()
+    model = models.random_model(config, torch.bfloat16, device="cuda")
+    ids = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
+    store = collections.defaultdict(list)
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+    eager_fn = mod.eager_attention_forward
+    sparse_fn = AttentionInterface._global_mapping["sparse_mla"]
+
+    for impl in ("eager", "sparse_mla"):
+        model.set_attn_implementation(impl)
+        for _ in range(2):                                # warm-up: compiles
+            models.greedy(model, ids, new_tokens=args.decode)
+        # synced per-call attention timings
+        mod.eager_attention_forward = _synced(eager_fn, "eager", store)
+        AttentionInterface._global_mapping["sparse_mla"] = _synced(sparse_fn, "sparse_mla", store)
+        models.greedy(model, ids, new_tokens=args.decode)
+        mod.eager_attention_forward = eager_fn
+        AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        torch.cuda.synchronize()
+        pre = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        models.greedy(model, ids, new_tokens=args.decode)
+        torch.cuda.synchronize()
+        gen = time.perf_counter() - t0
+        print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
+              f"{args.decode}: {gen * 1e3:.2f} ms ({(gen - pre) / max(1, args.decode - 1) * 1e3:.2f}"
+              " ms/decode step)", flush=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.no_grad():
+                model(ids)
+            torch.cuda.synchronize()
+        print(f"-- {impl} prefill, by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(f"-- {impl} prefill, by device time")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            models.greedy(model, ids, new_tokens=args.decode)
+            torch.cuda.synchronize()
+        print(f"-- {impl} generate {args.decode}, by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print("\nattention function, synced per call (median ms): impl, layer type, queries, calls")
+    for key in sorted(store):
+        v = sorted(store[key])
+        print(f"  {key[0]:<10} {key[1]:<30} q={key[2]:<6} {v[len(v) // 2] * 1e3:8.3f}  n={len(v)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
