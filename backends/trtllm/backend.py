@@ -21,26 +21,10 @@ from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.trtllm_decode.vendor import WORKSPACE_BYTES
+from sparse_mla.ops.trtllm_decode import vendor as td_vendor
 
 D = formats.HEAD_DIM
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-_WORKSPACES: dict = {}
-
-
-def _workspace(device):
-    """FlashInfer's zeroed split-K workspace, one per CUDA device as vLLM allocates it (None
-    on CPU). Always passed: torch 2.11's custom-op wrapper drops a trailing argument left at
-    its default and then fails to bump the version of the mutated workspace (IndexError, seen
-    on the H200); torch 2.13 does not."""
-    if device.type != "cuda":
-        return None
-    key = str(device)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return _WORKSPACES[key]
-
-
 class TrtllmBackend(Backend):
     name = "trtllm"
     OPS = ("fused_qnorm_rope_insert_plain", "insert_plain", "swa_indices_and_lens",
@@ -119,7 +103,8 @@ class TrtllmBackend(Backend):
             kind.ratio, p.prefill_topk_width, kind is LayerKind.C4A, impl=self.impl)
         comp = caches["compressed"] if kind.compressed else caches["swa"]
 
-        ws = _workspace(self.device)
+        # always a tensor: see ops.trtllm_decode.ops.workspace_arg
+        ws = td_vendor.workspace(self.device)
 
         def run(rows, seq_lens, cu, max_q_len):
             td.trtllm_batch_decode_sparse_mla_dsv4(

@@ -24,9 +24,9 @@ class V32TrtllmBackend(V32Backend):
     def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None):
         super().__init__(config, device, impl, attention_impl, planner)
         self._bf16_rows_buffer()
-        # FlashInfer's zeroed split-K workspace (one per device, as vLLM allocates it)
-        self.fi_workspace = (td_vendor.workspace(self.device) if self.device.type == "cuda"
-                             else None)
+        # FlashInfer's zeroed split-K workspace (one per device, as vLLM allocates it); always
+        # a tensor: see ops.trtllm_decode.ops.workspace_arg
+        self.fi_workspace = td_vendor.workspace(self.device)
 
     def cache_specs(self) -> Dict[str, CacheSpec]:
         return {"kv": CacheSpec.plain("kv", self.config.block_size, BF16, D_QK)}

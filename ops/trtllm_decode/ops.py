@@ -428,6 +428,16 @@ def _split_scales(bmm1_scale, bmm2_scale):
     return (*_split_scale(bmm1_scale), *_split_scale(bmm2_scale))
 
 
+def workspace_arg(workspace_buffer, query):
+    """The workspace to hand the custom ops: the caller's, or a 0-element placeholder for
+    "none" (the vendor route then uses its process-wide one). Never None, because torch
+    2.11's custom-op wrapper drops a mutated argument left at its default and then fails
+    bumping its version (IndexError; seen on CPU and on the H200); torch 2.13 does not."""
+    if workspace_buffer is None:
+        return torch.empty(0, dtype=torch.uint8, device=query.device)
+    return workspace_buffer
+
+
 def _out_or_new(query, out):
     """``out``, or a new bf16 ``[..., 512]`` output shaped like ``query``."""
     if out is None:
@@ -455,7 +465,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(query, swa_kv_cache, workspace_buffer=No
     b1, b1t, b2, b2t = _split_scales(bmm1_scale, bmm2_scale)
     trtllm_decode_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
                        sparse_topk_lens, seq_lens, out, b1, b1t, b2, b2t, sinks, kv_layout,
-                       cum_seq_lens_q, max_q_len, workspace_buffer, impl)
+                       cum_seq_lens_q, max_q_len, workspace_arg(workspace_buffer, query), impl)
     return out
 
 
@@ -625,5 +635,5 @@ def trtllm_batch_decode_with_kv_cache_mla(query, kv_cache, workspace_buffer=None
     out = _out_or_new(query, out)
     b1, b1t, b2, b2t = _split_scales(bmm1_scale, bmm2_scale)
     trtllm_decode_v32(query, kv_cache, block_tables, seq_lens, out, b1, b1t, b2, b2t, sinks,
-                      cum_seq_lens_q, max_q_len, workspace_buffer, impl)
+                      cum_seq_lens_q, max_q_len, workspace_arg(workspace_buffer, query), impl)
     return out

@@ -45,7 +45,11 @@ _WORKSPACES: dict = {}
 
 
 def workspace(device) -> Tensor:
-    """One zero-initialised 128 MiB FlashInfer workspace per device (as vLLM allocates)."""
+    """One zero-initialised 128 MiB FlashInfer workspace per CUDA device (as vLLM allocates);
+    elsewhere a 0-element placeholder, which the ops read as "none" (no vendor route there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.empty(0, dtype=torch.uint8, device=device)
     key = str(device)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -103,10 +107,11 @@ def _run_vendor(plan):
 
 def runner(arguments):
     """The vendor implementation: translate (pure ``arguments``), then call FlashInfer. The
-    last argument is the workspace; a process-wide zeroed one is used when it is None."""
+    last argument is the workspace; a process-wide zeroed one is used when it is None or the
+    0-element placeholder (ops.workspace_arg)."""
     def run(*args):
         a = list(args)
-        if a[-1] is None:
+        if a[-1] is None or a[-1].numel() == 0:
             a[-1] = workspace(args[0].device)
         _run_vendor(arguments(*a))
     return run

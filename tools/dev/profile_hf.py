@@ -10,6 +10,8 @@ and of ``--decode`` decode steps, top ops by self CPU time and by device time. T
 """
 import argparse
 import collections
+import cProfile
+import pstats
 import sys
 import time
 
@@ -39,6 +41,8 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--cprofile", action="store_true",
+                   help="also a Python profile of sparse_mla's decode steps (host time by function)")
     args = p.parse_args(argv)
     config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device="cuda")
@@ -84,6 +88,19 @@ def main(argv=None):
             torch.cuda.synchronize()
         print(f"-- {impl} generate {args.decode}, by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.cprofile:
+        model.set_attn_implementation("sparse_mla")
+        prof = cProfile.Profile()
+        prof.enable()
+        models.greedy(model, ids, new_tokens=args.decode)
+        torch.cuda.synchronize()
+        prof.disable()
+        stats = pstats.Stats(prof, stream=sys.stdout).strip_dirs()
+        print("\n-- sparse_mla generate, Python profile by own time")
+        stats.sort_stats("tottime").print_stats(args.rows)
+        print("-- the same, by cumulative time, sparse_mla's functions")
+        stats.sort_stats("cumulative").print_stats("sparse_mla|attention|index_lists|dispatch|"
+                                                    "checks|opdef|triton", args.rows * 2)
     print("\nattention function, synced per call (median ms): impl, layer type, queries, calls")
     for key in sorted(store):
         v = sorted(store[key])
