@@ -624,7 +624,7 @@ def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr):
     offset into the swizzle's XOR, so each panel's store address was a register of its own
     (seven more live in the producer loop, where 3.6 used one with immediate offsets), and
     ptxas then kept the V4 dequantization behind the stage hand-off's wait instead of
-    overlapping it (docs/perf-log.md, "Triton 3.8 h128 regression")."""
+    overlapping it (``gluon_compat``, 3.7; H100 timing pending)."""
     if PANEL_VIEWS:
         view = reinterpret(kb, kb.dtype, 8, kb.shape[0], 64, gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(j)
