@@ -18,8 +18,8 @@ the launcher's C source includes, 3.6-3.9); ``libtriton.so`` loses its symbol ta
 (``strip --strip-unneeded``), and the tar is compressed by xz with the x86 BCJ filter first
 (machine code compresses better; Python's tarfile / lzma read it as any .tar.xz). So the
 bundle compiles and runs CUDA kernels for sm_90 (and, up to 3.8, sm_80), without the
-profiler: 3.7.1 42.2 MB, 3.9.0 48.8 MB (3.8.0: 48.0 MB before the last three drops). The wheel comes from
-``pip download`` (this machine needs the registry) or --wheel.
+profiler: 3.7.1 42.2 MB, 3.9.0 48.8 MB (3.8.0: 48.0 MB before the last three drops).
+The wheel comes from ``pip download`` (this machine needs the registry) or --wheel.
 """
 from __future__ import annotations
 
