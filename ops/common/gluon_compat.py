@@ -15,10 +15,22 @@ launch variant for sm_90a: ``sm90_variants``, tests/ops/common/test_sm90_compile
   in 3.9);
 * 3.8: ``_reinterpret`` to a different byte size is rejected; 3.9 renames it ``reinterpret``.
   The kernel only ever reinterprets at the same size (``reinterpret`` below), which every
-  version accepts.
+  version accepts;
+* 3.7: a store into a column slice of a 128-byte-swizzled buffer folds the slice's offset
+  into the swizzle's XOR (one address register per slice, where 3.6 added the offset as an
+  immediate), and shared stores became inline ``st.shared::cta`` asm. In the V4 cluster
+  producer that cost seven live registers, and ptxas then scheduled all of the
+  dequantization after the stage hand-off's wait (3.6: 3 of 7 panels before it): Triton 3.8
+  ran V4 h128 5-10 % slower on an H100. ``PANEL_VIEWS`` stores through [panels, rows, 64]
+  views of the stage instead (``sparse_attention_gluon._panel``); 3.6 keeps the slices
+  (its code is unchanged). ``SMLA_GLUON_PANEL_VIEWS=0/1`` overrides it (A/B timing).
 """
 from __future__ import annotations
 
+import os
+import re
+
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy
@@ -52,3 +64,11 @@ def add_allocate_warp_groups(passes, pm):
         passes.ttgpuir.add_allocate_warp_groups(pm, False)       # 3.8+
     except TypeError:
         passes.ttgpuir.add_allocate_warp_groups(pm)              # 3.6, 3.7
+
+
+
+TRITON = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+
+# stores into a stage's 64-dim panels through panel views (see the module doc, 3.7)
+PANEL_VIEWS = gl.constexpr(
+    {"0": False, "1": True}.get(os.environ.get("SMLA_GLUON_PANEL_VIEWS", ""), TRITON >= (3, 7)))

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from sparse_mla.ops.common import cluster_ptx, formats, gluon_hooks
-from sparse_mla.ops.common.gluon_compat import async_load, barrier, reinterpret
+from sparse_mla.ops.common.gluon_compat import PANEL_VIEWS, async_load, barrier, reinterpret
 from sparse_mla.ops.common.sparse_attention_portable import (
     key_run, sink_gate, slot_row, softmax_step, tile_source)
 from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
@@ -202,7 +202,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         if FMT == 0:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc)
+            _store_v4(kb, 0, BN, x0, x1, x2, x3, x4, x5, x6, rope, sc)
         elif FMT == 1:
             # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
             # dims. The RoPE dims need no decoding: copied asynchronously into their own stage
@@ -399,7 +399,7 @@ def _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES: gl.constexpr):
 def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc, valid,
                  SUB: gl.constexpr):
     """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias."""
-    _store_v4(kb.slice(r0, SUB), x0, x1, x2, x3, x4, x5, x6, rope, sc)
+    _store_v4(kb, r0, SUB, x0, x1, x2, x3, x4, x5, x6, rope, sc)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
 
 
@@ -407,7 +407,7 @@ def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, s
 def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr):
     """What a cluster CTA writes itself of the peer's V4 rows [r0, r0 + SUB): their RoPE
     dims (copied from the cache, no decoding) and their bias."""
-    kb.slice(r0, SUB).slice(448, 64, dim=1).store(rope)
+    _panel(kb, 7, r0, SUB).store(rope)
     bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
 
 
@@ -603,16 +603,38 @@ def _slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN: gl.constexpr
 
 
 @gluon.jit
-def _store_v4(kb, x0, x1, x2, x3, x4, x5, x6, rope, sc):
-    """Dequantized V4 tile into the stage: seven e4m3 64-dim tiles, then the bf16 RoPE dims."""
-    kb.slice(0, 64, dim=1).store(_dequant(x0, sc, 0))
-    kb.slice(64, 64, dim=1).store(_dequant(x1, sc, 1))
-    kb.slice(128, 64, dim=1).store(_dequant(x2, sc, 2))
-    kb.slice(192, 64, dim=1).store(_dequant(x3, sc, 3))
-    kb.slice(256, 64, dim=1).store(_dequant(x4, sc, 4))
-    kb.slice(320, 64, dim=1).store(_dequant(x5, sc, 5))
-    kb.slice(384, 64, dim=1).store(_dequant(x6, sc, 6))
-    kb.slice(448, 64, dim=1).store(rope)
+def _store_v4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc):
+    """Dequantized V4 rows into rows [r0, r0 + rows) of stage ``kb``: seven e4m3 64-dim
+    tiles, then the bf16 RoPE dims."""
+    _panel(kb, 0, r0, rows).store(_dequant(x0, sc, 0))
+    _panel(kb, 1, r0, rows).store(_dequant(x1, sc, 1))
+    _panel(kb, 2, r0, rows).store(_dequant(x2, sc, 2))
+    _panel(kb, 3, r0, rows).store(_dequant(x3, sc, 3))
+    _panel(kb, 4, r0, rows).store(_dequant(x4, sc, 4))
+    _panel(kb, 5, r0, rows).store(_dequant(x5, sc, 5))
+    _panel(kb, 6, r0, rows).store(_dequant(x6, sc, 6))
+    _panel(kb, 7, r0, rows).store(rope)
+
+
+@gluon.jit
+def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr):
+    """Dims [64 j, 64 j + 64) of rows [r0, r0 + rows) of a [BN, 512] stage, for a store.
+    With ``PANEL_VIEWS`` the view is panel j of the stage seen as the [8, BN, 64] panels
+    its 128-byte swizzle lays out (the same bytes): Triton 3.7+ folds a column slice's
+    offset into the swizzle's XOR, so each panel's store address was a register of its own
+    (seven more live in the producer loop, where 3.6 used one with immediate offsets), and
+    ptxas then kept the V4 dequantization behind the stage hand-off's wait instead of
+    overlapping it (``gluon_compat``, 3.7; H100 timing pending)."""
+    if PANEL_VIEWS:
+        view = reinterpret(kb, kb.dtype, 8, kb.shape[0], 64, gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(j)
+        if rows != kb.shape[0]:
+            view = view.slice(r0, rows)
+    elif rows == kb.shape[0]:
+        view = kb.slice(64 * j, 64, dim=1)
+    else:
+        view = kb.slice(r0, rows).slice(64 * j, 64, dim=1)
+    return view
 
 
 @gluon.jit
