@@ -66,7 +66,6 @@ def add_allocate_warp_groups(passes, pm):
         passes.ttgpuir.add_allocate_warp_groups(pm)              # 3.6, 3.7
 
 
-
 TRITON = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
 
 # stores into a stage's 64-dim panels through panel views (see the module doc, 3.7)
