@@ -117,7 +117,9 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     n = key.shape[2]
     scale = float(HEAD_DIM ** -0.5 if scaling is None else scaling)
     width = list_width(module, n, s)
-    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width)
+    bf16 = query.dtype != torch.float32
+    # bf16: one flat batch, each list offset into its own batch's keys
+    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width, flat=bf16)
     checkable = checks.value_checks_enabled(attention_mask)
     if checkable and bool(bad.any()):
         row = bad.nonzero()[0].tolist()
@@ -128,18 +130,17 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
             "DeepSeek-V4's sliding-window + compressed structure only")
     sink = _sinks(s_aux, h, query.device)
     keys = key[:, 0]                                                   # [B, N, D]
-    if query.dtype == torch.float32:
+    if not bf16:
         out = attend_fp32(query, keys, indices, sink, scale)
     else:
-        # one flat batch: query rows b*S.., keys b*N.., each list offset into its own keys
-        offset = (torch.arange(b, device=query.device, dtype=torch.int32) * n).view(b, 1, 1)
-        flat = torch.where(indices >= 0, indices + offset, -1).reshape(b * s, 1, width)
-        q = query.transpose(1, 2).reshape(b * s, h, d)
-        kv = keys.reshape(b * n, 1, d)
-        out, _, _ = flash_mla_sparse_fwd(q, kv, flat, scale, attn_sink=sink,
-                                         topk_length=lengths.reshape(b * s))
+        # query rows b*S.., keys b*N..; one batch needs no copy of q (the op takes any
+        # strides but the last)
+        q = query[0].transpose(0, 1) if b == 1 else query.transpose(1, 2).reshape(b * s, h, d)
+        out, _, _ = flash_mla_sparse_fwd(q, keys.reshape(b * n, 1, d),
+                                         indices.view(b * s, 1, width), scale, attn_sink=sink,
+                                         topk_length=lengths.view(b * s))
         out = out.view(b, s, h, d)
     if not checkable:
         # rows the lists cannot reproduce become NaN: loud, and no host sync to find them
-        out = out.masked_fill(bad.view(b, s, 1, 1), float("nan"))
+        out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))
     return out, None

@@ -12,6 +12,8 @@ kernel. Rows holding one, or holding more visible columns than the width, are re
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 # Rows per compaction chunk: bounds the temporaries (int64 scatter indices are 8 bytes per
 # mask element) at about 256 MiB whatever the prompt length.
@@ -26,13 +28,18 @@ def is_masked(mask: torch.Tensor) -> torch.Tensor:
     return mask <= torch.finfo(mask.dtype).min / 2
 
 
-def visible_index_lists(mask: torch.Tensor, width: int):
+def visible_index_lists(mask: torch.Tensor, width: int, flat: bool = False):
     """``(indices, lengths, bad)`` for an additive mask ``[B, S_q, N]``.
 
-    indices: ``[B, S_q, width]`` int32, row r's visible columns in increasing order, then -1.
+    indices: ``[B, S_q, width]`` int32, row r's visible columns in increasing order, then -1;
+        with ``flat``, batch b's columns are offset by ``b * N`` (indices into the batch's
+        keys flattened to ``[B * N]``).
     lengths: ``[B, S_q]`` int32, visible columns per row, clamped to ``width``.
     bad: ``[B, S_q]`` bool, rows with more than ``width`` visible columns or a finite
         nonzero bias (what sparse attention cannot reproduce exactly).
+
+    On a GPU one Triton launch builds all three (the torch form below is a dozen launches
+    per call, which HF's per-layer decode steps pay in host time); elsewhere torch ops.
     """
     if mask.dim() != 3:
         raise ValueError(f"mask must have shape [batch, queries, keys], got {list(mask.shape)}")
@@ -40,6 +47,16 @@ def visible_index_lists(mask: torch.Tensor, width: int):
         raise TypeError(f"mask must be an additive float mask, got {mask.dtype}")
     if width < 0:
         raise ValueError(f"width must be >= 0, got {width}")
+    if mask.is_cuda:
+        return _lists_triton(mask, width, flat)
+    indices, lengths, bad = _lists_torch(mask, width)
+    if flat:
+        offset = torch.arange(mask.shape[0], dtype=torch.int32).view(-1, 1, 1) * mask.shape[2]
+        indices = torch.where(indices >= 0, indices + offset, -1)
+    return indices, lengths, bad
+
+
+def _lists_torch(mask, width):
     b, s, n = mask.shape
     indices = torch.full((b, s, width + 1), -1, dtype=torch.int32, device=mask.device)
     lengths = torch.empty((b, s), dtype=torch.int32, device=mask.device)
@@ -59,3 +76,42 @@ def visible_index_lists(mask: torch.Tensor, width: int):
         lengths[:, r0:r0 + rows] = count.clamp(max=width)
         bad[:, r0:r0 + rows] = (count > width) | (~visible & ~is_masked(m)).any(-1)
     return indices[..., :width], lengths, bad
+
+
+@triton.jit
+def _lists_kernel(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride_s, stride_n,
+                  col_offset, hidden_at_most, BLOCK: tl.constexpr):
+    """One (batch, query) row per program: its visible columns compacted in order."""
+    row = tl.program_id(0)
+    b = row // S
+    src = mask_ptr + b.to(tl.int64) * stride_b + (row % S).to(tl.int64) * stride_s
+    dst = idx_ptr + row.to(tl.int64) * W
+    count = tl.zeros((), tl.int32)
+    biased = tl.zeros((), tl.int32)
+    for n0 in range(0, N, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        inside = cols < N
+        m = tl.load(src + cols * stride_n, mask=inside, other=float("-inf")).to(tl.float32)
+        visible = (m == 0.0) & inside
+        slot = count + tl.cumsum(visible.to(tl.int32), 0) - 1
+        tl.store(dst + slot, cols + b * col_offset, mask=visible & (slot < W))
+        count += tl.sum(visible.to(tl.int32), 0)
+        biased += tl.sum((~visible & ~(m <= hidden_at_most) & inside).to(tl.int32), 0)
+    for w0 in range(0, W, BLOCK):
+        slots = w0 + tl.arange(0, BLOCK)
+        tl.store(dst + slots, -1, mask=(slots >= count) & (slots < W))
+    tl.store(len_ptr + row, tl.minimum(count, W))
+    tl.store(bad_ptr + row, ((count > W) | (biased > 0)).to(tl.int8))
+
+
+def _lists_triton(mask, width, flat):
+    b, s, n = mask.shape
+    indices = torch.empty((b, s, width), dtype=torch.int32, device=mask.device)
+    lengths = torch.empty((b, s), dtype=torch.int32, device=mask.device)
+    bad = torch.empty((b, s), dtype=torch.int8, device=mask.device)
+    if b * s:
+        # is_masked's threshold, as a float the kernel compares the fp32-widened mask with
+        hidden_at_most = float(torch.finfo(mask.dtype).min) / 2
+        _lists_kernel[(b * s,)](mask, indices, lengths, bad, s, n, width, *mask.stride(),
+                                n if flat else 0, hidden_at_most, BLOCK=1024, num_warps=4)
+    return indices, lengths, bad.view(torch.bool)

@@ -14,6 +14,7 @@ import cProfile
 import pstats
 import sys
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -75,6 +76,16 @@ def main(argv=None):
         print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
               f"{args.decode}: {gen * 1e3:.2f} ms ({(gen - pre) / max(1, args.decode - 1) * 1e3:.2f}"
               " ms/decode step)", flush=True)
+        # host synchronizations of one generate, by the Python line that caused them
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            models.greedy(model, ids, new_tokens=args.decode)
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = collections.Counter(f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        print(f"-- {impl} generate {args.decode}: {sum(syncs.values())} host syncs: "
+              f"{dict(syncs.most_common(8))}")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with torch.no_grad():
                 model(ids)

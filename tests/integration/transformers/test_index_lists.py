@@ -1,4 +1,8 @@
 """Index lists from additive masks: every visible column, in order, on the mask's device."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -29,6 +33,48 @@ def test_lists_are_the_visible_columns_in_order(device, dtype):
             want = visible[b, s].nonzero().flatten().tolist()
             assert lengths[b, s] == len(want)
             assert idx[b, s].tolist() == want + [-1] * (width + 3 - len(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_lists_offset_each_batch_by_its_keys(device):
+    mask, visible = _random_mask(3, 5, 23, torch.bfloat16, device, seed=1)
+    idx, lengths, _ = visible_index_lists(mask, 23)
+    flat, flat_lengths, _ = visible_index_lists(mask, 23, flat=True)
+    offset = torch.arange(3, device=device, dtype=torch.int32).view(3, 1, 1) * 23
+    assert torch.equal(flat, torch.where(idx >= 0, idx + offset, -1))
+    assert torch.equal(flat_lengths, lengths)
+
+
+_INTERPRETED = """
+import torch
+from sparse_mla.integration.transformers import index_lists as il
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    # rows wider than a block, overflowing rows, no keys, no queries
+    for b, s, n, w in [(3, 17, 41, 20), (2, 5, 2500, 1200), (1, 4, 7, 2), (2, 3, 0, 4),
+                       (2, 0, 5, 3)]:
+        vis = torch.rand(b, s, n, generator=g) < 0.4
+        hid = torch.where(torch.rand(b, s, n, generator=g) < 0.5, float("-inf"),
+                          torch.finfo(dtype).min)
+        m = torch.where(vis, 0.0, hid).to(dtype)
+        if n > 3 and s > 1:
+            m[0, 1, 2] = -0.5                                   # a finite bias: bad
+        m = m.transpose(0, 1).contiguous().transpose(0, 1)      # strided rows
+        for flat in (False, True):
+            want = il.visible_index_lists(m, w, flat=flat)      # torch ops on CPU
+            got = il._lists_triton(m, w, flat)
+            assert all(torch.equal(x, y) for x, y in zip(want, got)), (dtype, b, s, n, w, flat)
+print("interpreted lists equal")
+"""
+
+
+def test_triton_lists_equal_the_torch_lists_interpreted():
+    """The GPU kernel, run by Triton's interpreter on CPU, against the torch form (on a GPU
+    the tests above run it directly)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "interpreted lists equal" in res.stdout, res.stderr[-2000:]
 
 
 def test_chunked_rows_give_the_same_lists(monkeypatch):

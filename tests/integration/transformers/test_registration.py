@@ -90,7 +90,7 @@ def test_the_sparse_path_really_runs(monkeypatch):
     seen = []
     real = attention.visible_index_lists
     monkeypatch.setattr(attention, "visible_index_lists",
-                        lambda mask, width: seen.append(width) or real(mask, width))
+                        lambda mask, width, **kw: seen.append(width) or real(mask, width, **kw))
     _logits(model, _ids(model.config))
     assert len(seen) == 3
     model.set_attn_implementation("eager")
