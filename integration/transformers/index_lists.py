@@ -86,8 +86,8 @@ def _lists_kernel(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride
     b = row // S
     src = mask_ptr + b.to(tl.int64) * stride_b + (row % S).to(tl.int64) * stride_s
     dst = idx_ptr + row.to(tl.int64) * W
-    count = tl.zeros((), tl.int32)
-    biased = tl.zeros((), tl.int32)
+    count = 0
+    biased = 0
     for n0 in range(0, N, BLOCK):
         cols = n0 + tl.arange(0, BLOCK)
         inside = cols < N

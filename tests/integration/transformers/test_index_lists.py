@@ -68,9 +68,10 @@ print("interpreted lists equal")
 """
 
 
+@pytest.mark.skipif(CUDA, reason="with a GPU the tests above run the kernel itself (and "
+                    "Triton 3.6's interpreter cannot loop over a runtime bound with numpy 2.4)")
 def test_triton_lists_equal_the_torch_lists_interpreted():
-    """The GPU kernel, run by Triton's interpreter on CPU, against the torch form (on a GPU
-    the tests above run it directly)."""
+    """The GPU kernel, run by Triton's interpreter on CPU, against the torch form."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
                          text=True, timeout=600)
