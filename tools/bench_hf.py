@@ -66,6 +66,10 @@ def _alternating(model, device, reps, runs):
     for rep in range(reps + 2):
         for impl, fn in runs.items():
             model.set_attn_implementation(impl)
+            if device == "cuda":
+                # the other implementation's freed blocks would otherwise fragment this one's
+                # (eager 8k ran out of memory after sparse_mla's run on a 139 GiB H200)
+                torch.cuda.empty_cache()
             t = _timed(fn, device)[0]
             if rep >= 2:
                 times[impl].append(t)
