@@ -108,3 +108,14 @@ def check_rows(out, expected, label=""):
     err = (got - ref).abs().max() if got.numel() else 0
     assert err <= ABS, f"{label}: an element is {float(err):.4f} off (> {ABS})"
     return float(rel.max()) if rel.numel() else 0.0
+
+
+def run_script(h, script, padding_zero=False):
+    """Run a harness's steps in order, checking each against its oracle (and, with
+    ``padding_zero``, that rows past the batch's tokens come out zero)."""
+    for i, kw in enumerate(script):
+        out, st = h.step(**kw)
+        h.check(out, st, f"step {i}")
+        if padding_zero:
+            assert torch.count_nonzero(out[st.batch.num_tokens:]) == 0, f"step {i} padding"
+    return h

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparse_mla.backends.common import LayerKind
+from sparse_mla.tests.backends import cases
 from sparse_mla.tests.backends.cases import BACKENDS, KINDS, Harness, config
 from sparse_mla.tests.backends.sim import Simulator
 from sparse_mla.tests.helpers import CUDA
@@ -25,10 +26,7 @@ SCRIPT = (
 
 
 def run_script(h: Harness, script=SCRIPT):
-    for i, kw in enumerate(script):
-        out, st = h.step(**kw)
-        h.check(out, st, f"step {i}")
-    return h
+    return cases.run_script(h, script)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparse_mla.tests.backends import cases as v4_cases
 from sparse_mla.tests.backends.v32.cases import LAYOUTS, Harness, config
 from sparse_mla.tests.helpers import CUDA
 
@@ -21,12 +22,7 @@ SCRIPT = (
 
 
 def run_script(h: Harness, script=SCRIPT):
-    for i, kw in enumerate(script):
-        out, st = h.step(**kw)
-        h.check(out, st, f"step {i}")
-        n = st.batch.num_tokens
-        assert torch.count_nonzero(out[n:]) == 0           # padding rows zero
-    return h
+    return v4_cases.run_script(h, script, padding_zero=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
