@@ -2,7 +2,7 @@
 import pathlib
 import re
 
-import sparse_mla  # noqa: F401 - the package root: where README.md lies
+import sparse_mla  # the package root: where README.md lies
 
 MARK = "<!-- README example: tests/test_readme.py runs this block -->"
 

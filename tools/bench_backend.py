@@ -15,7 +15,6 @@ imports; "layer ratio" = FlashMLA layer µs / ours; "max|diff|" = their outputs 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 

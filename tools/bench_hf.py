@@ -22,7 +22,7 @@ import time
 
 import torch
 
-import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+import sparse_mla.integration.transformers  # registers "sparse_mla"
 from sparse_mla.integration.transformers import models
 from sparse_mla.tools import harness
 

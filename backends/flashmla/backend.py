@@ -17,7 +17,7 @@ from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.common.spec import CacheSpec
 from sparse_mla.backends.common.validate import check_prefill_fits
 from sparse_mla.ops import cache_insert as ci
-from sparse_mla.ops import flashmla_decode as fd  # noqa: F401  (registers the ops)
+from sparse_mla.ops import flashmla_decode as fd  # registers the ops
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops.common import formats
 

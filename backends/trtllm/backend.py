@@ -10,7 +10,7 @@ with no compressed columns, as vLLM does.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-import torch
-
 from sparse_mla.backends.common.spec import CacheSpec
 from sparse_mla.backends.v32.base import BF16, V32Backend
 from sparse_mla.backends.v32.config import D_QK

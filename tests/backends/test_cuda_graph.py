@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
 from sparse_mla.tests.backends.cases import KINDS, Harness, config
 from sparse_mla.tests.helpers import requires_cuda
 

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tiny_model  # noqa: E402
+import tiny_model
 
 PROMPT_LENGTHS = (20, 300, 2100)
 MAX_TOKENS = 8
