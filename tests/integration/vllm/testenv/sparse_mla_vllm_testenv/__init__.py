@@ -23,6 +23,12 @@ They fix the stock engine, so they load in every vLLM process of the test venv (
   rounding can tip a near tie in its scores; the engine test uses this record to tell
   "attended other entries" from "computed the same entries differently". Recorded around the
   stock layer's ``_sparse_indexer_and_attn``, which the plugin's layer inherits unchanged.
+- ``SPARSE_MLA_TESTENV_ROUND_ATTENTION=<seed>``: moves every nonzero output element of the
+  stock attention (``DeepseekV4CPUAttention.forward_mqa``) by one bf16 step, up or down at
+  random (seeded). A stock run with it shows how far one rounding step of the attention moves
+  this model's log-probs on this machine: the engine test's yardstick for "differs only by
+  rounding" (a CPU without AMX runs vLLM's DeepSeek-V4 with other kernels and no chunked
+  prefill, and there one such step moves log-probs by up to ~0.3).
 """
 import logging
 import os
@@ -57,6 +63,30 @@ def register() -> None:
         _scale_dummy_weights()
     if os.environ.get("SPARSE_MLA_TESTENV_TOPK_LOG"):
         _record_topk(os.environ["SPARSE_MLA_TESTENV_TOPK_LOG"])
+    if os.environ.get("SPARSE_MLA_TESTENV_ROUND_ATTENTION"):
+        _round_attention(int(os.environ["SPARSE_MLA_TESTENV_ROUND_ATTENTION"]))
+
+
+def _round_attention(seed: int) -> None:
+    import torch
+    from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
+
+    original = DeepseekV4CPUAttention.forward_mqa
+    if getattr(original, _MARK, False):
+        return
+    gen = torch.Generator().manual_seed(seed)
+
+    def forward_mqa(self, q, kv, positions, output):
+        original(self, q, kv, positions, output)
+        assert output.dtype == torch.bfloat16, output.dtype
+        bits = output.view(torch.int16)
+        step = torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int16) * 2 - 1
+        # +-1 on the bit pattern is the next bf16 value away from / towards zero; zeros stay.
+        bits.add_(torch.where(bits & 0x7FFF == 0, 0, step).to(torch.int16))
+
+    setattr(forward_mqa, _MARK, True)
+    DeepseekV4CPUAttention.forward_mqa = forward_mqa
+    logger.info("sparse_mla test env: stock attention output moved by one bf16 step")
 
 
 def _record_topk(prefix: str) -> None:
