@@ -11,8 +11,9 @@ on, as generate's prefill), the median of ``--reps`` runs (1 from 16k up), the t
 implementations taking turns run by run after two warm-ups each; and the peak memory
 allocated during one forward; "OOM" where it does not fit. Decode: ``generate`` of
 ``--decode-tokens`` greedy tokens after a ``--decode-prompt`` prompt (prefill included, as
-the issue's baseline; taking turns in the same way), and the tokens/s of the decode steps alone (generate time minus the
-prefill time measured above). Also printed: whether both generated the same tokens.
+the issue's baseline; taking turns in the same way), and the tokens/s of the decode steps
+alone (generate time minus the prefill time measured above). Also printed: whether both
+generated the same tokens.
 ``--tiny``: the tests' tiny model and short lengths (a CPU smoke run).
 """
 import argparse
