@@ -10,7 +10,8 @@ lists; "layer" = the same with the step's shared plan (token → request, window
 already built, what each further layer of the kind pays (``forward(planned=True)``); "glue" =
 step or layer - attn (the target: <= 10 µs at b 256). "FlashMLA" runs the same step / layer
 with FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
-imports; "layer ratio" = FlashMLA layer µs / ours; "max|diff|" = their outputs apart. Prefill row: one 8,192-token chunk after 8,192 tokens of context.
+imports; "layer ratio" = FlashMLA layer µs / ours; "max|diff|" = their outputs apart. Prefill
+row: one 8,192-token chunk after 8,192 tokens of context.
 """
 from __future__ import annotations
 

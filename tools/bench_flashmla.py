@@ -119,26 +119,27 @@ def main(argv=None):
                 meta = _fresh_meta()
                 v_out = _flash_mla_decode(pa, meta)     # fills meta: reused from here on
                 v_out = (v_out[0][:, :, :a["q"].shape[2]],)
-                vendor = lambda: _flash_mla_decode(pa, meta)  # noqa: E731
-                tv_sched, _ = _time(lambda: _flash_mla_decode(pa, _fresh_meta()))
+                vendor = lambda pa=pa, meta=meta: _flash_mla_decode(pa, meta)  # noqa: E731
+                tv_sched, _ = _time(lambda pa=pa: _flash_mla_decode(pa, _fresh_meta()))
             else:
                 v_out = _flash_mla_prefill(a)
-                vendor = lambda: _flash_mla_prefill(a)  # noqa: E731
+                vendor = lambda a=a: _flash_mla_prefill(a)  # noqa: E731
                 tv_sched = None
         except Exception as exc:  # reported in the table
             v_out, vendor, tv_sched = None, None, None
             print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
         os.environ["SPARSE_MLA_GLUON"] = "0"
-        tp, _ = _time(lambda: case.run(a, "triton"))
+        tp, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
         del os.environ["SPARSE_MLA_GLUON"]
         ours = case.run(a, "triton")
         route = getattr(dispatch.last_plan(), "route", "?")
-        mine = lambda: case.run(a, "triton")  # noqa: E731
+        mine = lambda case=case, a=a: case.run(a, "triton")  # noqa: E731
         if vendor is None:
             tv, to, ratio, lo, hi = None, _time(mine)[0], None, None, None
         else:
             tv, to, ratio, lo, hi = _alternate(vendor, mine, args.rounds)
-        diff = "-" if v_out is None else f"{float((ours[0].float() - v_out[0].float()).abs().max()):.2e}"
+        diff = ("-" if v_out is None
+                else f"{float((ours[0].float() - v_out[0].float()).abs().max()):.2e}")
         rows.append((case.shape, route, "-" if tv is None else f"{tv * 1e6:.1f}",
                      "-" if tv_sched is None else f"{tv_sched * 1e6:.1f}", f"{tp * 1e6:.1f}",
                      f"{to * 1e6:.1f}",

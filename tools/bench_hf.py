@@ -11,8 +11,9 @@ on, as generate's prefill), the median of ``--reps`` runs (1 from 16k up), the t
 implementations taking turns run by run after two warm-ups each; and the peak memory
 allocated during one forward; "OOM" where it does not fit. Decode: ``generate`` of
 ``--decode-tokens`` greedy tokens after a ``--decode-prompt`` prompt (prefill included, as
-the issue's baseline; taking turns in the same way), and the tokens/s of the decode steps alone (generate time minus the
-prefill time measured above). Also printed: whether both generated the same tokens.
+the issue's baseline; taking turns in the same way), and the tokens/s of the decode steps
+alone (generate time minus the prefill time measured above). Also printed: whether both
+generated the same tokens.
 ``--tiny``: the tests' tiny model and short lengths (a CPU smoke run).
 """
 import argparse
@@ -60,15 +61,17 @@ def _peak(model, ids, device, impl):
 def _alternating(model, device, reps, runs):
     """Median seconds per implementation of ``runs[impl]()``, the implementations taking
     turns rep by rep after two warm-ups each, so that drift (clocks, allocator, other work)
-    falls on both alike. Measured first-impl-then-the-other, the same forward read 22.9 ms
-    for eager ahead of sparse_mla and 15.7 ms behind it (H100, 1k prompt)."""
+    falls on both alike. Measured first-impl-then-the-other, the same eager forward read very
+    different times ahead of sparse_mla and behind it (docs/perf-log.md, "Session 35: HF
+    transformers, eager vs sparse_mla, measured taking turns")."""
     times = {impl: [] for impl in runs}
     for rep in range(reps + 2):
         for impl, fn in runs.items():
             model.set_attn_implementation(impl)
             if device == "cuda":
                 # the other implementation's freed blocks would otherwise fragment this one's
-                # (eager 8k ran out of memory after sparse_mla's run on a 139 GiB H200)
+                # (eager's long prompts only fit once it is emptied: docs/perf-log.md,
+                # "Session 35: HF transformers, eager vs sparse_mla, measured taking turns")
                 torch.cuda.empty_cache()
             t = _timed(fn, device)[0]
             if rep >= 2:

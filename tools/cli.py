@@ -4,11 +4,11 @@ For each op that exists, each implementation that can run on this machine (vendo
 reference) runs on random inputs sized to the device (small on CPU, production sizes on a GPU),
 is compared with the reference, and is timed: "graph µs" replays the op captured in a CUDA
 graph (its GPU time in a captured decode step; throughput and % roofline use it when present),
-"eager µs" includes Python, validation and launch overhead. Bandwidth and FLOP rates are shown next to the
-card's own copy bandwidth and matmul rate, measured in the same run. Then the model section
-(``--no-model`` skips it): a small random-weight HF transformers DeepSeek-V4 generates greedily
-with eager attention and with ``attn_implementation="sparse_mla"`` (same tokens required) and
-prints both times per token.
+"eager µs" includes Python, validation and launch overhead. Bandwidth and FLOP rates are shown
+next to the card's own copy bandwidth and matmul rate, measured in the same run. Then the
+model section (``--no-model`` skips it): a small random-weight HF transformers DeepSeek-V4
+generates greedily with eager attention and with ``attn_implementation="sparse_mla"`` (same
+tokens required) and prints both times per token.
 
   bazel run //tools:sparse_mla                    # all ops, auto device
   bazel run //tools:sparse_mla -- --ops cache_insert --impls triton
@@ -72,7 +72,7 @@ def run(args) -> int:
           f"matmul {mm / 1e12:,.1f} TFLOP/s", flush=True)
     rows = []
     failures = 0
-    for fam, mod in _load_families(args.ops or FAMILIES):
+    for _family, mod in _load_families(args.ops or FAMILIES):
         for case in mod.cases(device, small):
             ref_out = None
             if case.reference:
@@ -91,8 +91,10 @@ def run(args) -> int:
                     failures += 1
                     print(f"  {case.op} {impl} {case.shape} differs: "
                           f"{_where_differs(ref_out, out)}", file=sys.stderr, flush=True)
-                eager = harness.time_fn(lambda: case.run(inputs, impl), device)
-                graph = harness.time_graph(lambda: case.run(inputs, impl)) \
+                def call(case=case, inputs=inputs, impl=impl):
+                    return case.run(inputs, impl)
+                eager = harness.time_fn(call, device)
+                graph = harness.time_graph(call) \
                     if device == "cuda" and impl != "reference" else None
                 t = graph or eager
                 gbs = case.bytes / t

@@ -23,9 +23,16 @@ from sparse_mla.integration.transformers.attention import (HEAD_DIM, MAX_HEADS,
                                                            sparse_mla_attention_forward)
 
 NAME = "sparse_mla"
-# The first release whose DeepSeek-V4 attention concatenates the compressor's block_bias
-# onto the mask it passes to attention functions (and the first with DeepSeek-V4 at all).
+# The supported range, one statement for the code, the wheel and the docs (the wheel's pin in
+# tools/bazel/versions.bzl must equal REQUIREMENT: tests/integration/transformers checks it).
+# From the first release whose DeepSeek-V4 attention concatenates the compressor's block_bias
+# onto the mask it passes to attention functions (and the first with DeepSeek-V4 at all), up
+# to the next major release, whose attention interface nobody has run this against. Run here:
+# 5.8.1, 5.17.0 and 5.24.0 (docs/integrations.md).
 MIN_TRANSFORMERS = (5, 8, 1)
+BELOW_TRANSFORMERS = (6,)
+REQUIREMENT = (f"transformers>={'.'.join(map(str, MIN_TRANSFORMERS))},"
+               f"<{'.'.join(map(str, BELOW_TRANSFORMERS))}")
 
 
 def _version(text: str):
@@ -41,7 +48,10 @@ def unsupported_reason(config) -> str | None:
     have = installed_version()
     if _version(have) < MIN_TRANSFORMERS:
         return (f"transformers {have} predates DeepSeek-V4's block_bias in the attention "
-                f"mask (needs >= {'.'.join(map(str, MIN_TRANSFORMERS))})")
+                f"mask (needs {REQUIREMENT})")
+    if _version(have) >= BELOW_TRANSFORMERS:
+        return (f"transformers {have} is a major release this integration was not written "
+                f"for (needs {REQUIREMENT})")
     model_type = getattr(config, "model_type", None)
     if model_type != "deepseek_v4":
         return f"it implements DeepSeek-V4 attention only; this model is {model_type!r}"

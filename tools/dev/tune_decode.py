@@ -69,7 +69,7 @@ def _sweep(settings, sweep, decode, extra, plain=False):
                 out = c.run(dict(a), "triton")
                 o = (out[0] if isinstance(out, tuple) else out).float()
                 err = (o - first.setdefault(i, o.clone())).abs().max().item()
-                t = harness.time_graph(lambda: c.run(a, "triton"))
+                t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
                 cells.append(f"{t * 1e6:8.1f}{'!' if err > 1e-2 else ''}")
             except Exception as exc:  # a config may not compile (smem, regs)
                 cells.append(f"failed ({str(exc)[:30]})")

@@ -24,7 +24,7 @@ def main():
             got = c.run(a, "triton")
             bad = c.compare(out, got)
             written = a["out"].numel() * 4 + a["lens"].numel() * 4
-            t = harness.time_graph(lambda: c.run(a, "triton"))
+            t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
             print(f"block={block} warps={warps} {c.shape}: {t * 1e6:6.1f} µs "
                   f"{c.bytes / t / copy:4.0%} of copy (read+write), "
                   f"{written / t / copy:4.0%} on written bytes, {bad} mismatches", flush=True)

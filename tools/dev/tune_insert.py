@@ -21,7 +21,7 @@ def main():
         for c in cases:
             torch.manual_seed(0)
             a = c.make()
-            t = harness.time_graph(lambda: c.run(a, "triton"))
+            t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
             cells.append(f"{c.op[:9]} {c.shape}: {t * 1e6:7.1f} µs {c.bytes / t / copy:4.0%}")
         print(f"{label} | " + " | ".join(cells), flush=True)
 
@@ -36,7 +36,7 @@ def main():
         for c in gcases:
             torch.manual_seed(0)
             a = c.make()
-            t = harness.time_graph(lambda: c.run(a, "triton"))
+            t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
             print(f"gather_tokens={tb} {c.shape}: {t * 1e6:.1f} µs {c.bytes / t / copy:.0%}")
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
 """Registration, switching implementations, the mask facts it relies on, and refusals."""
+import pathlib
+import re
+
 import pytest
 import torch
 import transformers
@@ -6,6 +9,7 @@ from transformers import (AttentionInterface, DeepseekV4ForCausalLM, LlamaConfig
                           LlamaForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+import sparse_mla
 import sparse_mla.integration.transformers as hf
 from sparse_mla.integration.transformers import models
 from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
@@ -125,6 +129,25 @@ def test_transformers_without_block_bias_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"5\.8\.0 predates DeepSeek-V4's block_bias.*5\.8\.1"):
         DeepseekV4ForCausalLM._from_config(models.tiny_config(),
                                            attn_implementation="sparse_mla")
+
+
+def test_next_major_transformers_is_refused(monkeypatch):
+    """(Simulated: no transformers 6 exists to run against.)"""
+    from sparse_mla.integration.transformers import registration
+    monkeypatch.setattr(registration, "installed_version", lambda: "6.0.0")
+    with pytest.raises(ValueError, match=r"6\.0\.0 is a major release .*<6"):
+        DeepseekV4ForCausalLM._from_config(models.tiny_config(),
+                                           attn_implementation="sparse_mla")
+    monkeypatch.setattr(registration, "installed_version", lambda: "5.99.0")
+    assert registration.unsupported_reason(models.tiny_config()) is None
+
+
+def test_wheel_requires_the_range_the_code_accepts():
+    """The HF wheel's transformers pin (tools/bazel/versions.bzl) is the code's gate."""
+    from sparse_mla.integration.transformers import registration
+    bzl = (pathlib.Path(sparse_mla.__file__).parent / "tools/bazel/versions.bzl").read_text()
+    pin = re.search(r'"transformers":\s*"([^"]+)"', bzl).group(1)
+    assert pin == registration.REQUIREMENT == "transformers>=5.8.1,<6"
 
 
 def test_other_models_are_refused():

@@ -3,8 +3,11 @@ import pytest
 
 from sparse_mla.tools.dev import ncu_stalls
 
-EXPORT = '''"Kernel Name","_ws_kernel",
-"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"
+COLUMNS = ",".join(f'"{c}"' for c in (
+    "Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+    "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"))
+EXPORT = f'''"Kernel Name","_ws_kernel",
+{COLUMNS}
 "0x10","      LDG.E.128 R4, desc[UR4][R2.64]","10","100","0","10","0"
 "0x20","      @!P2  SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R17+URZ+0x31210], RZ","30","100","25","5","25"
 "0x30","      WARPGROUP.DEPBAR.LE gsb0, 0x0","60","100","60","0","60"
