@@ -228,9 +228,10 @@ def _walk(ref, other, parted, tol=None):
 def test_greedy_tokens_and_logprobs_agree(runs):
     """Ours against stock within the larger of LOGPROB_TOL and twice what one bf16 step of
     the stock attention's own output does to the stock run (the yardstick run, measured here,
-    on this machine): with AMX, one rounding step moves this model's log-probs little and
+    on this machine): with AMX one rounding step moves this model's log-probs little and
     LOGPROB_TOL binds; without AMX vLLM runs other kernels, unchunked, and one rounding step
-    moved them by up to 0.31 (docs/perf-log.md, 'Session 36: vLLM engine test without AMX')."""
+    moves them several times further (docs/perf-log.md, 'Session 36: vLLM engine test
+    without AMX')."""
     parted_yard = first_selection_difference(runs["topk_stock"], runs["topk_rounded"])
     yard, yard_report = _walk(runs["stock"], runs["rounded"], parted_yard)
     noise = max(yard, default=0.0)
