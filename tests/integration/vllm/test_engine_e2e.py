@@ -228,10 +228,10 @@ def _walk(ref, other, parted, tol=None):
 def test_greedy_tokens_and_logprobs_agree(runs):
     """Ours against stock within the larger of LOGPROB_TOL and twice what one bf16 step of
     the stock attention's own output does to the stock run (the yardstick run, measured here,
-    on this machine): with AMX one rounding step moves this model's log-probs little and
+    on this machine): where one rounding step moves this model's log-probs little,
     LOGPROB_TOL binds; without AMX vLLM runs other kernels, unchunked, and one rounding step
-    moves them several times further (docs/perf-log.md, 'Session 36: vLLM engine test
-    without AMX')."""
+    moved them several times further (docs/perf-log.md, 'Session 36: vLLM engine test
+    without AMX'; the AMX machines' yardstick is not measured yet)."""
     parted_yard = first_selection_difference(runs["topk_stock"], runs["topk_rounded"])
     yard, yard_report = _walk(runs["stock"], runs["rounded"], parted_yard)
     noise = max(yard, default=0.0)
