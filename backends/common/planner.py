@@ -130,7 +130,9 @@ class StepPlanner:
         rows = self.cfg.prefill_workspace_rows
         _, seq, ql, n, g = self._prefill_requests(batch)
         need = n + g
-        for r in (need > rows).nonzero().flatten().tolist():
+        over = (need > rows).nonzero().flatten()
+        if over.numel():
+            r = int(over[0])
             raise ValueError(f"prefill request {r} (seq_len {int(seq[r])}, query_len "
                              f"{int(ql[r])}) needs {int(need[r])} workspace rows, more than "
                              f"prefill_workspace_rows={rows}; split its chunk or raise the "
