@@ -6,7 +6,7 @@ from typing import Optional
 
 from sparse_mla.backends.common.batch import LayerKind
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.index_combine.ops import c128a_width
+from sparse_mla.ops.index_combine import c128a_width
 
 MAX_HEADS = 128
 
@@ -16,7 +16,9 @@ class LayerConfig:
     """``num_heads``: local (per tensor-parallel rank) query heads, 1..128. ``topk``: the
     indexer's top-k (C4A). Capacities: ``max_num_tokens`` per step, ``max_num_reqs`` per step,
     ``max_model_len`` (the C128A list width). ``prefill_workspace_rows``: bf16 rows the prefill
-    gathers into (default: one request of ``max_model_len`` and ``max_num_tokens`` fits)."""
+    gathers into (default: one request of ``max_model_len`` and ``max_num_tokens`` fits).
+    ``apply_q_norm``: the write applies the model's weightless q RMS-norm before RoPE (False:
+    q arrives normed)."""
 
     num_heads: int
     kind: LayerKind
@@ -30,6 +32,7 @@ class LayerConfig:
     softmax_scale: float = formats.HEAD_DIM ** -0.5
     eps: float = 1e-6
     prefill_workspace_rows: Optional[int] = None
+    apply_q_norm: bool = True
 
     def __post_init__(self):
         if not isinstance(self.kind, LayerKind):

@@ -244,14 +244,3 @@ def check_request_values(batch: BatchDescription, cos_sin_cache: Optional[Tensor
         raise ValueError(f"batch.positions must be in [0, {cos_sin_cache.shape[0]}) (rows of "
                          f"cos_sin_cache), got [{int(pos.min())}, {int(pos.max())}]")
     return qsl, seq, ql, tok, want
-
-
-def check_prefill_fits(cfg: LayerConfig, seq_cpu: Tensor, ql_cpu: Tensor) -> None:
-    """A prefill request must fit the gather workspace on its own (host ints; prefill only)."""
-    for r, (s, n) in enumerate(zip(seq_cpu.tolist(), ql_cpu.tolist())):
-        need = cfg.request_rows(s, n)
-        if need > cfg.prefill_workspace_rows:
-            raise ValueError(f"prefill request {r} (seq_len {s}, query_len {n}) needs {need} "
-                             f"workspace rows, more than prefill_workspace_rows="
-                             f"{cfg.prefill_workspace_rows}; split its chunk or raise the "
-                             f"capacity")

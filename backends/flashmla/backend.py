@@ -13,9 +13,8 @@ from typing import Dict
 
 import torch
 
-from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.common.spec import CacheSpec
-from sparse_mla.backends.common.validate import check_prefill_fits
+from sparse_mla.backends.common.v4 import V4Backend
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import flashmla_decode as fd  # registers the ops
 from sparse_mla.ops import index_combine as ic
@@ -24,7 +23,7 @@ from sparse_mla.ops.common import formats
 D = formats.HEAD_DIM
 
 
-class FlashMLABackend(Backend):
+class FlashMLABackend(V4Backend):
     name = "flashmla"
     OPS = ("fused_qnorm_rope_insert_v4", "quantize_insert_v4", "swa_indices_and_lens",
            "global_topk_indices_and_lens", "c128a_indices_and_lens", "flashmla_sparse_decode",
@@ -52,17 +51,14 @@ class FlashMLABackend(Backend):
         return specs
 
     def _validate_batch(self, batch):
-        if batch.num_prefills:
-            qsl, seq = self.planner.host_lengths(batch)
-            Rd, R = batch.num_decodes, batch.num_reqs
-            check_prefill_fits(self.config, seq[Rd:R], qsl[Rd + 1:R + 1] - qsl[Rd:R])
+        self.planner.check_prefill_fits(batch)
 
-    def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm):
+    def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv):
         cfg, T = self.config, q.shape[0]
         q_rot = self.q_rot[:T]
         ci.fused_qnorm_rope_insert_v4(q, kv, caches["swa"], batch.swa_slot_mapping,
                                       batch.positions, cos_sin_cache, q_rot, cfg.eps,
-                                      cfg.swa_block_size, apply_q_norm, self.impl)
+                                      cfg.swa_block_size, cfg.apply_q_norm, self.impl)
         if compressed_kv is not None:
             ci.quantize_insert_v4(compressed_kv, caches["compressed"],
                                   batch.compressed_slot_mapping, cfg.compressed_block_size,

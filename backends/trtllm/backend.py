@@ -1,12 +1,12 @@
-"""DeepSeek-V4 attention over plain caches (docs/semantics.md §2.3, §6), the way vLLM's FlashInfer DSv4
-backend runs it.
+"""DeepSeek-V4 attention over plain caches (docs/semantics.md §2.3, §6), the way vLLM's
+FlashInfer DSv4 backend runs it.
 
 Caches ``[num_blocks, block_size, 512]`` of bf16, or of e4m3 with one per-tensor scale
 (device tensors: read by the kernels, no host sync). One ``flashinfer_mixed_sparse_indices``
 launch builds every row's list (columns ``[0, 128)`` index the SWA pool, the rest the compressed
 pool), then ``trtllm_decode_dsv4`` runs twice: decode rows, then prefill rows with their
-``cum_seq_lens_q`` rebased (docs/semantics.md §4.5). SWA-only layers pass the SWA pool as the compressed pool
-with no compressed columns, as vLLM does.
+``cum_seq_lens_q`` rebased (docs/semantics.md §4.5). SWA-only layers pass the SWA pool as the
+compressed pool with no compressed columns, as vLLM does.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Dict
 
 import torch
 
-from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.common.batch import LayerKind
 from sparse_mla.backends.common.spec import CacheSpec
+from sparse_mla.backends.common.v4 import V4Backend
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td
@@ -25,7 +25,9 @@ from sparse_mla.ops.trtllm_decode import vendor as td_vendor
 
 D = formats.HEAD_DIM
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-class TrtllmBackend(Backend):
+
+
+class TrtllmBackend(V4Backend):
     name = "trtllm"
     OPS = ("fused_qnorm_rope_insert_plain", "insert_plain", "swa_indices_and_lens",
            "c128a_indices_and_lens", "flashinfer_mixed_sparse_indices", "trtllm_decode_dsv4")
@@ -47,8 +49,8 @@ class TrtllmBackend(Backend):
         self.lens = torch.zeros(T, dtype=torch.int32, device=dev)
         self.prefill_cu = torch.zeros(R + 1, dtype=torch.int32, device=dev)
         self.fp8 = cache_dtype == torch.float8_e4m3fn
-        # vLLM runs unit scales today (docs/semantics.md §2.3); any positive pair works. Device tensors:
-        # the kernels read them, so changing them needs no re-capture.
+        # vLLM runs unit scales today (docs/semantics.md §2.3); any positive pair works. Device
+        # tensors: the kernels read them, so changing them needs no re-capture.
         self.kv_scale = torch.tensor([kv_scale], dtype=torch.float32, device=dev)
         self.q_scale_inv = torch.tensor([1.0 / q_scale], dtype=torch.float32, device=dev)
         self.bmm1 = torch.tensor([config.softmax_scale * (q_scale * kv_scale if self.fp8
@@ -68,13 +70,13 @@ class TrtllmBackend(Backend):
     def _scales(self):
         return (self.kv_scale, self.q_scale_inv) if self.fp8 else (None, None)
 
-    def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv, apply_q_norm):
+    def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv):
         cfg, T = self.config, q.shape[0]
         q_rot = self.q_rot[:T]
         kv_scale, q_scale_inv = self._scales()
         ci.fused_qnorm_rope_insert_plain(q, kv, caches["swa"], batch.swa_slot_mapping,
                                          batch.positions, cos_sin_cache, q_rot, kv_scale,
-                                         q_scale_inv, cfg.eps, apply_q_norm, self.impl)
+                                         q_scale_inv, cfg.eps, cfg.apply_q_norm, self.impl)
         if compressed_kv is not None:
             ci.insert_plain(compressed_kv, caches["compressed"], batch.compressed_slot_mapping,
                             kv_scale, self.impl)

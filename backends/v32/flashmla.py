@@ -22,7 +22,6 @@ import torch
 from sparse_mla.backends.common.spec import CacheSpec
 from sparse_mla.backends.v32.base import BF16, V32Backend
 from sparse_mla.backends.v32.config import D_QK
-from sparse_mla.backends.v32.planner import host_lengths
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import flashmla_decode as fd
 
@@ -53,11 +52,8 @@ class V32FlashMLABackend(V32Backend):
         dev = self.device
         self.lse = torch.empty(T, H, 1, dtype=torch.float32, device=dev)
         self.max_logits = torch.empty(T, H, dtype=torch.float32, device=dev)
-        if self.fp8:
-            rows = config.prefill_workspace_rows if self.mode == "separate" else 0
-            self.workspace = torch.empty(rows, D_QK, dtype=BF16, device=dev)
-        else:
-            self._bf16_rows_buffer()
+        rows = config.prefill_workspace_rows if self.mode == "separate" else 0
+        self.workspace = torch.empty(rows, D_QK, dtype=BF16, device=dev)
 
     def cache_specs(self) -> Dict[str, CacheSpec]:
         bs = self.config.block_size
@@ -73,15 +69,8 @@ class V32FlashMLABackend(V32Backend):
                              "[num_blocks * block_size, 1, 576]")
 
     def _validate_batch(self, batch):
-        if self.mode != "separate" or not batch.num_prefills:
-            return
-        _, seq = host_lengths(batch)
-        Rd, R = batch.num_decodes, batch.num_reqs
-        for r, s in enumerate(seq[Rd:R].tolist()):
-            if s > self.config.prefill_workspace_rows:
-                raise ValueError(f"prefill request {r} has seq_len {s}, more than "
-                                 f"prefill_workspace_rows={self.config.prefill_workspace_rows} "
-                                 f"(its whole context is gathered); raise the capacity")
+        if self.mode == "separate":      # the only mode that gathers prefill rows
+            self.planner.check_prefill_fits(batch)
 
     def _attend(self, q, caches, batch, attn_sink, out):
         p, n, Td = self.planner, batch.num_tokens, batch.num_decode_tokens

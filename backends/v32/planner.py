@@ -1,55 +1,37 @@
 """The V3.2 step plan: token → request once per step, the indexer's request-local top-k →
 cache slots (or prefill workspace rows) per layer, through ``convert_req_index_to_global``
 (docs/semantics.md §4.1), into buffers sized at construction (stable addresses: a uniform
-decode step can be captured in a CUDA graph)."""
+decode step can be captured in a CUDA graph). Prefill chunks: the shared chunked-prefill plan
+(``StepPlanner.prefill_chunks``), each request gathering its whole context."""
 from __future__ import annotations
 
-from typing import List
+from typing import Tuple
 
 import torch
+from torch import Tensor
 
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.backends.common.planner import PrefillChunk
+from sparse_mla.backends.common.planner import PrefillChunk, StepPlanner
 from sparse_mla.backends.v32.config import V32Config
 from sparse_mla.ops import index_combine as ic
 
 I32 = torch.int32
 
 
-def host_lengths(batch: BatchDescription):
-    """Host copies of query_start_loc and seq_lens (the batch's, else one copy: prefill only)."""
-    qsl = batch.query_start_loc_cpu
-    seq = batch.seq_lens_cpu
-    qsl = batch.query_start_loc.cpu() if qsl is None else qsl
-    seq = batch.seq_lens.cpu() if seq is None else seq
-    return qsl.long(), seq.long()
-
-
-class V32Planner:
+class V32Planner(StepPlanner):
     """``plan`` (once per step, shared by the layers of a model): ``token_to_req``.
     ``global_slots`` / ``workspace_rows`` (per layer: each layer has its own indexer)."""
 
+    PLAN_FIELDS = ("block_size", "max_num_tokens", "max_num_reqs", "max_model_len", "topk")
+
     def __init__(self, cfg: V32Config, device, impl: str = "auto"):
-        self.cfg, self.impl = cfg, impl
+        super().__init__(cfg, device, impl)
         T, R, K = cfg.max_num_tokens, cfg.max_num_reqs, cfg.topk
         kw = dict(dtype=I32, device=device)
-        self.token_ids = torch.arange(max(T, R), **kw)
-        self.token_to_req = torch.zeros(T, **kw)
         self.slots = torch.full((T, K), -1, **kw)      # cache slots or workspace rows
         self.counts = torch.zeros(T, **kw)             # entries that are not -1, per row
         self.ws_req = torch.zeros(T, **kw)             # prefill rows: request within chunk
         self.ws_starts = torch.zeros(R, **kw)          # a chunk's requests' first rows
-
-    def compatible(self, cfg: V32Config) -> bool:
-        mine = self.cfg
-        return all(getattr(cfg, f) == getattr(mine, f) for f in (
-            "block_size", "max_num_tokens", "max_num_reqs", "max_model_len", "topk"))
-
-    def plan(self, batch: BatchDescription, T: int) -> None:
-        """token_to_req for ``T`` rows of q (``R`` for padding rows past the last request)."""
-        R = batch.num_reqs
-        torch.searchsorted(batch.query_start_loc[1:R + 1], self.token_ids[:T], right=True,
-                           out_int32=True, out=self.token_to_req[:T])
 
     def global_slots(self, batch: BatchDescription, t0: int, t1: int) -> None:
         """Rows ``[t0, t1)``: top-k positions → cache slots via the block table (-1 kept)."""
@@ -70,21 +52,7 @@ class V32Planner:
             self.counts[t], self.ws_req[t], self.ws_starts[:c], self.cfg.block_size,
             impl=self.impl)
 
-    def prefill_chunks(self, batch: BatchDescription) -> List[PrefillChunk]:
-        """Prefill requests packed into chunks of ``c`` requests with ``c * M`` workspace rows
-        at most ``prefill_workspace_rows``, ``M`` = the chunk's longest seq_len (the whole
-        context is gathered: the indexer may pick any earlier token)."""
-        Rd, Rp = batch.num_decodes, batch.num_prefills
-        qsl, seq = host_lengths(batch)
-        seq = seq[Rd:Rd + Rp]
-        chunks, r0 = [], 0
-        while r0 < Rp:
-            r1, M = r0 + 1, int(seq[r0])
-            while r1 < Rp and (r1 + 1 - r0) * max(M, int(seq[r1])) <= \
-                    self.cfg.prefill_workspace_rows:
-                M, r1 = max(M, int(seq[r1])), r1 + 1
-            t0 = int(qsl[Rd + r0]) - int(qsl[Rd]) + batch.num_decode_tokens
-            t1 = int(qsl[Rd + r1]) - int(qsl[Rd]) + batch.num_decode_tokens
-            chunks.append(PrefillChunk(r0, r1, t0, t1, 0, M))
-            r0 = r1
-        return chunks
+    def prefill_rows(self, seq: Tensor, ql: Tensor) -> Tuple[Tensor, Tensor]:
+        """No compressed entries; the whole context (the indexer may pick any earlier
+        token), so ``M`` is the chunk's longest seq_len."""
+        return torch.zeros_like(seq), seq

@@ -21,7 +21,6 @@ class V32TrtllmBackend(V32Backend):
 
     def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None):
         super().__init__(config, device, impl, attention_impl, planner)
-        self._bf16_rows_buffer()
         # FlashInfer's zeroed split-K workspace (one per device, as vLLM allocates it); always
         # a tensor: see ops.trtllm_decode.ops.workspace_arg
         self.fi_workspace = td_vendor.workspace(self.device)

@@ -39,11 +39,8 @@ def _make(base):
 
 _BASES = {"SPARSE_MLA": DeepseekV4FlashMLAAttention,
           "SPARSE_MLA_TRTLLM": DeepseekV4FlashInferMLAAttention}
-_CLASSES = {}
 
 
 def layer_class(which: names.BackendName) -> type:
-    if which.name not in _CLASSES:
-        base = _BASES[which.name]
-        _CLASSES[which.name] = make_layer_class(base, which, **_make(base))
-    return _CLASSES[which.name]
+    base = _BASES[which.name]
+    return make_layer_class(base, which, **_make(base))

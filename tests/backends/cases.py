@@ -11,13 +11,14 @@ from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.sim import Simulator, written_bytes_mask
 from sparse_mla.tests.helpers import storage_bytes
 
-# The oracle is exact (float64) math; the kernels round q, P and the output to bf16. docs/semantics.md §9's
-# element bounds (atol 1e-3) are FlashMLA's, calibrated on its generator's rows of |x| ~ 0.1,
-# where a 190-key softmax is nearly uniform and one missing key moves an output by < 1e-3.
-# Here q is RMS-normed (as the model does) and rows are ~N(0, 1), so attention is peaked and
-# every (token, head) output row is checked by its relative L2 error: kernels land at about
-# 0.3-0.5 %, one key too many or too few moves a row by about 1 / sqrt(keys) (7 % at 190
-# keys; test_step's mutation test proves the bound catches it). Rows with no key must be 0.
+# The oracle is exact (float64) math; the kernels round q, P and the output to bf16.
+# docs/semantics.md §9's element bounds (atol 1e-3) are FlashMLA's, calibrated on its
+# generator's rows of |x| ~ 0.1, where a 190-key softmax is nearly uniform and one missing key
+# moves an output by < 1e-3. Here q is RMS-normed (as the model does) and rows are ~N(0, 1), so
+# attention is peaked and every (token, head) output row is checked by its relative L2 error:
+# bf16 rounding stays well inside the bound, while one key too many or too few moves a row by
+# about 1 / sqrt(keys) (7 % at 190 keys; test_step's mutation test proves the bound catches
+# it). Rows with no key must be 0.
 REL_L2 = 1 / 64
 ABS = 2e-2          # and no element far off
 KV_SCALE, Q_SCALE = 0.5, 2.0          # non-unit fp8 scales, so a dropped scale shows

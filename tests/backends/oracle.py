@@ -17,9 +17,10 @@ NOPE = 448
 
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """GPT-J (interleaved) RoPE on the last 64 dims in float32, as docs/semantics.md §3.1 has the writers
-    compute it (each product rounded, then the sum): the rows then round to the same bf16 as
-    the kernels' rows, instead of differing in a last bit (and so in a tile's scale)."""
+    """GPT-J (interleaved) RoPE on the last 64 dims in float32, as docs/semantics.md §3.1 has
+    the writers compute it (each product rounded, then the sum): the rows then round to the
+    same bf16 as the kernels' rows, instead of differing in a last bit (and so in a tile's
+    scale)."""
     x = x.float().clone()
     ev, od = x[..., NOPE::2].clone(), x[..., NOPE + 1::2].clone()
     c, s = cos_sin[..., :32].float(), cos_sin[..., 32:].float()
@@ -29,8 +30,8 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(q: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm in float32 (docs/semantics.md §3.1); the mean of squares summed in float64 so it
-    does not depend on the reduction order."""
+    """Weightless RMSNorm in float32 (docs/semantics.md §3.1); the mean of squares summed in
+    float64 so it does not depend on the reduction order."""
     q = q.float()
     eps32 = float(torch.tensor(eps, dtype=torch.float32))     # kernels take eps as fp32
     ms = q.double().square().mean(-1, keepdim=True) + eps32

@@ -153,7 +153,6 @@ class Simulator:
         for n in qlens:
             qsl.append(qsl[-1] + n)
         if pad_reqs:
-            qlens_all = qlens[:len(decodes)] + [0] * pad_reqs
             qsl = qsl[:len(decodes) + 1] + [qsl[len(decodes)]] * pad_reqs
             seq = seq[:len(decodes)] + [0] * pad_reqs
             reqs = reqs[:len(decodes)] + [Request(-1) for _ in range(pad_reqs)]

@@ -36,7 +36,7 @@ class Harness:
         if out is None:
             out = torch.full((st.q.shape[0], self.cfg.num_heads, 512), float("nan"),
                              dtype=torch.bfloat16, device=self.device)
-        self.backend.forward(st.q, st.kv_c, st.k_pe, self.caches, batch or st.batch, out,
+        self.backend.forward(st.q, st.kv, self.caches, batch or st.batch, out=out,
                              planned=planned)
         self.written.update(st.slots)
         return out

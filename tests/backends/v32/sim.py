@@ -42,8 +42,7 @@ class Request:
 @dataclasses.dataclass
 class Step:
     q: torch.Tensor
-    kv_c: torch.Tensor
-    k_pe: torch.Tensor
+    kv: torch.Tensor                # [T, 576]: kv_c (512), then k_pe (64)
     batch: BatchDescription
     expected: torch.Tensor          # [T, H, 512] float64
     slots: List[int]                # slots this step writes
@@ -134,7 +133,8 @@ class Simulator:
             max_prefill_query_len=max([n for _, n in prefills], default=0),
             query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
             seq_lens_cpu=torch.tensor(seq, dtype=torch.int32))
-        return Step(q.to(dev), kv_c.to(dev), k_pe.to(dev), batch, exp, slots)
+        kv = torch.cat([kv_c, k_pe], 1)
+        return Step(q.to(dev), kv.to(dev), batch, exp, slots)
 
 
 def written_bytes_mask(cache: torch.Tensor, slots, block_size: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ FIELDS = ("query_start_loc", "seq_lens", "positions", "swa_block_table", "swa_sl
 
 
 def _copy_in(static, st):
-    for name in ("q", "kv_c", "k_pe"):
+    for name in ("q", "kv"):
         getattr(static, name).copy_(getattr(st, name))
     for f in FIELDS:
         getattr(static.batch, f).copy_(getattr(st.batch, f))
@@ -35,7 +35,7 @@ def test_decode_step_graph_replays(layout, s_q):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        be.forward(static.q, static.kv_c, static.k_pe, graphed.caches, static.batch, out)
+        be.forward(static.q, static.kv, graphed.caches, static.batch, out=out)
     for i in range(4):
         st = static
         if i:

@@ -21,8 +21,13 @@ BAD = [
     ("q width 512", lambda st: dict(q=st.q[..., :512].contiguous()), ValueError,
      r"q must have shape \[num_tokens, 8, 576\]"),
     ("q dtype", lambda st: dict(q=st.q.float()), TypeError, "q must have dtype bfloat16"),
-    ("k_pe width", lambda st: dict(k_pe=st.k_pe[:, :32].contiguous()), ValueError,
-     r"k_pe must have shape \[\d+, 64\]"),
+    ("kv width 544", lambda st: dict(kv=st.kv[:, :544].contiguous()), ValueError,
+     r"kv must have shape \[\d+, 576\]"),
+    ("kv dtype", lambda st: dict(kv=st.kv.float()), TypeError, "kv must have dtype bfloat16"),
+    ("a RoPE table", lambda st: dict(cos_sin_cache=torch.zeros(4096, 64)), ValueError,
+     "cos_sin_cache must be None for DeepSeek-V3.2"),
+    ("compressor rows", lambda st: dict(compressed_kv=torch.zeros(4, 512)), ValueError,
+     "compressed_kv must be None"),
     ("no top-k", lambda st: dict(batch=dataclasses.replace(st.batch, topk_indices=None)),
      ValueError, "batch.topk_indices .* is required"),
     ("top-k width", lambda st: dict(batch=dataclasses.replace(
@@ -48,11 +53,12 @@ BAD = [
 def test_bad_step_raises_before_any_write(layout, what, change, exc, msg):
     h = Harness(layout, config(), "cpu", seed=2)
     st = h.sim.step([], [(0, 70), (1, 30)])
-    a = dict(q=st.q, kv_c=st.kv_c, k_pe=st.k_pe, batch=st.batch)
+    a = dict(q=st.q, kv=st.kv, batch=st.batch, cos_sin_cache=None, compressed_kv=None)
     a.update(change(st))
     out = torch.full((st.q.shape[0], 8, 512), 7.0, dtype=torch.bfloat16)
     with pytest.raises(exc, match=msg):
-        h.backend.forward(a["q"], a["kv_c"], a["k_pe"], h.caches, a["batch"], out)
+        h.backend.forward(a["q"], a["kv"], h.caches, a["batch"], a["cos_sin_cache"],
+                          out=out, compressed_kv=a["compressed_kv"])
     h.check_untouched()                      # nothing written at all
     assert out.eq(7).all()
 
@@ -62,10 +68,13 @@ def test_sink_and_out_buffer_checked(layout):
     h = Harness(layout, config(), "cpu")
     st = h.sim.step([], [(0, 20)])
     with pytest.raises(ValueError, match=r"out must have shape \[20, 8, 512\]"):
-        h.backend.forward(st.q, st.kv_c, st.k_pe, h.caches, st.batch,
-                          torch.empty(20, 8, 576, dtype=torch.bfloat16))
+        h.backend.forward(st.q, st.kv, h.caches, st.batch,
+                          out=torch.empty(20, 8, 576, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="no attention sink"):
-        h.backend._check_out(torch.empty(20, 8, 512, dtype=torch.bfloat16), torch.zeros(8), 20)
+        h.backend.forward(st.q, st.kv, h.caches, st.batch, attn_sink=torch.zeros(8),
+                          out=torch.empty(20, 8, 512, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out is required"):
+        h.backend.forward(st.q, st.kv, h.caches, st.batch)
     h.check_untouched()
 
 
@@ -73,9 +82,10 @@ def test_workspace_too_small_for_a_prefill_request():
     h = Harness("flashmla_fp8_separate", config(prefill_workspace_rows=64), "cpu")
     st = h.sim.step([], [(0, 70)])
     out = torch.empty(70, 8, 512, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="prefill request 0 has seq_len 70, more than "
-                                         "prefill_workspace_rows=64"):
-        h.backend.forward(st.q, st.kv_c, st.k_pe, h.caches, st.batch, out)
+    with pytest.raises(ValueError, match=r"prefill request 0 \(seq_len 70, query_len 70\) "
+                                         r"needs 70 workspace rows, more than "
+                                         r"prefill_workspace_rows=64"):
+        h.backend.forward(st.q, st.kv, h.caches, st.batch, out=out)
     h.check_untouched()
 
 
@@ -99,10 +109,9 @@ def test_constructor_and_cache_checks():
     st = h.sim.step([], [(0, 8)])
     with pytest.raises(ValueError, match=r"caches\['kv'\] must have shape \[num_blocks, 64, "
                                          r"656\]"):
-        be.forward(st.q, st.kv_c, st.k_pe, wrong, st.batch,
-                   torch.empty(8, 8, 512, dtype=torch.bfloat16))
+        be.forward(st.q, st.kv, wrong, st.batch, out=torch.empty(8, 8, 512, dtype=torch.bfloat16))
     bf16 = V32FlashMLABackend(cfg, cache_dtype="bfloat16")
     strided = torch.empty(2, 128, 576, dtype=torch.bfloat16)[:, ::2]
     with pytest.raises(ValueError, match=r"caches\['kv'\] \(bf16\) must be contiguous"):
-        bf16.forward(st.q, st.kv_c, st.k_pe, {"kv": strided}, st.batch,
-                     torch.empty(8, 8, 512, dtype=torch.bfloat16))
+        bf16.forward(st.q, st.kv, {"kv": strided}, st.batch,
+                     out=torch.empty(8, 8, 512, dtype=torch.bfloat16))

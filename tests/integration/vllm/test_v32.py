@@ -270,7 +270,7 @@ def test_forward_mqa_matches_oracle(vllm_config, cache, heads, mode, with_positi
         n, T = st.batch.num_tokens, st.q.shape[0]
         # The cache insert is vLLM's in the engine (its fused norm + RoPE kernel, CUDA only);
         # here the backend's own insert writes the same layout.
-        backend.write(st.q, st.kv_c, st.k_pe, {"kv": kv}, st.batch)
+        backend.write(st.q, st.kv, {"kv": kv}, st.batch)
         md = builder.build(0, _common(st, with_positions))
 
         b, want = md.batch, st.batch
