@@ -17,7 +17,7 @@ from torch import Tensor
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
 from sparse_mla.ops.common.opdef import custom_op
-from sparse_mla.ops.flashmla_decode import reference, triton_kernels, vendor
+from sparse_mla.ops.flashmla_decode import reference, triton_impl, vendor
 
 MAX_HEADS = 128
 HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32)}   # q / key width: 512, 576
@@ -36,7 +36,7 @@ def _check_sink_and_out(attn_sink, h, out, out_shape):
 
 _DECODE = Dispatcher("flashmla_sparse_decode")
 _DECODE.register("vendor", vendor.decode, vendor.decode_check, vendor.decode_automatic)
-_DECODE.register("triton", triton_kernels.decode, lambda q, k_cache, indices, out, *a, **k:
+_DECODE.register("triton", triton_impl.decode, lambda q, k_cache, indices, out, *a, **k:
                  triton_check(q, k_cache, indices, out))
 _DECODE.register("reference", reference.decode)
 
@@ -157,7 +157,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 
 _PREFILL = Dispatcher("flashmla_sparse_prefill")
 _PREFILL.register("vendor", vendor.prefill, vendor.prefill_check)
-_PREFILL.register("triton", triton_kernels.prefill, lambda q, kv, indices, out, *a, **k:
+_PREFILL.register("triton", triton_impl.prefill, lambda q, kv, indices, out, *a, **k:
                   triton_check(q, kv, indices, out))
 _PREFILL.register("reference", reference.prefill)
 
