@@ -32,7 +32,8 @@ def swa_args(**over):
     (dict(query_start_loc=t32([0, 3])), ValueError, "query_start_loc must have shape [3]"),
     (dict(out_indices=torch.full((3, 5), P, dtype=I32)), ValueError, "out_indices must have shape [3, 4]"),
     (dict(seq_lens=t32([6, -1])), ValueError, "seq_lens must be >= 0"),
-    (dict(seq_lens=t32([1, 2])), ValueError, "query_len > seq_len for request 0"),
+    (dict(seq_lens=t32([1, 2])), ValueError,
+     "seq_lens must be >= the request's query_len: request 0 has seq_len 1 < query_len 2"),
     (dict(query_start_loc=t32([0, 3, 2])), ValueError, "non-decreasing"),
     (dict(block_table=t32([[9, 4], [3, 0]])), ValueError, "too few for position 4 of request 0"),
     (dict(token_to_req_indices=t32([0, 1, 1])), ValueError, "mapped by token_to_req_indices to request 1"),
@@ -112,7 +113,8 @@ def test_combine_bad_inputs():
         ic.combine_topk_swa_indices(**args(gather_lens=t32([2])))
     with pytest.raises(ValueError, match="exceeds the workspace rows"):
         ic.combine_topk_swa_indices(**args(M=5))
-    with pytest.raises(ValueError, match="query_len > seq_len"):
+    with pytest.raises(ValueError, match="seq_lens must be >= the request's query_len: "
+                                         "request 0 has seq_len 2 < query_len 3"):
         ic.combine_topk_swa_indices(**args(seq_lens=t32([2]), gather_lens=t32([2])))
     with pytest.raises(ValueError, match="not a compressed row"):
         ic.combine_topk_swa_indices(**args(topk_indices=t32([[-1, -1], [3, -1], [-1, -1]])))
@@ -132,7 +134,8 @@ def test_mixed_bad_inputs():
                 compressed_block_size=2, window_size=4, compress_ratio=2, topk=2)
     with pytest.raises(ValueError, match="too few for position 4"):
         ic.build_flashinfer_mixed_sparse_indices(**{**base, "swa_block_table": t32([[1, 2]])})
-    with pytest.raises(ValueError, match="query_len > seq_len"):
+    with pytest.raises(ValueError, match="seq_lens must be >= the request's query_len: "
+                                         "request 0 has seq_len 0 < query_len 1"):
         ic.build_flashinfer_mixed_sparse_indices(**{**base, "query_start_loc": t32([0, 1]),
                                                     "seq_lens": t32([0])})
     with pytest.raises(ValueError, match="decode_is_valid_token is required"):
