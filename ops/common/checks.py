@@ -154,16 +154,17 @@ def expect_indices(name: str, t: torch.Tensor, end: int, note: str = "",
 
 
 def expect_query_starts(name: str, starts: torch.Tensor, length: str = "query_len",
-                        lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+                        lo: int | None = None, hi: int | None = None,
+                        note: str = "") -> torch.Tensor:
     """``starts`` (a request's first query token, batch size + 1 entries: vLLM's
     ``query_start_loc``, FlashInfer's ``cum_seq_lens_q``) non-decreasing, and where given its
-    first entry >= ``lo`` and its last <= ``hi``. Returns the requests' query lengths (int64;
-    ``length`` names them in the message)."""
+    first entry >= ``lo`` and its last <= ``hi`` (``note`` says what they index). Returns the
+    requests' query lengths (int64; ``length`` names them in the message)."""
     s = starts.long()
     if lo is not None and s.numel() and int(s[0]) < lo:
-        raise ValueError(f"{name}[0] must be >= {lo}, got {int(s[0])}")
+        raise ValueError(f"{name}[0] must be >= {lo}{note}, got {int(s[0])}")
     if hi is not None and s.numel() and int(s[-1]) > hi:
-        raise ValueError(f"{name}[-1] must be <= {hi}, got {int(s[-1])}")
+        raise ValueError(f"{name}[-1] must be <= {hi}{note}, got {int(s[-1])}")
     lens = s[1:] - s[:-1]
     r = _first(lens < 0)
     if r is not None:
@@ -181,6 +182,22 @@ def expect_seq_lens_cover(seq_lens: torch.Tensor, query_lens: torch.Tensor,
     if r is not None:
         raise ValueError(f"seq_lens must be >= the request's {length}{note}: request {r} has "
                          f"seq_len {int(sl[r])} < {length} {int(query_lens[r])}")
+
+
+def expect_active_slots(name: str, idx: torch.Tensor, ncols: torch.Tensor, capacity: int,
+                        what: str = "a slot in [0, {capacity})") -> None:
+    """Rows of index list ``idx`` [T, K]: every non-negative entry in a row's first
+    ``ncols[t]`` columns addresses one of ``capacity`` cache rows (``what`` says what one is,
+    with ``{capacity}`` filled in); negative entries mean "skip"."""
+    if idx.numel() == 0:
+        return
+    cols = torch.arange(idx.shape[1], device=idx.device)
+    active = (cols.unsqueeze(0) < ncols.long().unsqueeze(1)) & (idx >= 0)
+    bad = (active & (idx.long() >= capacity)).nonzero()
+    if bad.numel():
+        t, j = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(f"{name}[{t}, {j}] = {int(idx[t, j])} is not "
+                         f"{what.format(capacity=capacity)}")
 
 
 def expect_request_ids(name: str, tokens: torch.Tensor, req: torch.Tensor, R: int) -> None:
