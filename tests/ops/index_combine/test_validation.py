@@ -15,7 +15,8 @@ def t32(x):
 
 
 def swa_args(**over):
-    a = dict(query_start_loc=t32([0, 2, 3]), seq_lens=t32([6, 2]), token_to_req_indices=t32([0, 0, 1]),
+    a = dict(query_start_loc=t32([0, 2, 3]), seq_lens=t32([6, 2]),
+             token_to_req_indices=t32([0, 0, 1]),
              is_valid_token=torch.ones(3, dtype=torch.bool),
              block_table=t32([[9, 4, 6], [3, 0, 0]]),
              out_indices=torch.full((3, 4), P, dtype=I32), out_lens=torch.full((3,), P, dtype=I32),
@@ -26,17 +27,22 @@ def swa_args(**over):
 
 @pytest.mark.parametrize("over,exc,msg", [
     (dict(seq_lens=torch.tensor([6, 2])), TypeError, "seq_lens must have dtype int32"),
-    (dict(block_table=torch.tensor([[9, 4, 6], [3, 0, 0]])), TypeError, "block_table must have dtype int32"),
-    (dict(is_valid_token=torch.ones(3, dtype=I32)), TypeError, "is_valid_token must have dtype bool"),
-    (dict(token_to_req_indices=t32([0, 0])), ValueError, "token_to_req_indices must be 1-D with at least 3"),
+    (dict(block_table=torch.tensor([[9, 4, 6], [3, 0, 0]])), TypeError,
+     "block_table must have dtype int32"),
+    (dict(is_valid_token=torch.ones(3, dtype=I32)), TypeError,
+     "is_valid_token must have dtype bool"),
+    (dict(token_to_req_indices=t32([0, 0])), ValueError,
+     "token_to_req_indices must be 1-D with at least 3"),
     (dict(query_start_loc=t32([0, 3])), ValueError, "query_start_loc must have shape [3]"),
-    (dict(out_indices=torch.full((3, 5), P, dtype=I32)), ValueError, "out_indices must have shape [3, 4]"),
+    (dict(out_indices=torch.full((3, 5), P, dtype=I32)), ValueError,
+     "out_indices must have shape [3, 4]"),
     (dict(seq_lens=t32([6, -1])), ValueError, "seq_lens must be >= 0"),
     (dict(seq_lens=t32([1, 2])), ValueError,
      "seq_lens must be >= the request's query_len: request 0 has seq_len 1 < query_len 2"),
     (dict(query_start_loc=t32([0, 3, 2])), ValueError, "non-decreasing"),
     (dict(block_table=t32([[9, 4], [3, 0]])), ValueError, "too few for position 4 of request 0"),
-    (dict(token_to_req_indices=t32([0, 1, 1])), ValueError, "mapped by token_to_req_indices to request 1"),
+    (dict(token_to_req_indices=t32([0, 1, 1])), ValueError,
+     "mapped by token_to_req_indices to request 1"),
     (dict(block_size=0), ValueError, "block_size"),
 ])
 def test_swa_bad_inputs(over, exc, msg):
