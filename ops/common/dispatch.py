@@ -1,11 +1,13 @@
 """Choosing an implementation for one op call: vendor, then Triton, then the reference.
 
-Every op family registers its implementations on a :class:`Dispatcher`. Each implementation
-comes with a ``check`` that returns ``None`` when it can run on the given arguments or a short
-reason when it cannot, and optionally an ``automatic`` check: a reason for the automatic choice
-to pass over an implementation that can run (one measured slower than the next one there);
-forcing it still runs it. The choice can be forced per call (``impl=``) or for the whole process
-with the environment variable ``SPARSE_MLA_IMPL``:
+Every op family registers its implementations on a :class:`Dispatcher`, all of them the same
+way: :func:`implementations` (the family's vendor route from its vendor.py, its Triton and
+reference implementations). Each implementation comes with a ``check`` that returns ``None``
+when it can run on the given arguments or a short reason when it cannot, and optionally an
+``automatic`` check: a reason for the automatic choice to pass over an implementation that can
+run (one measured slower than the next one there); forcing it still runs it. The choice can
+be forced per call (``impl=``) or for the whole process with the environment variable
+``SPARSE_MLA_IMPL``:
 
 * ``SPARSE_MLA_IMPL=triton`` forces Triton for every op;
 * ``SPARSE_MLA_IMPL=quantize_insert_v4=reference,gather_dequant=triton`` forces per op
