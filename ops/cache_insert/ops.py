@@ -20,7 +20,6 @@ FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEADS = 128
 
 
-
 def _check_slots(slot_mapping, n_tokens, capacity, *others):
     checks.expect_vector("slot_mapping", slot_mapping, checks.INDEX_DTYPES, at_most=n_tokens,
                          note=" (one per token)")

@@ -35,7 +35,6 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-
 # ---------------------------------------------------------------------------------------------
 # argument forms shared by several ops (the checks themselves: ops/common/checks.py)
 
