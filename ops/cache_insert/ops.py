@@ -11,37 +11,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.cache_insert import reference, triton_kernels, vendor
+from sparse_mla.ops.cache_insert import reference, triton_impl, vendor
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.dispatch import implementations
 from sparse_mla.ops.common.opdef import custom_op
 
 FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEADS = 128
 
 
-def _dispatcher(name, ref_fn, triton_fn, *tensor_args):
-    d = Dispatcher(name)
-    d.register("vendor", None, vendor.CHECK)
-    d.register("triton", triton_fn, lambda *a, **k: triton_check(*[a[i] for i in tensor_args]))
-    d.register("reference", ref_fn)
-    return d
-
-
 def _check_slots(slot_mapping, n_tokens, capacity, *others):
-    checks.expect_dtype("slot_mapping", slot_mapping, checks.INDEX_DTYPES)
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > n_tokens:
-        raise ValueError(f"slot_mapping must be 1-D with at most {n_tokens} entries (one per "
-                         f"token), got shape {list(slot_mapping.shape)}")
-    checks.expect_last_dim_contiguous("slot_mapping", slot_mapping)
+    checks.expect_vector("slot_mapping", slot_mapping, checks.INDEX_DTYPES, at_most=n_tokens,
+                         note=" (one per token)")
     if checks.value_checks_enabled(slot_mapping, *others):
         checks.expect_slots_in_range("slot_mapping", slot_mapping, capacity)
-
-
-def _check_rows(name, t, n, width):
-    checks.expect_dtype(name, t, FLOAT_IN)
-    checks.expect_shape(name, t, (n, width))
-    checks.expect_last_dim_contiguous(name, t)
 
 
 def _check_rope_inputs(q, kv, positions, cos_sin_cache):
@@ -52,7 +35,7 @@ def _check_rope_inputs(q, kv, positions, cos_sin_cache):
     if not 1 <= h <= MAX_HEADS:
         raise ValueError(f"q has {h} heads; expected 1..{MAX_HEADS}")
     checks.expect_last_dim_contiguous("q", q)
-    _check_rows("kv", kv, n, formats.HEAD_DIM)
+    checks.expect_tensor("kv", kv, FLOAT_IN, (n, formats.HEAD_DIM))
     checks.expect_dtype("positions", positions, checks.INDEX_DTYPES)
     checks.expect_shape("positions", positions, (n,))
     checks.expect_dtype("cos_sin_cache", cos_sin_cache, torch.float32)
@@ -63,11 +46,8 @@ def _check_rope_inputs(q, kv, positions, cos_sin_cache):
         raise ValueError("cos_sin_cache has no rows")
     checks.expect_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
     if checks.value_checks_enabled(positions, q):
-        if positions.numel() and (int(positions.min()) < 0
-                                  or int(positions.max()) >= cos_sin_cache.shape[0]):
-            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}) "
-                             f"(rows of cos_sin_cache), got [{int(positions.min())}, "
-                             f"{int(positions.max())}]")
+        checks.expect_indices("positions", positions, cos_sin_cache.shape[0],
+                              " (rows of cos_sin_cache)", "token")
     return n, h
 
 
@@ -83,14 +63,15 @@ def _check_q_out(q_out, n, h, dtype):
 # ---------------------------------------------------------------------------------------------
 # quantize + insert into a V4 584 B cache (docs/semantics.md §2.2, §3.4)
 
-_V4_INSERT = _dispatcher("quantize_insert_v4", reference.quantize_insert_v4,
-                         triton_kernels.quantize_insert_v4, 0, 1, 2)
+_V4_INSERT = implementations("quantize_insert_v4", vendor=vendor.ROUTE,
+                             triton=triton_impl.quantize_insert_v4,
+                             reference=reference.quantize_insert_v4)
 
 
 def _validate_v4_insert(k, k_cache, slot_mapping, block_size):
     bs = checks.paged_cache_block_size("k_cache", k_cache, formats.V4, block_size)
     n = k.shape[0] if k.dim() == 2 else -1
-    _check_rows("k", k, n, formats.HEAD_DIM)
+    checks.expect_tensor("k", k, FLOAT_IN, (n, formats.HEAD_DIM))
     _check_slots(slot_mapping, n, k_cache.shape[0] * bs, k)
     checks.expect_same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
     return bs
@@ -116,8 +97,9 @@ def _(k, k_cache, slot_mapping, block_size=None, impl="auto"):
 # ---------------------------------------------------------------------------------------------
 # V3.2 656 B insert (docs/semantics.md §2.1)
 
-_V32_INSERT = _dispatcher("quantize_insert_v32", reference.quantize_insert_v32,
-                          triton_kernels.quantize_insert_v32, 0, 1, 2, 3)
+_V32_INSERT = implementations("quantize_insert_v32", vendor=vendor.ROUTE,
+                              triton=triton_impl.quantize_insert_v32,
+                              reference=reference.quantize_insert_v32)
 
 
 def _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
@@ -126,8 +108,8 @@ def _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_f
                          f"got {scale_format!r}")
     bs = checks.paged_cache_block_size("kv_cache", kv_cache, formats.V32, block_size)
     n = kv_c.shape[0] if kv_c.dim() == 2 else -1
-    _check_rows("kv_c", kv_c, n, 512)
-    _check_rows("k_pe", k_pe, n, 64)
+    checks.expect_tensor("kv_c", kv_c, FLOAT_IN, (n, 512))
+    checks.expect_tensor("k_pe", k_pe, FLOAT_IN, (n, 64))
     _check_slots(slot_mapping, n, kv_cache.shape[0] * bs, kv_c)
     checks.expect_same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
     return bs
@@ -150,8 +132,9 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, block_size=None, scale_format="fp32", 
 # ---------------------------------------------------------------------------------------------
 # fused q-norm + RoPE + kv insert into the V4 SWA cache (docs/semantics.md §3.1)
 
-_FUSED_V4 = _dispatcher("fused_qnorm_rope_insert_v4", reference.fused_insert_v4,
-                        triton_kernels.fused_insert_v4, 0, 1, 2, 3, 4, 5, 6)
+_FUSED_V4 = implementations("fused_qnorm_rope_insert_v4", vendor=vendor.ROUTE,
+                            triton=triton_impl.fused_insert_v4,
+                            reference=reference.fused_insert_v4)
 
 
 def _validate_fused_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
@@ -215,8 +198,9 @@ def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cac
 # ---------------------------------------------------------------------------------------------
 # fused q-norm + RoPE + kv insert into a plain bf16 / per-tensor fp8 cache (docs/semantics.md §3.2)
 
-_FUSED_PLAIN = _dispatcher("fused_qnorm_rope_insert_plain", reference.fused_insert_plain,
-                           triton_kernels.fused_insert_plain, 0, 1, 2, 3, 4, 5, 6)
+_FUSED_PLAIN = implementations("fused_qnorm_rope_insert_plain", vendor=vendor.ROUTE,
+                               triton=triton_impl.fused_insert_plain,
+                               reference=reference.fused_insert_plain)
 
 
 def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
@@ -243,7 +227,8 @@ def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_m
                                   q_scale_inv: Optional[Tensor] = None, eps: float = 1e-6,
                                   apply_q_norm: bool = True, impl: str = "auto") -> None:
     """docs/semantics.md §3.2: q → ``q_out`` (bf16, or e4m3 of ``q' * q_scale_inv`` for an
-    fp8 cache); kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at ``k_cache[slot // bs, slot % bs]``."""
+    fp8 cache); kv row → bf16 or e4m3 of ``kv' * (1 / kv_scale)`` at
+    ``k_cache[slot // bs, slot % bs]``."""
     _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                           kv_scale, q_scale_inv)
     _FUSED_PLAIN(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale,
@@ -258,10 +243,12 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, kv_scale=No
 
 
 # ---------------------------------------------------------------------------------------------
-# insert finished rows (the compressor's) into a plain bf16 / per-tensor fp8 cache (docs/semantics.md §3.3)
+# insert finished rows (the compressor's) into a plain bf16 / per-tensor fp8 cache
+# (docs/semantics.md §3.3)
 
-_PLAIN_INSERT = _dispatcher("insert_plain", reference.insert_plain, triton_kernels.insert_plain,
-                            0, 1, 2)
+_PLAIN_INSERT = implementations("insert_plain", vendor=vendor.ROUTE,
+                                triton=triton_impl.insert_plain,
+                                reference=reference.insert_plain)
 
 
 def _check_plain_cache(k_cache):
@@ -277,9 +264,7 @@ def _check_scale(name, t, fp8):
     if fp8:
         if t is None:
             raise ValueError(f"{name} is required for a float8_e4m3fn cache")
-        checks.expect_dtype(name, t, torch.float32)
-        if t.numel() != 1:
-            raise ValueError(f"{name} must hold one scalar, got shape {list(t.shape)}")
+        checks.expect_scalar_tensor(name, t)
     elif t is not None:
         raise ValueError(f"{name} applies only to a float8_e4m3fn cache")
 
@@ -287,7 +272,7 @@ def _check_scale(name, t, fp8):
 def _validate_plain_insert(k, k_cache, slot_mapping, kv_scale):
     fp8 = _check_plain_cache(k_cache)
     n = k.shape[0] if k.dim() == 2 else -1
-    _check_rows("k", k, n, formats.HEAD_DIM)
+    checks.expect_tensor("k", k, FLOAT_IN, (n, formats.HEAD_DIM))
     _check_scale("kv_scale", kv_scale, fp8)
     _check_slots(slot_mapping, n, k_cache.shape[0] * k_cache.shape[1], k)
     checks.expect_same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping,
@@ -312,8 +297,9 @@ def _(k, k_cache, slot_mapping, kv_scale=None, impl="auto"):
 # ---------------------------------------------------------------------------------------------
 # gather + dequantize a request range into a bf16 workspace (docs/semantics.md §3.4)
 
-_GATHER = _dispatcher("gather_dequant", reference.gather_dequant, triton_kernels.gather_dequant,
-                      0, 1, 2, 4)
+_GATHER = implementations("gather_dequant", vendor=vendor.ROUTE,
+                          triton=triton_impl.gather_dequant,
+                          reference=reference.gather_dequant)
 
 
 def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
@@ -341,8 +327,7 @@ def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_siz
     checks.expect_same_device(out=out, k_cache=k_cache, seq_lens=seq_lens,
                               gather_lens=gather_lens, block_table=block_table)
     if checks.value_checks_enabled(seq_lens, out):
-        if r and int(seq_lens.min()) < 0:
-            raise ValueError("seq_lens must be >= 0")
+        checks.expect_values_in("seq_lens", seq_lens, 0, entry="request")
         if gather_lens is not None and r and (
                 int(gather_lens.min()) < 0 or bool((gather_lens > seq_lens).any())):
             raise ValueError("gather_lens must be in [0, seq_lens]")

@@ -1,7 +1,8 @@
-"""Triton kernels for the cache-insert family; bit-exact with reference.py.
+"""Triton kernels for the cache-insert family; bit-exact with reference.py. Their launchers,
+with the ops' signatures, are in triton_impl.py.
 
 Exactness rules every kernel here follows (they are why the tests can compare bytes):
-* no fused multiply-add: launches pass ``enable_fp_fusion=False`` so ``e*c - o*s`` rounds like
+* no fused multiply-add: the launchers pass ``enable_fp_fusion=False`` so ``e*c - o*s`` rounds like
   PyTorch's separate multiplies and subtract;
 * power-of-two exponents come from fp32 bits (``ceil_log2``/``exp2_int``), never ``log2``;
 * the q RMS mean is accumulated in fp64 (see quant.rms_norm_no_weight);
@@ -10,19 +11,16 @@ Exactness rules every kernel here follows (they are why the tests can compare by
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, soft_fp8,
-                                                to_bf16, ue8m0_scale)
+from sparse_mla.ops.common import formats
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, to_bf16,
+                                                ue8m0_scale)
 
 MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
 MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (docs/semantics.md §2.3)
-
-_LAUNCH = dict(enable_fp_fusion=False)
 
 # The byte layouts of ops/common/formats.py as the kernels' compile-time constants.
 NOPE = tl.constexpr(formats.NOPE_DIM)                     # 448 e4m3 NoPE dims, then RoPE
@@ -78,7 +76,7 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, n_tokens, capacity, BS,
+def v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, n_tokens, capacity, BS,
                       TPP: tl.constexpr, SOFT: tl.constexpr):
     t = tl.arange(0, 8)[:, None]
     c = tl.arange(0, 64)[None, :]
@@ -91,7 +89,7 @@ def _v4_insert_kernel(k_ptr, k_stride, cache_ptr, stride0, slot_ptr, n_tokens, c
 
 
 @triton.jit
-def _fused_insert_kernel(
+def fused_insert_kernel(
         q_ptr, q_s0, q_s1, kv_ptr, kv_s0, cache_ptr, c_s0, c_s1, slot_ptr, n_insert, capacity,
         pos_ptr, cs_ptr, cs_stride, max_pos, qo_ptr, qo_s0, qo_s1, kv_scale_ptr, q_scale_inv_ptr,
         eps, H, HP, BS,
@@ -145,7 +143,7 @@ def _fused_insert_kernel(
 
 
 @triton.jit
-def _plain_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity,
+def plain_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity,
                          BS, kv_scale_ptr, FP8: tl.constexpr, TPP: tl.constexpr,
                          SOFT: tl.constexpr):
     d = tl.arange(0, 512)
@@ -162,7 +160,7 @@ def _plain_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tok
 
 
 @triton.jit
-def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, n_tokens,
+def v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, n_tokens,
                        capacity, BS, TPP: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
     for i in tl.static_range(TPP):
         tok = tl.program_id(0) * TPP + i
@@ -190,7 +188,7 @@ def _v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_
 
 
 @triton.jit
-def _gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_blocks, seq_ptr,
+def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_blocks, seq_ptr,
                            glen_ptr, bt_ptr, bt_s0, max_blocks, BS, offset, max_tokens,
                            V4: tl.constexpr, HAS_GLEN: tl.constexpr, TB: tl.constexpr,
                            SOFT: tl.constexpr):
@@ -228,114 +226,3 @@ def _gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_bloc
         tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=okd)
         rope = tl.load((rec + V32_ROPE).to(tl.pointer_type(tl.bfloat16)) + p, mask=okd)
         tl.store(out_row + 512 + p, rope, mask=okd)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launchers: arguments are validated by ops.py before these run.
-
-def _bytes(cache):
-    return cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
-
-
-def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    stride0 = checks.block_stride(k_cache, formats.V4, block_size)
-    tpp = CONFIG["tokens_per_program"]
-    _v4_insert_kernel[(triton.cdiv(n, tpp),)](k, k.stride(0), _bytes(k_cache), stride0,
-                            slot_mapping, n, k_cache.shape[0] * block_size, block_size, TPP=tpp,
-                            SOFT=soft_fp8(),
-                            num_warps=CONFIG["insert_warps"], **_LAUNCH)
-
-
-def insert_plain(k, k_cache, slot_mapping, kv_scale):
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
-    tpp = CONFIG["tokens_per_program"]
-    _plain_insert_kernel[(triton.cdiv(n, tpp),)](
-        k, k.stride(0), k_cache.view(torch.uint8) if fp8 else k_cache, k_cache.stride(0),
-        k_cache.stride(1), slot_mapping, n, nb * bs, bs, kv_scale if fp8 else slot_mapping,
-        FP8=fp8, TPP=tpp, SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
-
-
-def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    stride0 = checks.block_stride(kv_cache, formats.V32, block_size)
-    tpp = CONFIG["tokens_per_program"]
-    _v32_insert_kernel[(triton.cdiv(n, tpp),)](
-        kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), _bytes(kv_cache), stride0, slot_mapping, n,
-        kv_cache.shape[0] * block_size, block_size, TPP=tpp, POW2=scale_format == "pow2",
-        SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
-
-
-# Launch shapes, swept on an H200 with tools/dev/tune_insert.py (docs/perf-log.md, "First
-# numbers: cache insert and index combine"): the fused q path
-# is fastest with 2 heads and 1 warp per program (87-91 % of copy bandwidth; 2+ warps lose
-# ~15 points to the fp64 norm), the row inserts with 4 tokens on 1 warp, the gather with 4.
-CONFIG = {"heads_per_program": 2, "num_warps": 1, "insert_warps": 1, "tokens_per_program": 4,
-          "gather_tokens": 4}
-
-
-def _head_block(hp):
-    return min(triton.next_power_of_2(max(hp, 1)), CONFIG["heads_per_program"])
-
-
-def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, positions, cos_sin_cache,
-                  q_out, kv_scale, q_scale_inv, eps, apply_q_norm, mode):
-    n = q.shape[0]
-    if n == 0:
-        return
-    hp = q_out.shape[1]
-    hb = _head_block(hp)
-    dummy = cos_sin_cache
-    _fused_insert_kernel[(n, triton.cdiv(hp, hb) + 1)](
-        q, q.stride(0), q.stride(1), kv, kv.stride(0), cache, c_s0, c_s1, slot_mapping,
-        slot_mapping.shape[0], capacity, positions, cos_sin_cache, cos_sin_cache.stride(0),
-        cos_sin_cache.shape[0], q_out.view(torch.uint8) if mode == MODE_PLAIN_FP8 else q_out,
-        q_out.stride(0), q_out.stride(1),
-        dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
-        float(eps), q.shape[1], hp, bs,
-        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(),
-        num_warps=CONFIG["num_warps"],
-        **_LAUNCH)
-
-
-def fused_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps,
-                    block_size, apply_q_norm):
-    stride0 = checks.block_stride(k_cache, formats.V4, block_size)
-    _launch_fused(q, kv, _bytes(k_cache), stride0, 0, block_size,
-                  k_cache.shape[0] * block_size, slot_mapping, positions, cos_sin_cache, q_out,
-                  None, None, eps, apply_q_norm, MODE_V4)
-
-
-def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
-                       kv_scale, q_scale_inv, eps, apply_q_norm):
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    cache = k_cache.view(torch.uint8) if fp8 else k_cache
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
-    _launch_fused(q, kv, cache, k_cache.stride(0), k_cache.stride(1), bs, nb * bs,
-                  slot_mapping, positions, cos_sin_cache, q_out, kv_scale, q_scale_inv, eps,
-                  apply_q_norm, MODE_PLAIN_FP8 if fp8 else MODE_PLAIN_BF16)
-
-
-def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
-                   fmt_name):
-    fmt = formats.get_format(fmt_name)
-    r, max_tokens = out.shape[0], out.shape[1]
-    span = max_tokens - offset
-    if r == 0 or span <= 0:
-        return
-    tb = CONFIG["gather_tokens"]
-    _gather_dequant_kernel[(r, triton.cdiv(span, tb))](
-        out, out.stride(0), out.stride(1), _bytes(k_cache),
-        checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,
-        seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
-        block_table.shape[1], block_size, offset, max_tokens,
-        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(),
-        num_warps=4, **_LAUNCH)

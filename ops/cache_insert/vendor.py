@@ -3,9 +3,9 @@
 vLLM's own insert kernels (``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` and the
 full-cache variants, docs/semantics.md §3) live in vLLM's compiled ``_C`` extension, which is
 not a wheel this project can depend on, and no vendor wheel (FlashMLA, FlashInfer) ships
-them. The dispatcher registers this reason, so ``explain`` and the main job say why.
+them. Every op of the family registers this route, so ``explain`` and the main job say why.
 """
-from sparse_mla.ops.common.dispatch import no_vendor
+from sparse_mla.ops.common.dispatch import no_vendor_route
 
 REASON = "no vendor wheel ships this op (vLLM's are in its own _C)"
-CHECK = no_vendor(REASON)
+ROUTE = no_vendor_route(REASON)

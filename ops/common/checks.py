@@ -42,6 +42,45 @@ def expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
                          f"got strides {t.stride()}")
 
 
+def expect_tensor(name: str, t: torch.Tensor, dtypes, shape) -> None:
+    """A tensor the kernels read or write row by row: dtype among ``dtypes``, ``shape``
+    (entries ints or None, see :func:`expect_shape`) and a contiguous last dimension."""
+    expect_dtype(name, t, dtypes)
+    expect_shape(name, t, shape)
+    expect_last_dim_contiguous(name, t)
+
+
+def expect_vector(name: str, t: torch.Tensor, dtypes, *, at_least: int | None = None,
+                  at_most: int | None = None, note: str = "") -> None:
+    """A 1-D per-token / per-request list with at least ``at_least`` entries (persistent
+    buffers may be longer) or at most ``at_most`` (``note`` says why), unit stride."""
+    expect_dtype(name, t, dtypes)
+    if t.dim() != 1 or (at_least is not None and t.shape[0] < at_least) or (
+            at_most is not None and t.shape[0] > at_most):
+        bound = (f" with at least {at_least} entries" if at_least is not None else "") + (
+            f" with at most {at_most} entries" if at_most is not None else "")
+        raise ValueError(f"{name} must be 1-D{bound}{note}, got shape {list(t.shape)}")
+    expect_last_dim_contiguous(name, t)
+
+
+def expect_block_table(name: str, t: torch.Tensor, min_rows: int | None = None) -> None:
+    """An int32 ``[num_reqs, max_blocks]`` block table (at least ``min_rows`` rows where
+    given: persistent tables may be taller), last dimension contiguous."""
+    expect_dtype(name, t, torch.int32)
+    if t.dim() != 2 or (min_rows is not None and t.shape[0] < min_rows):
+        want = "[num_reqs, max_blocks]" if min_rows is None else f"[>= {min_rows}, max_blocks]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    expect_last_dim_contiguous(name, t)
+
+
+def expect_scalar_tensor(name: str, t: torch.Tensor) -> None:
+    """A scale passed as a one-element fp32 device tensor (read by the kernels: no sync)."""
+    expect_dtype(name, t, torch.float32)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one scalar (one fp32 element), got shape "
+                         f"{list(t.shape)}")
+
+
 def unit_stride(t):
     """``t`` with a unit stride in its last dimension: ``t`` itself, or a contiguous copy.
 
@@ -85,15 +124,115 @@ def value_checks_enabled(*tensors) -> bool:
     return os.environ.get("SPARSE_MLA_CHECK_VALUES", "") not in ("", "0")
 
 
-def expect_values_in(name: str, t: torch.Tensor, lo: int, hi: int, note: str = "",
-                     entry: str = "entry") -> None:
-    """Every value of ``t`` in [lo, hi], or an error naming the first one outside (a value
-    check: it reads the device once)."""
+# Value checks. Each reads the device (call them only where ``value_checks_enabled``) and
+# names the argument, what was expected and the first entry that is not.
+
+def _first(bad: torch.Tensor) -> int | None:
+    """Flat index of the first True of ``bad``, or None."""
+    flat = bad.reshape(-1)
+    return int(flat.nonzero()[0, 0]) if flat.numel() and bool(flat.any()) else None
+
+
+def expect_values_in(name: str, t: torch.Tensor, lo: int, hi: int | None = None,
+                     note: str = "", entry: str = "entry") -> None:
+    """Every value of ``t`` in [lo, hi] (``hi`` None: >= lo), or an error naming the first
+    one outside."""
     flat = t.reshape(-1)
-    bad = (flat < lo) | (flat > hi)
-    if flat.numel() and bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name} must be in [{lo}, {hi}]{note}; {entry} {i} has {int(flat[i])}")
+    i = _first((flat < lo) if hi is None else (flat < lo) | (flat > hi))
+    if i is not None:
+        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}{note}; {entry} {i} has {int(flat[i])}")
+
+
+def expect_indices(name: str, t: torch.Tensor, end: int, note: str = "",
+                   entry: str = "entry") -> None:
+    """Every value of ``t`` an index in [0, end) (``note`` names what it indexes)."""
+    flat = t.reshape(-1)
+    i = _first((flat < 0) | (flat >= end))
+    if i is not None:
+        raise ValueError(f"{name} must be in [0, {end}){note}; {entry} {i} has {int(flat[i])}")
+
+
+def expect_query_starts(name: str, starts: torch.Tensor, length: str = "query_len",
+                        lo: int | None = None, hi: int | None = None,
+                        note: str = "") -> torch.Tensor:
+    """``starts`` (a request's first query token, batch size + 1 entries: vLLM's
+    ``query_start_loc``, FlashInfer's ``cum_seq_lens_q``) non-decreasing, and where given its
+    first entry >= ``lo`` and its last <= ``hi`` (``note`` says what they index). Returns the
+    requests' query lengths (int64; ``length`` names them in the message)."""
+    s = starts.long()
+    if lo is not None and s.numel() and int(s[0]) < lo:
+        raise ValueError(f"{name}[0] must be >= {lo}{note}, got {int(s[0])}")
+    if hi is not None and s.numel() and int(s[-1]) > hi:
+        raise ValueError(f"{name}[-1] must be <= {hi}{note}, got {int(s[-1])}")
+    lens = s[1:] - s[:-1]
+    r = _first(lens < 0)
+    if r is not None:
+        raise ValueError(f"{name} must be non-decreasing; request {r} has {length} "
+                         f"{int(lens[r])}")
+    return lens
+
+
+def expect_seq_lens_cover(seq_lens: torch.Tensor, query_lens: torch.Tensor,
+                          length: str = "query_len", note: str = "") -> None:
+    """Every request's ``seq_lens`` entry (its tokens so far, this step's included) at least
+    its query length (``length`` names it; ``note`` says why it matters)."""
+    sl = seq_lens.long()
+    r = _first(sl < query_lens)
+    if r is not None:
+        raise ValueError(f"seq_lens must be >= the request's {length}{note}: request {r} has "
+                         f"seq_len {int(sl[r])} < {length} {int(query_lens[r])}")
+
+
+def expect_active_slots(name: str, idx: torch.Tensor, ncols: torch.Tensor, capacity: int,
+                        what: str = "a slot in [0, {capacity})") -> None:
+    """Rows of index list ``idx`` [T, K]: every non-negative entry in a row's first
+    ``ncols[t]`` columns addresses one of ``capacity`` cache rows (``what`` says what one is,
+    with ``{capacity}`` filled in); negative entries mean "skip"."""
+    if idx.numel() == 0:
+        return
+    cols = torch.arange(idx.shape[1], device=idx.device)
+    active = (cols.unsqueeze(0) < ncols.long().unsqueeze(1)) & (idx >= 0)
+    bad = (active & (idx.long() >= capacity)).nonzero()
+    if bad.numel():
+        t, j = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(f"{name}[{t}, {j}] = {int(idx[t, j])} is not "
+                         f"{what.format(capacity=capacity)}")
+
+
+def expect_request_ids(name: str, tokens: torch.Tensor, req: torch.Tensor, R: int) -> None:
+    """``req[i]``, the request of token ``tokens[i]``, a row of the block table (``R`` rows)."""
+    i = _first((req < 0) | (req >= R))
+    if i is not None:
+        raise ValueError(f"{name}[{int(tokens[i])}] = {int(req[i])} is not a request id in "
+                         f"[0, {R}) (block_table rows)")
+
+
+def expect_tokens_in_requests(name: str, tokens: torch.Tensor, req: torch.Tensor,
+                              query_start_loc: torch.Tensor, R: int) -> None:
+    """Every token ``tokens[i]`` belongs to request ``req[i]``: 0 <= req < R and
+    query_start_loc[req] <= token < query_start_loc[req + 1]."""
+    if tokens.numel() == 0:
+        return
+    expect_request_ids(name, tokens, req, R)
+    qsl = query_start_loc.long()
+    i = _first((tokens < qsl[req]) | (tokens >= qsl[req + 1]))
+    if i is not None:
+        r = int(req[i])
+        raise ValueError(f"token {int(tokens[i])} is mapped by {name} to request {r}, whose "
+                         f"tokens are [{int(qsl[r])}, {int(qsl[r + 1])})")
+
+
+def expect_table_covers(name: str, block_table: torch.Tensor, req: torch.Tensor,
+                        last_local: torch.Tensor, block_size: int, what: str) -> None:
+    """Request-local entry ``last_local[i]`` (entries >= 0 only) of request ``req[i]`` lies
+    inside the block table ``name``."""
+    need = torch.where(last_local >= 0, last_local // block_size, -1)
+    i = _first(need >= block_table.shape[1])
+    if i is not None:
+        raise ValueError(f"{name} has {block_table.shape[1]} blocks per request, too few for "
+                         f"{what} {int(last_local[i])} of request {int(req[i])} (block "
+                         f"{int(need[i])}, block_size {block_size})")
 
 
 def expect_slots_in_range(name: str, slots: torch.Tensor, capacity: int) -> None:

@@ -1,11 +1,13 @@
 """Choosing an implementation for one op call: vendor, then Triton, then the reference.
 
-Every op family registers its implementations on a :class:`Dispatcher`. Each implementation
-comes with a ``check`` that returns ``None`` when it can run on the given arguments or a short
-reason when it cannot, and optionally an ``automatic`` check: a reason for the automatic choice
-to pass over an implementation that can run (one measured slower than the next one there);
-forcing it still runs it. The choice can be forced per call (``impl=``) or for the whole process
-with the environment variable ``SPARSE_MLA_IMPL``:
+Every op family registers its implementations on a :class:`Dispatcher`, all of them the same
+way: :func:`implementations` (the family's vendor route from its vendor.py, its Triton and
+reference implementations). Each implementation comes with a ``check`` that returns ``None``
+when it can run on the given arguments or a short reason when it cannot, and optionally an
+``automatic`` check: a reason for the automatic choice to pass over an implementation that can
+run (one measured slower than the next one there); forcing it still runs it. The choice can
+be forced per call (``impl=``) or for the whole process with the environment variable
+``SPARSE_MLA_IMPL``:
 
 * ``SPARSE_MLA_IMPL=triton`` forces Triton for every op;
 * ``SPARSE_MLA_IMPL=quantize_insert_v4=reference,gather_dequant=triton`` forces per op
@@ -286,7 +288,41 @@ def triton_check(*tensors) -> Optional[str]:
     return f"tensors are on {sorted(devices)}; Triton needs them all on one CUDA device"
 
 
+def triton_check_args(*args, **kwargs) -> Optional[str]:
+    """:func:`triton_check` over every tensor among an op's arguments (the ops check before
+    dispatch that they all share one device)."""
+    return triton_check(*(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)))
+
+
 def no_vendor(reason: str) -> Check:
     def check(*args, **kwargs):
         return reason
     return check
+
+
+@dataclasses.dataclass(frozen=True)
+class VendorRoute:
+    """A family's vendor implementation of one op, as its ``vendor.py`` states it: ``run``
+    (None where no vendor kernel exists), ``check`` (None where it can run on the arguments,
+    else why not) and optionally ``automatic`` (see :meth:`Dispatcher.register`)."""
+    run: Optional[Callable]
+    check: Check
+    automatic: Optional[Check] = None
+
+
+def no_vendor_route(reason: str) -> VendorRoute:
+    """The vendor route of an op no vendor package ships: ``explain`` gives ``reason``."""
+    return VendorRoute(None, no_vendor(reason))
+
+
+def implementations(op: str, *, vendor: VendorRoute, triton: Callable,
+                    reference: Callable) -> Dispatcher:
+    """The dispatcher of ``op`` (its name without ``sparse_mla::``), registered the same way by
+    every family's ops.py: the family's ``vendor`` route with its own checks; its ``triton``
+    implementation wherever the arguments' tensors allow Triton (:func:`triton_check_args`);
+    its ``reference`` everywhere. All three take the arguments the op passes its dispatcher."""
+    d = Dispatcher(op)
+    d.register("vendor", vendor.run, vendor.check, vendor.automatic)
+    d.register("triton", triton, triton_check_args)
+    d.register("reference", reference)
+    return d

@@ -3,8 +3,8 @@ custom ops.
 
 Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
 list, an optional extra (compressed) key list and an attention sink. Prefill:
-``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/common/sparse_attention.py:
-reference.py and triton_kernels.py translate the arguments into its key sources; vendor.py
+``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to the shared attention core:
+reference.py and triton_impl.py translate the arguments into its key sources; vendor.py
 runs FlashMLA itself.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.dispatch import implementations
 from sparse_mla.ops.common.opdef import custom_op
-from sparse_mla.ops.flashmla_decode import reference, triton_kernels, vendor
+from sparse_mla.ops.flashmla_decode import reference, triton_impl, vendor
 
 MAX_HEADS = 128
 HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32)}   # q / key width: 512, 576
@@ -34,11 +34,8 @@ def _check_sink_and_out(attn_sink, h, out, out_shape):
     checks.expect_last_dim_contiguous("out", out)
 
 
-_DECODE = Dispatcher("flashmla_sparse_decode")
-_DECODE.register("vendor", vendor.decode, vendor.decode_check, vendor.decode_automatic)
-_DECODE.register("triton", triton_kernels.decode, lambda q, k_cache, indices, out, *a, **k:
-                 triton_check(q, k_cache, indices, out))
-_DECODE.register("reference", reference.decode)
+_DECODE = implementations("flashmla_sparse_decode", vendor=vendor.DECODE,
+                          triton=triton_impl.decode, reference=reference.decode)
 
 
 def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
@@ -155,11 +152,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 # ---------------------------------------------------------------------------------------------
 # prefill: flash_mla_sparse_fwd on a dense bf16 kv (docs/semantics.md §5.2)
 
-_PREFILL = Dispatcher("flashmla_sparse_prefill")
-_PREFILL.register("vendor", vendor.prefill, vendor.prefill_check)
-_PREFILL.register("triton", triton_kernels.prefill, lambda q, kv, indices, out, *a, **k:
-                  triton_check(q, kv, indices, out))
-_PREFILL.register("reference", reference.prefill)
+_PREFILL = implementations("flashmla_sparse_prefill", vendor=vendor.PREFILL,
+                           triton=triton_impl.prefill, reference=reference.prefill)
 
 
 def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink):

@@ -1,5 +1,5 @@
-"""The FlashMLA-semantics ops' arguments as key sources of the shared attention reference
-(ops/common/sparse_attention.py): the oracle and the CPU kernel of both ops."""
+"""The FlashMLA-semantics ops' PyTorch reference (the oracle and the CPU kernel of both ops):
+their arguments as key sources of the shared attention core's reference."""
 from __future__ import annotations
 
 from sparse_mla.ops.common.sparse_attention import KeySource, sparse_attention_reference

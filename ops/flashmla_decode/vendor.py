@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common import formats
+from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.common.attention_plan import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
@@ -165,9 +165,8 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
 def decode_automatic(*args, **kwargs):
     """Why the automatic choice passes this path over where our sm_90 kernel can run: a
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
-    every time, and the path then took 1.1-4.8x the Triton op's time on every decode shape
-    measured (H200 and H100, docs/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still
-    runs it."""
+    every time, and the path was then slower than the Triton op on every decode shape measured
+    (docs/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still runs it."""
     if gluon_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
                 "slower here than the Triton kernel (docs/perf-log.md, 'Vendor decode route'); "
@@ -198,3 +197,8 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     out.copy_(o[:, :h])
     max_logits.copy_(m[:, :h])
     lse.copy_(l[:, :h])
+
+
+# The routes ops.py registers (dispatch.implementations).
+DECODE = dispatch.VendorRoute(decode, decode_check, decode_automatic)
+PREFILL = dispatch.VendorRoute(prefill, prefill_check)

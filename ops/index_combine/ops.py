@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common.dispatch import implementations
 from sparse_mla.ops.common.opdef import custom_op
-from sparse_mla.ops.index_combine import reference, triton_kernels, vendor
+from sparse_mla.ops.index_combine import reference, triton_impl, vendor
 
 I32 = torch.int32
 C128A_ALIGNMENT = 128        # FlashMLA decode needs extra_topk % 64 == 0; vLLM pads to 128
@@ -35,33 +35,8 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _dispatcher(name, ref_fn, triton_fn):
-    d = Dispatcher(name)
-    d.register("vendor", None, vendor.CHECK)
-    d.register("triton", triton_fn, lambda *a, **k: triton_check(
-        *[x for x in a if isinstance(x, torch.Tensor)]))
-    d.register("reference", ref_fn)
-    return d
-
-
 # ---------------------------------------------------------------------------------------------
-# validation helpers
-
-def _i32(name, t, shape):
-    checks.expect_dtype(name, t, I32)
-    checks.expect_shape(name, t, shape)
-    checks.expect_last_dim_contiguous(name, t)
-
-
-def _vec(name, t, n_min, dtypes=I32):
-    """A 1-D per-token / per-request vector with at least ``n_min`` entries (persistent buffers
-    may be longer)."""
-    checks.expect_dtype(name, t, dtypes)
-    if t.dim() != 1 or t.shape[0] < n_min:
-        raise ValueError(f"{name} must be 1-D with at least {n_min} entries, "
-                         f"got shape {list(t.shape)}")
-    checks.expect_last_dim_contiguous(name, t)
-
+# argument forms shared by several ops (the checks themselves: ops/common/checks.py)
 
 def _index_matrix(name, t):
     """An int32 ``[num_tokens, topk]`` index matrix (last dim contiguous); returns its shape."""
@@ -72,16 +47,9 @@ def _index_matrix(name, t):
     return t.shape
 
 
-def _block_table(name, t, R=None):
-    checks.expect_dtype(name, t, I32)
-    if t.dim() != 2 or (R is not None and t.shape[0] < R):
-        want = "[num_reqs, max_blocks]" if R is None else f"[>= {R}, max_blocks]"
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    checks.expect_last_dim_contiguous(name, t)
-
-
 def _qsl_seq(query_start_loc, seq_lens):
-    _vec("seq_lens", seq_lens, 0)
+    """``seq_lens`` [R] and ``query_start_loc`` [R + 1]; returns R."""
+    checks.expect_vector("seq_lens", seq_lens, I32)
     R = seq_lens.shape[0]
     checks.expect_dtype("query_start_loc", query_start_loc, I32)
     checks.expect_shape("query_start_loc", query_start_loc, (R + 1,))
@@ -91,83 +59,29 @@ def _qsl_seq(query_start_loc, seq_lens):
 def _check_requests(query_start_loc, seq_lens, rebase):
     """Values: query_start_loc non-decreasing (and >= 0 unless ``rebase``); 0 <= query_len <=
     seq_len for every request."""
-    qsl = query_start_loc.long()
-    if not rebase and int(qsl[0]) < 0:
-        raise ValueError(f"query_start_loc[0] must be >= 0, got {int(qsl[0])}")
-    ql = qsl[1:] - qsl[:-1]
-    if ql.numel() and int(ql.min()) < 0:
-        r = int((ql < 0).nonzero()[0])
-        raise ValueError(f"query_start_loc must be non-decreasing; request {r} has query_len "
-                         f"{int(ql[r])}")
-    sl = seq_lens.long()
-    if sl.numel() and int(sl.min()) < 0:
-        r = int((sl < 0).nonzero()[0])
-        raise ValueError(f"seq_lens must be >= 0; request {r} has seq_len {int(sl[r])}")
-    bad = (ql > sl).nonzero()
-    if bad.numel():
-        r = int(bad[0])
-        raise ValueError(f"query_len > seq_len for request {r}: query_len {int(ql[r])}, "
-                         f"seq_len {int(sl[r])}")
-
-
-def _check_request_ids(name, tokens, req, R):
-    """Values: ``req[i]`` (the request of token ``tokens[i]``) is a block-table row id."""
-    bad = ((req < 0) | (req >= R)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"{name}[{int(tokens[i])}] = {int(req[i])} is not a request id in "
-                         f"[0, {R}) (block_table rows)")
-
-
-def _check_tokens_in_requests(name, tokens, req, query_start_loc, R):
-    """Values: every token ``tokens[i]`` belongs to request ``req[i]`` (0 <= req < R and
-    query_start_loc[req] <= token < query_start_loc[req + 1])."""
-    if tokens.numel() == 0:
-        return
-    _check_request_ids(name, tokens, req, R)
-    qsl = query_start_loc.long()
-    bad = ((tokens < qsl[req]) | (tokens >= qsl[req + 1])).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"token {int(tokens[i])} is mapped by {name} to request {int(req[i])}, "
-                         f"whose tokens are [{int(qsl[req[i]])}, {int(qsl[req[i] + 1])})")
-
-
-def _check_table_covers(table_name, block_table, req, last_local, block_size, what):
-    """Values: local index ``last_local`` (>= 0 entries only) of request ``req`` lies inside
-    the block table."""
-    need = torch.where(last_local >= 0, last_local // block_size, -1)
-    bad = (need >= block_table.shape[1]).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"{table_name} has {block_table.shape[1]} blocks per request, too few "
-                         f"for {what} {int(last_local[i])} of request {int(req[i])} "
-                         f"(block {int(need[i])}, block_size {block_size})")
-
-
-def _positions(query_start_loc, seq_lens, req, t):
-    qs = query_start_loc.long()[req]
-    qe = query_start_loc.long()[req + 1]
-    return seq_lens.long()[req] - (qe - qs) + (t - qs)
+    ql = checks.expect_query_starts("query_start_loc", query_start_loc,
+                                    lo=None if rebase else 0)
+    checks.expect_values_in("seq_lens", seq_lens, 0, entry="request")
+    checks.expect_seq_lens_cover(seq_lens, ql)
 
 
 # ---------------------------------------------------------------------------------------------
 # §4.1 compute_global_topk_indices_and_lens
 
-_GLOBAL_TOPK = _dispatcher("global_topk_indices_and_lens",
-                           reference.global_topk_indices_and_lens,
-                           triton_kernels.global_topk_indices_and_lens)
+_GLOBAL_TOPK = implementations("global_topk_indices_and_lens", vendor=vendor.ROUTE,
+                               triton=triton_impl.global_topk_indices_and_lens,
+                               reference=reference.global_topk_indices_and_lens)
 
 
 def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_valid_token,
                           out_indices, out_lens, block_size):
     T, K = _index_matrix("topk_indices", topk_indices)
-    _vec("token_to_req_indices", token_to_req_indices, T)
-    _vec("is_valid_token", is_valid_token, T, torch.bool)
-    _block_table("block_table", block_table)
+    checks.expect_vector("token_to_req_indices", token_to_req_indices, I32, at_least=T)
+    checks.expect_vector("is_valid_token", is_valid_token, torch.bool, at_least=T)
+    checks.expect_block_table("block_table", block_table)
     checks.expect_int("block_size", block_size, 1)
-    _i32("out_indices", out_indices, (T, K))
-    _i32("out_lens", out_lens, (T,))
+    checks.expect_tensor("out_indices", out_indices, I32, (T, K))
+    checks.expect_tensor("out_lens", out_lens, I32, (T,))
     checks.expect_same_device(topk_indices=topk_indices, token_to_req_indices=token_to_req_indices,
                               block_table=block_table, is_valid_token=is_valid_token,
                               out_indices=out_indices, out_lens=out_lens)
@@ -175,11 +89,11 @@ def _validate_global_topk(topk_indices, token_to_req_indices, block_table, is_va
         valid = is_valid_token[:T].nonzero().flatten()
         req = token_to_req_indices[:T].long()[valid]
         R = block_table.shape[0]
-        _check_request_ids("token_to_req_indices", valid, req, R)
+        checks.expect_request_ids("token_to_req_indices", valid, req, R)
         if K and valid.numel():
             last = topk_indices[valid].long().max(1).values
-            _check_table_covers("block_table", block_table, req, last, block_size,
-                                "top-k index")
+            checks.expect_table_covers("block_table", block_table, req, last, block_size,
+                                       "top-k index")
 
 
 @custom_op("sparse_mla::global_topk_indices_and_lens",
@@ -229,8 +143,9 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
 # ---------------------------------------------------------------------------------------------
 # §4.1 V3.2 triton_convert_req_index_to_global_index
 
-_CONVERT = _dispatcher("convert_req_index_to_global", reference.convert_req_index_to_global,
-                       triton_kernels.convert_req_index_to_global)
+_CONVERT = implementations("convert_req_index_to_global", vendor=vendor.ROUTE,
+                           triton=triton_impl.convert_req_index_to_global,
+                           reference=reference.convert_req_index_to_global)
 
 
 def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
@@ -239,20 +154,20 @@ def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
     T, K = _index_matrix("token_indices", token_indices)
     checks.expect_dtype("req_id", req_id, I32)
     checks.expect_shape("req_id", req_id, (T,))
-    _block_table("block_table", block_table)
+    checks.expect_block_table("block_table", block_table)
     checks.expect_int("block_size", block_size, 1)
     if block_stride_rows is not None:
         checks.expect_int("block_stride_rows", block_stride_rows, block_size)
-    _i32("out", out, (T, K))
+    checks.expect_tensor("out", out, I32, (T, K))
     if valid_counts is not None:
-        _i32("valid_counts", valid_counts, (T,))
+        checks.expect_tensor("valid_counts", valid_counts, I32, (T,))
     if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
         raise ValueError("prefill_workspace_request_ids and prefill_workspace_starts must be "
                          "given together")
     if prefill_workspace_request_ids is not None:
         checks.expect_dtype("prefill_workspace_request_ids", prefill_workspace_request_ids, I32)
         checks.expect_shape("prefill_workspace_request_ids", prefill_workspace_request_ids, (T,))
-        _vec("prefill_workspace_starts", prefill_workspace_starts, 0)
+        checks.expect_vector("prefill_workspace_starts", prefill_workspace_starts, I32)
     checks.expect_same_device(req_id=req_id, block_table=block_table, token_indices=token_indices,
                               out=out, valid_counts=valid_counts,
                               prefill_workspace_request_ids=prefill_workspace_request_ids,
@@ -268,13 +183,8 @@ def _validate_convert(req_id, block_table, token_indices, out, valid_counts,
                 raise ValueError(f"prefill_workspace_request_ids[{i}] = {int(preq[i])} but "
                                  f"prefill_workspace_starts has only {P} entries")
             dec = preq < 0
-        R = block_table.shape[0]
-        req = req_id.long()
-        bad = (dec & ((req < 0) | (req >= R))).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"req_id[{i}] = {int(req[i])} is not a request id in [0, {R}) "
-                             f"(block_table rows)")
+        rows = dec.nonzero().flatten()
+        checks.expect_request_ids("req_id", rows, req_id.long()[rows], block_table.shape[0])
 
 
 @custom_op("sparse_mla::convert_req_index_to_global",
@@ -344,8 +254,9 @@ def triton_convert_req_index_to_global_index(
 # ---------------------------------------------------------------------------------------------
 # §4.2 SWA window indices
 
-_SWA = _dispatcher("swa_indices_and_lens", reference.swa_indices_and_lens,
-                   triton_kernels.swa_indices_and_lens)
+_SWA = implementations("swa_indices_and_lens", vendor=vendor.ROUTE,
+                       triton=triton_impl.swa_indices_and_lens,
+                       reference=reference.swa_indices_and_lens)
 
 
 def _validate_swa(query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
@@ -364,9 +275,10 @@ def _validate_swa(query_start_loc, seq_lens, token_to_req_indices, is_valid_toke
     else:
         checks.expect_shape("out_indices", out_indices, (T, window_size))
     checks.expect_last_dim_contiguous("out_indices", out_indices)
-    _vec("token_to_req_indices", token_to_req_indices, token_offset + T)
-    _vec("is_valid_token", is_valid_token, token_offset + T, torch.bool)
-    _block_table("block_table", block_table, R)
+    n_tokens = token_offset + T
+    checks.expect_vector("token_to_req_indices", token_to_req_indices, I32, at_least=n_tokens)
+    checks.expect_vector("is_valid_token", is_valid_token, torch.bool, at_least=n_tokens)
+    checks.expect_block_table("block_table", block_table, R)
     checks.expect_same_device(query_start_loc=query_start_loc, seq_lens=seq_lens,
                               token_to_req_indices=token_to_req_indices,
                               is_valid_token=is_valid_token, block_table=block_table,
@@ -376,9 +288,9 @@ def _validate_swa(query_start_loc, seq_lens, token_to_req_indices, is_valid_toke
         t = torch.arange(token_offset, token_offset + T, device=out_lens.device)
         t = t[is_valid_token[t]]
         req = token_to_req_indices.long()[t]
-        _check_tokens_in_requests("token_to_req_indices", t, req, query_start_loc, R)
-        pos = _positions(query_start_loc, seq_lens, req, t)
-        _check_table_covers("block_table", block_table, req, pos, block_size, "position")
+        checks.expect_tokens_in_requests("token_to_req_indices", t, req, query_start_loc, R)
+        pos = reference.token_positions(query_start_loc, seq_lens, req, t)
+        checks.expect_table_covers("block_table", block_table, req, pos, block_size, "position")
 
 
 @custom_op("sparse_mla::swa_indices_and_lens",
@@ -416,8 +328,9 @@ def _(query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_tab
 # ---------------------------------------------------------------------------------------------
 # §4.3 C128A indices
 
-_C128A = _dispatcher("c128a_indices_and_lens", reference.c128a_indices_and_lens,
-                     triton_kernels.c128a_indices_and_lens)
+_C128A = implementations("c128a_indices_and_lens", vendor=vendor.ROUTE,
+                         triton=triton_impl.c128a_indices_and_lens,
+                         reference=reference.c128a_indices_and_lens)
 
 
 def c128a_width(max_model_len: int, compress_ratio: int = 128) -> int:
@@ -439,33 +352,31 @@ def _validate_c128a(positions, slot_mapping, token_to_req_indices, block_table, 
                          f"(round_up(cdiv(max_model_len, ratio), 128), see c128a_width), "
                          f"got {width}")
     checks.expect_last_dim_contiguous("out_decode", out_decode)
-    _i32("out_decode_lens", out_decode_lens, (Td,))
+    checks.expect_tensor("out_decode_lens", out_decode_lens, I32, (Td,))
     checks.expect_dtype("out_prefill", out_prefill, I32)
     if out_prefill.dim() != 2 or out_prefill.shape[1] != width:
         raise ValueError(f"out_prefill must have shape [num_prefill_tokens, {width}] (the "
                          f"width of out_decode), got {list(out_prefill.shape)}")
     checks.expect_last_dim_contiguous("out_prefill", out_prefill)
     T = Td + out_prefill.shape[0]
-    _vec("positions", positions, T, checks.INDEX_DTYPES)
-    _vec("slot_mapping", slot_mapping, Td, checks.INDEX_DTYPES)
-    _vec("token_to_req_indices", token_to_req_indices, Td)
-    _block_table("block_table", block_table)
+    checks.expect_vector("positions", positions, checks.INDEX_DTYPES, at_least=T)
+    checks.expect_vector("slot_mapping", slot_mapping, checks.INDEX_DTYPES, at_least=Td)
+    checks.expect_vector("token_to_req_indices", token_to_req_indices, I32, at_least=Td)
+    checks.expect_block_table("block_table", block_table)
     checks.expect_same_device(positions=positions, slot_mapping=slot_mapping,
                               token_to_req_indices=token_to_req_indices, block_table=block_table,
                               out_decode=out_decode, out_decode_lens=out_decode_lens,
                               out_prefill=out_prefill)
     if checks.value_checks_enabled(positions, out_decode):
         pos = positions[:T].long()
-        if T and int(pos.min()) < 0:
-            i = int((pos < 0).nonzero()[0])
-            raise ValueError(f"positions must be >= 0, got positions[{i}] = {int(pos[i])}")
+        checks.expect_values_in("positions", pos, 0, entry="token")
         valid = (slot_mapping[:Td] >= 0).nonzero().flatten()
         req = token_to_req_indices[:Td].long()[valid]
         R = block_table.shape[0]
-        _check_request_ids("token_to_req_indices", valid, req, R)
+        checks.expect_request_ids("token_to_req_indices", valid, req, R)
         n = torch.clamp((pos[valid] + 1) // compress_ratio, max=width)
-        _check_table_covers("block_table", block_table, req, n - 1, block_size,
-                            "compressed entry")
+        checks.expect_table_covers("block_table", block_table, req, n - 1, block_size,
+                                   "compressed entry")
 
 
 @custom_op("sparse_mla::c128a_indices_and_lens",
@@ -505,8 +416,9 @@ def _(positions, slot_mapping, token_to_req_indices, block_table, out_decode, ou
 # ---------------------------------------------------------------------------------------------
 # §4.4 combine_topk_swa_indices
 
-_COMBINE = _dispatcher("combine_topk_swa_indices", reference.combine_topk_swa_indices,
-                       triton_kernels.combine_topk_swa_indices)
+_COMBINE = implementations("combine_topk_swa_indices", vendor=vendor.ROUTE,
+                           triton=triton_impl.combine_topk_swa_indices,
+                           reference=reference.combine_topk_swa_indices)
 
 
 def combined_width(topk: int, window_size: int) -> int:
@@ -516,7 +428,7 @@ def combined_width(topk: int, window_size: int) -> int:
 def _validate_combine(topk_indices, query_start_loc, seq_lens, gather_lens, out_indices,
                       out_lens, window_size, compress_ratio, topk, M, N):
     R = _qsl_seq(query_start_loc, seq_lens)
-    _i32("gather_lens", gather_lens, (R,))
+    checks.expect_tensor("gather_lens", gather_lens, I32, (R,))
     for name, v, lo in (("window_size", window_size, 1), ("compress_ratio", compress_ratio, 1),
                         ("topk", topk, 0), ("N", N, 0)):
         checks.expect_int(name, v, lo)
@@ -527,7 +439,7 @@ def _validate_combine(topk_indices, query_start_loc, seq_lens, gather_lens, out_
     if out_lens.dim() != 1:
         raise ValueError(f"out_lens must be 1-D [num_tokens], got {list(out_lens.shape)}")
     T = out_lens.shape[0]
-    _i32("out_indices", out_indices, (T, combined_width(topk, window_size)))
+    checks.expect_tensor("out_indices", out_indices, I32, (T, combined_width(topk, window_size)))
     checks.expect_dtype("topk_indices", topk_indices, I32)
     if topk_indices.dim() != 2 or topk_indices.shape[0] != T:
         raise ValueError(f"topk_indices must have shape [{T}, *] (one row per token), "
@@ -610,9 +522,9 @@ def _(topk_indices, query_start_loc, seq_lens, gather_lens, out_indices, out_len
 # ---------------------------------------------------------------------------------------------
 # §4.5 build_flashinfer_mixed_sparse_indices
 
-_MIXED = _dispatcher("flashinfer_mixed_sparse_indices",
-                     reference.flashinfer_mixed_sparse_indices,
-                     triton_kernels.flashinfer_mixed_sparse_indices)
+_MIXED = implementations("flashinfer_mixed_sparse_indices", vendor=vendor.ROUTE,
+                         triton=triton_impl.flashinfer_mixed_sparse_indices,
+                         reference=reference.flashinfer_mixed_sparse_indices)
 
 
 def mixed_width(window_size: int, topk: int, decode_topk: int = 0) -> int:
@@ -650,23 +562,26 @@ def _validate_mixed(decode_swa_indices, decode_compressed_indices, decode_compre
     Tp = prefill_topk_indices.shape[0]
     Kd = 0
     if decode_compressed_indices is not None:
-        _i32("decode_compressed_indices", decode_compressed_indices, (Td, None))
+        checks.expect_tensor("decode_compressed_indices", decode_compressed_indices, I32,
+                             (Td, None))
         Kd = decode_compressed_indices.shape[1]
     if decode_compressed_topk_lens is not None:
-        _vec("decode_compressed_topk_lens", decode_compressed_topk_lens, Td)
+        checks.expect_vector("decode_compressed_topk_lens", decode_compressed_topk_lens, I32,
+                             at_least=Td)
     if Kd and decode_compressed_indices_are_local:
         if decode_is_valid_token is None:
             raise ValueError("decode_is_valid_token is required when "
                              "decode_compressed_indices_are_local")
-        _vec("decode_is_valid_token", decode_is_valid_token, Td, torch.bool)
+        checks.expect_vector("decode_is_valid_token", decode_is_valid_token, torch.bool,
+                             at_least=Td)
     elif decode_is_valid_token is not None:
-        _vec("decode_is_valid_token", decode_is_valid_token, 0, torch.bool)
-    _vec("token_to_req_indices", token_to_req_indices, Td + Tp)
-    _block_table("swa_block_table", swa_block_table, R)
+        checks.expect_vector("decode_is_valid_token", decode_is_valid_token, torch.bool)
+    checks.expect_vector("token_to_req_indices", token_to_req_indices, I32, at_least=Td + Tp)
+    checks.expect_block_table("swa_block_table", swa_block_table, R)
     if compressed_block_table is not None:
-        _block_table("compressed_block_table", compressed_block_table, R)
-    _i32("out_indices", out_indices, (Td + Tp, mixed_width(W, topk, Kd)))
-    _i32("out_lens", out_lens, (Td + Tp,))
+        checks.expect_block_table("compressed_block_table", compressed_block_table, R)
+    checks.expect_tensor("out_indices", out_indices, I32, (Td + Tp, mixed_width(W, topk, Kd)))
+    checks.expect_tensor("out_lens", out_lens, I32, (Td + Tp,))
     checks.expect_same_device(
         decode_swa_indices=decode_swa_indices, decode_compressed_indices=decode_compressed_indices,
         decode_compressed_topk_lens=decode_compressed_topk_lens,
@@ -680,25 +595,26 @@ def _validate_mixed(decode_swa_indices, decode_compressed_indices, decode_compre
         if Kd and decode_compressed_indices_are_local:
             valid = decode_is_valid_token[:Td].nonzero().flatten()
             req = token_to_req_indices[:Td].long()[valid]
-            _check_request_ids("token_to_req_indices", valid, req, R)
+            checks.expect_request_ids("token_to_req_indices", valid, req, R)
             if valid.numel():
                 last = decode_compressed_indices[valid].long().max(1).values
-                _check_table_covers("compressed_block_table", cbt, req, last,
-                                    compressed_block_size, "compressed index")
+                checks.expect_table_covers("compressed_block_table", cbt, req, last,
+                                           compressed_block_size, "compressed index")
         t = torch.arange(Td, Td + Tp, device=out_lens.device)
         req = token_to_req_indices.long()[t]
-        _check_tokens_in_requests("token_to_req_indices", t, req, query_start_loc, R)
+        checks.expect_tokens_in_requests("token_to_req_indices", t, req, query_start_loc, R)
         if Tp:
-            pos = _positions(query_start_loc, seq_lens, req, t)
-            _check_table_covers("swa_block_table", swa_block_table, req, pos, swa_block_size,
-                                "position")
+            pos = reference.token_positions(query_start_loc, seq_lens, req, t)
+            checks.expect_table_covers("swa_block_table", swa_block_table, req, pos,
+                                       swa_block_size, "position")
             tk = torch.clamp((pos + 1) // compress_ratio, max=topk)
             Kp = prefill_topk_indices.shape[1]
             if Kp:
                 j = torch.arange(Kp, device=t.device)
                 loc = torch.where(j < tk.unsqueeze(1), prefill_topk_indices.long(), -1)
-                _check_table_covers("compressed_block_table", cbt, req, loc.max(1).values,
-                                    compressed_block_size, "compressed index")
+                checks.expect_table_covers("compressed_block_table", cbt, req,
+                                           loc.max(1).values, compressed_block_size,
+                                           "compressed index")
 
 
 @custom_op("sparse_mla::flashinfer_mixed_sparse_indices",

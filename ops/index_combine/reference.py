@@ -83,8 +83,11 @@ def convert_req_index_to_global(req_id, block_table, token_indices, out, valid_c
 # ---------------------------------------------------------------------------------------------
 # §4.2
 
-def _positions(query_start_loc, seq_lens, req, ok, t):
-    """pos = seq_len - query_len + (t - query_start) for tokens ``t`` of requests ``req``."""
+def token_positions(query_start_loc, seq_lens, req, t, ok=None):
+    """pos = seq_len - query_len + (t - query_start) for tokens ``t`` of requests ``req``
+    (tokens where ``ok`` is False read request 0's entries instead; their value is unused)."""
+    if ok is None:
+        ok = torch.ones_like(req, dtype=torch.bool)
     r = torch.where(ok, req, 0)
     qs = torch.where(ok, query_start_loc[r].long(), 0)
     qe = torch.where(ok, query_start_loc[r + 1].long(), 0)
@@ -100,7 +103,7 @@ def swa_indices_and_lens(query_start_loc, seq_lens, token_to_req_indices, is_val
     t = torch.arange(token_offset, token_offset + T, device=out_lens.device)
     req = token_to_req_indices[t].long()
     ok = is_valid_token[t] & _req_ok(req, seq_lens.shape[0])
-    pos = _positions(query_start_loc, seq_lens, req, ok, t)
+    pos = token_positions(query_start_loc, seq_lens, req, t, ok)
     start = (pos - W + 1).clamp(min=0)
     n = torch.where(ok, torch.minimum(pos + 1, torch.full_like(pos, W)).clamp(min=0), 0)
     i = torch.arange(W, device=out_lens.device)
@@ -219,7 +222,7 @@ def flashinfer_mixed_sparse_indices(decode_swa_indices, decode_compressed_indice
         t = torch.arange(Td, Td + Tp, device=dev)
         req = token_to_req_indices[t].long()
         ok = _req_ok(req, R)
-        pos = _positions(query_start_loc, seq_lens, req, ok, t)
+        pos = token_positions(query_start_loc, seq_lens, req, t, ok)
         pos1 = (pos + 1).clamp(min=0)
         swa_len = torch.where(ok, pos1.clamp(max=W), 0)
         topk_len = torch.where(ok, torch.clamp(pos1 // compress_ratio, max=topk), 0)

@@ -1,5 +1,5 @@
 """Triton kernels for the index-combine family (docs/semantics.md §4); element-for-element
-equal to reference.py.
+equal to reference.py. Their launchers, with the ops' signatures, are in triton_impl.py.
 
 Rules every kernel here follows:
 * one program per output row, columns in tiles of ``BLOCK`` (a power of two); every column of
@@ -17,13 +17,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-BLOCK = 128
-
-
-def _block(width: int) -> int:
-    return max(16, min(BLOCK * 4, triton.next_power_of_2(max(width, 1))))
-
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -72,7 +65,7 @@ def _find_request(qsl_ptr, R, t, base, niter):
 # §4.1 compute_global_topk_indices_and_lens
 
 @triton.jit
-def _global_topk_kernel(topk_ptr, topk_s0, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R, B, bs,
+def global_topk_kernel(topk_ptr, topk_s0, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R, B, bs,
                         out_ptr, out_s0, lens_ptr, K, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     row = t.to(tl.int64)
@@ -91,22 +84,11 @@ def _global_topk_kernel(topk_ptr, topk_s0, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R,
     tl.store(lens_ptr + t, tl.where(ok, count, 0))
 
 
-def global_topk_indices_and_lens(topk_indices, token_to_req_indices, block_table, block_size,
-                                 is_valid_token, out_indices, out_lens):
-    T, K = topk_indices.shape
-    if T == 0:
-        return
-    _global_topk_kernel[(T,)](
-        topk_indices, topk_indices.stride(0), token_to_req_indices, is_valid_token,
-        block_table, block_table.stride(0), block_table.shape[0], block_table.shape[1],
-        block_size, out_indices, out_indices.stride(0), out_lens, K, BLOCK=_block(K))
-
-
 # ---------------------------------------------------------------------------------------------
 # §4.1 V3.2 triton_convert_req_index_to_global_index
 
 @triton.jit
-def _convert_kernel(req_ptr, bt_ptr, bt_s0, R, B, bs, stride_rows, tok_ptr, tok_s0,
+def convert_kernel(req_ptr, bt_ptr, bt_s0, R, B, bs, stride_rows, tok_ptr, tok_s0,
                     out_ptr, out_s0, cnt_ptr, pre_ptr, ws_ptr, P, K,
                     HAS_PREFILL: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -142,28 +124,11 @@ def _convert_kernel(req_ptr, bt_ptr, bt_s0, R, B, bs, stride_rows, tok_ptr, tok_
         tl.store(cnt_ptr + t, count)
 
 
-def convert_req_index_to_global(req_id, block_table, token_indices, out, valid_counts,
-                                prefill_request_ids, prefill_workspace_starts, block_size,
-                                block_stride_rows):
-    T, K = token_indices.shape
-    if T == 0:
-        return
-    has_pre = prefill_request_ids is not None
-    _convert_kernel[(T,)](
-        req_id, block_table, block_table.stride(0), block_table.shape[0], block_table.shape[1],
-        block_size, block_stride_rows, token_indices, token_indices.stride(0), out,
-        out.stride(0), valid_counts if valid_counts is not None else out,
-        prefill_request_ids if has_pre else req_id,
-        prefill_workspace_starts if has_pre else req_id,
-        prefill_workspace_starts.shape[0] if has_pre else 0, K,
-        HAS_PREFILL=has_pre, COUNT=valid_counts is not None, BLOCK=_block(K))
-
-
 # ---------------------------------------------------------------------------------------------
 # §4.2 SWA window indices
 
 @triton.jit
-def _swa_kernel(qsl_ptr, seq_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R, B, bs, token_offset,
+def swa_kernel(qsl_ptr, seq_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R, B, bs, token_offset,
                 out_ptr, out_s0, lens_ptr, W, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = pid + token_offset
@@ -187,24 +152,11 @@ def _swa_kernel(qsl_ptr, seq_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_s0, R, B, bs, t
     tl.store(lens_ptr + pid, n)
 
 
-def swa_indices_and_lens(query_start_loc, seq_lens, token_to_req_indices, is_valid_token,
-                         block_table, block_size, window_size, token_offset, out_indices,
-                         out_lens):
-    T = out_lens.shape[0]
-    if T == 0:
-        return
-    _swa_kernel[(T,)](
-        query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
-        block_table.stride(0), seq_lens.shape[0], block_table.shape[1], block_size,
-        token_offset, out_indices, out_indices.stride(0), out_lens, window_size,
-        BLOCK=_block(window_size))
-
-
 # ---------------------------------------------------------------------------------------------
 # §4.3 C128A indices
 
 @triton.jit
-def _c128a_kernel(pos_ptr, slot_ptr, t2r_ptr, bt_ptr, bt_s0, R, B, bs, ratio, Td,
+def c128a_kernel(pos_ptr, slot_ptr, t2r_ptr, bt_ptr, bt_s0, R, B, bs, ratio, Td,
                   dec_ptr, dec_s0, dlens_ptr, pre_ptr, pre_s0, WIDTH, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -231,25 +183,11 @@ def _c128a_kernel(pos_ptr, slot_ptr, t2r_ptr, bt_ptr, bt_s0, R, B, bs, ratio, Td
                      mask=offs < WIDTH)
 
 
-def c128a_indices_and_lens(positions, slot_mapping, token_to_req_indices, block_table,
-                           block_size, compress_ratio, out_decode, out_decode_lens,
-                           out_prefill):
-    Td, Tp = out_decode.shape[0], out_prefill.shape[0]
-    if Td + Tp == 0:
-        return
-    width = out_decode.shape[1]
-    _c128a_kernel[(Td + Tp,)](
-        positions, slot_mapping, token_to_req_indices, block_table, block_table.stride(0),
-        block_table.shape[0], block_table.shape[1], block_size, compress_ratio, Td,
-        out_decode, out_decode.stride(0), out_decode_lens, out_prefill, out_prefill.stride(0),
-        width, BLOCK=_block(width))
-
-
 # ---------------------------------------------------------------------------------------------
 # §4.4 combine_topk_swa_indices
 
 @triton.jit
-def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter, M, N,
+def combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter, M, N,
                     W, ratio, TOPK, out_ptr, out_s0, lens_ptr, CT, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     row = t.to(tl.int64)
@@ -277,32 +215,11 @@ def _combine_kernel(topk_ptr, topk_s0, Kt, qsl_ptr, seq_ptr, glen_ptr, R, niter,
     tl.store(lens_ptr + t, topk_len + swa_len)
 
 
-# Launch shape of the prefill combine (tools/dev/tune_index.py sweeps it; block None = widest).
-# H200: 9.7-10.0 µs at 128 x 1 warp vs 10.2-10.5 at the old 256 x 2 (docs/perf-log.md, "Attention
-# core rework")
-COMBINE_CONFIG = {"block": 128, "num_warps": 1}
-
-
-def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
-                             window_size, compress_ratio, topk, M, N, out_indices, out_lens):
-    T = out_lens.shape[0]
-    R = seq_lens.shape[0]
-    if T == 0:
-        return
-    CT = out_indices.shape[1]
-    niter = max(1, (max(R, 1)).bit_length())
-    block = COMBINE_CONFIG["block"] or _block(CT)
-    _combine_kernel[(T,)](
-        topk_indices, topk_indices.stride(0), topk_indices.shape[1], query_start_loc, seq_lens,
-        gather_lens, R, niter, M, N, window_size, compress_ratio, topk, out_indices,
-        out_indices.stride(0), out_lens, CT, BLOCK=block, num_warps=COMBINE_CONFIG["num_warps"])
-
-
 # ---------------------------------------------------------------------------------------------
 # §4.5 build_flashinfer_mixed_sparse_indices
 
 @triton.jit
-def _mixed_kernel(dswa_ptr, dswa_s0, dcomp_ptr, dcomp_s0, Kd, dlens_ptr, dvalid_ptr,
+def mixed_kernel(dswa_ptr, dswa_s0, dcomp_ptr, dcomp_s0, Kd, dlens_ptr, dvalid_ptr,
                   ptopk_ptr, ptopk_s0, Kp, qsl_ptr, seq_ptr, t2r_ptr, R,
                   sbt_ptr, sbt_s0, SB, sbs, sspan, cbt_ptr, cbt_s0, CB, cbs, cspan,
                   Td, W, ratio, TOPK, PK, out_ptr, out_s0, lens_ptr,
@@ -367,37 +284,3 @@ def _mixed_kernel(dswa_ptr, dswa_s0, dcomp_ptr, dcomp_s0, Kd, dlens_ptr, dvalid_
             v, good = _table_slot(cbt_row, req_ok, CB, cbs, loc, live)
             tl.store(out_row + W + offs, _remap_span(v, cbs, cspan, CPACKED), mask=m)
         tl.store(lens_ptr + t, W + topk_len)
-
-
-def flashinfer_mixed_sparse_indices(decode_swa_indices, decode_compressed_indices,
-                                    decode_compressed_topk_lens, prefill_topk_indices,
-                                    query_start_loc, seq_lens, token_to_req_indices,
-                                    swa_block_table, swa_block_size, compressed_block_table,
-                                    compressed_block_size, window_size, compress_ratio, topk,
-                                    decode_compressed_indices_are_local, decode_is_valid_token,
-                                    swa_block_span, compressed_block_span, out_indices,
-                                    out_lens):
-    Td, Tp = decode_swa_indices.shape[0], prefill_topk_indices.shape[0]
-    if Td + Tp == 0:
-        return
-    W = window_size
-    PK = out_indices.shape[1] - W
-    has_dcomp = decode_compressed_indices is not None and decode_compressed_indices.shape[1] > 0
-    cbt = swa_block_table if compressed_block_table is None else compressed_block_table
-    sspan = swa_block_size if swa_block_span is None else swa_block_span
-    cspan = compressed_block_size if compressed_block_span is None else compressed_block_span
-    dcomp = decode_compressed_indices if has_dcomp else decode_swa_indices
-    _mixed_kernel[(Td + Tp,)](
-        decode_swa_indices, decode_swa_indices.stride(0), dcomp, dcomp.stride(0),
-        decode_compressed_indices.shape[1] if has_dcomp else 0,
-        decode_compressed_topk_lens if decode_compressed_topk_lens is not None else out_lens,
-        decode_is_valid_token if decode_is_valid_token is not None else out_lens,
-        prefill_topk_indices, prefill_topk_indices.stride(0), prefill_topk_indices.shape[1],
-        query_start_loc, seq_lens, token_to_req_indices, seq_lens.shape[0],
-        swa_block_table, swa_block_table.stride(0), swa_block_table.shape[1], swa_block_size,
-        sspan, cbt, cbt.stride(0), cbt.shape[1], compressed_block_size, cspan,
-        Td, W, compress_ratio, topk, PK, out_indices, out_indices.stride(0), out_lens,
-        HAS_DCOMP=has_dcomp, LOCAL=bool(decode_compressed_indices_are_local),
-        HAS_DLENS=decode_compressed_topk_lens is not None,
-        SPACKED=sspan != swa_block_size, CPACKED=cspan != compressed_block_size,
-        WBLOCK=_block(W), KBLOCK=_block(PK))

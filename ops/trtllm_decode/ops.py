@@ -6,11 +6,11 @@
   sparse_mla_top_k=K)`` as vLLM's V3.2 ``FlashInferMLASparseBackend`` calls it (576-dim q/k,
   512-dim v, one plain cache, global token indices).
 
-Each op: validate (raises before anything is written) → dispatch → implementation. The
-arguments are translated into ``KeySource`` lists of the shared attention layer
-(ops/common/sparse_attention.py), so the reference and the Triton kernel are the shared ones.
-Vendor: FlashInfer, imported lazily, only on SM100/SM103 with ``flashinfer`` installed. The
-vendor argument translation (vendor.py) is a pure function (``dsv4_vendor_arguments``,
+Each op: validate (raises before anything is written) → dispatch → implementation:
+reference.py / triton_impl.py translate the arguments into ``KeySource`` lists of the shared
+attention core, so the reference and the Triton kernel are the shared ones. Vendor
+(vendor.py): FlashInfer, imported lazily, only on SM100/SM103 with ``flashinfer`` installed;
+the argument translation is a pure function (``dsv4_vendor_arguments``,
 ``v32_vendor_arguments``) unit-tested on CPU; **FlashInfer's kernel itself was never run by
 this project (no SM100 GPU was available), so the vendor path is unverified.**
 
@@ -37,52 +37,43 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
+from sparse_mla.ops.common import checks
+from sparse_mla.ops.common.dispatch import implementations
 from sparse_mla.ops.common.opdef import custom_op
-from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
-                                                    sparse_attention_triton)
-from sparse_mla.ops.trtllm_decode import vendor
-from sparse_mla.ops.trtllm_decode.reference import SWA_COLS, dsv4_lengths as _dsv4_lengths
-from sparse_mla.ops.trtllm_decode.reference import v32_lengths as _v32_lengths
+from sparse_mla.ops.trtllm_decode import reference, triton_impl, vendor
+from sparse_mla.ops.trtllm_decode.reference import DSV4_DIM, SWA_COLS, V32_DIM, V_DIM
 
 I32 = torch.int32
 TOPK_ALIGNMENT = 4                    # TRTLLM-gen loads index rows with 16-byte cp.async
 MAX_HEADS = 128
-DSV4_DIM = formats.HEAD_DIM
-V32_DIM = formats.V32.out_dim         # 576 = 512 latent + 64 RoPE
-V_DIM = formats.HEAD_DIM
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 LAYOUTS = ("HND", "NHD")
-
+# what a slot addresses: FlashInfer reads a pool as flat token rows (reference.flat_rows)
+_POOL_ROWS = "a row of its pool ({capacity} rows = pages * page_size, flat token addressing)"
 
 
 # ---------------------------------------------------------------------------------------------
-# shared helpers
+# argument checks shared by both ops (the checks themselves: ops/common/checks.py)
 
-def _pool_view(name: str, cache: Tensor, kv_layout: str, width: int) -> Tensor:
+def _check_pool(name: str, cache: Tensor, kv_layout: str, width: int) -> Tensor:
     """Validate one pool and return its ``[pages, page_size, width]`` view."""
     checks.expect_dtype(name, cache, KV_DTYPES)
     if cache.dim() == 3:
         if kv_layout != "HND":
             raise ValueError(f"{name} is 3-D [pages, page_size, {width}], which FlashInfer "
                              f"accepts only with kv_layout='HND', got kv_layout={kv_layout!r}")
-        v = cache
     elif cache.dim() == 4:
-        if kv_layout == "HND":
-            if cache.shape[1] != 1:
-                raise ValueError(f"{name} with kv_layout='HND' must be [pages, 1, page_size, "
-                                 f"{width}] (one KV head), got {list(cache.shape)}")
-            v = cache.select(1, 0)
-        else:
-            if cache.shape[2] != 1:
-                raise ValueError(f"{name} with kv_layout='NHD' must be [pages, page_size, 1, "
-                                 f"{width}] (one KV head), got {list(cache.shape)}")
-            v = cache.select(2, 0)
+        if kv_layout == "HND" and cache.shape[1] != 1:
+            raise ValueError(f"{name} with kv_layout='HND' must be [pages, 1, page_size, "
+                             f"{width}] (one KV head), got {list(cache.shape)}")
+        if kv_layout == "NHD" and cache.shape[2] != 1:
+            raise ValueError(f"{name} with kv_layout='NHD' must be [pages, page_size, 1, "
+                             f"{width}] (one KV head), got {list(cache.shape)}")
     else:
         raise ValueError(f"{name} must be 3-D [pages, page_size, {width}] or 4-D "
                          f"(HND [pages, 1, page_size, {width}] / NHD [pages, page_size, 1, "
                          f"{width}]), got {list(cache.shape)}")
+    v = reference.pool_view(cache, kv_layout)
     if v.shape[-1] != width:
         raise ValueError(f"{name} head dim must be {width}, got {v.shape[-1]}")
     checks.expect_last_dim_contiguous(name, v)
@@ -90,7 +81,7 @@ def _pool_view(name: str, cache: Tensor, kv_layout: str, width: int) -> Tensor:
     if pages < 1 or ps < 1:
         raise ValueError(f"{name} must hold at least one page of at least one token, "
                          f"got {list(cache.shape)}")
-    tok = _token_stride(v)
+    tok = reference.token_stride(v)
     if tok < width:
         raise ValueError(f"{name} token rows overlap: token stride {tok} < head dim {width}")
     if pages > 1 and (v.stride(0) % tok or v.stride(0) < ps * tok):
@@ -98,42 +89,6 @@ def _pool_view(name: str, cache: Tensor, kv_layout: str, width: int) -> Tensor:
                          f"stride {tok} and at least page_size * token stride = {ps * tok} "
                          f"(FlashInfer addresses slot s at base + s * token_stride)")
     return v
-
-
-def _token_stride(v: Tensor) -> int:
-    pages, ps, d = v.shape
-    if ps > 1:
-        return v.stride(1)
-    return v.stride(0) if pages > 1 else d
-
-
-def _flat_rows(v: Tensor) -> Tensor:
-    """``[rows, 1, D]`` view of a validated pool: row ``s`` at ``base + s * token_stride``."""
-    pages, ps, d = v.shape
-    tok = _token_stride(v)
-    span = v.stride(0) // tok if pages > 1 else ps
-    rows = (pages - 1) * span + ps
-    return v.as_strided((rows, 1, d), (tok, tok, 1), v.storage_offset())
-
-
-def _pool_rows(v: Tensor) -> int:
-    pages, ps, _ = v.shape
-    span = v.stride(0) // _token_stride(v) if pages > 1 else ps
-    return (pages - 1) * span + ps
-
-
-def _fmt(dtype) -> str:
-    return "plain_bf16" if dtype == torch.bfloat16 else "plain_fp8"
-
-
-def _scale(value: float, tensor: Optional[Tensor]) -> float:
-    return value if tensor is None else float(tensor.reshape(-1)[0])
-
-
-def _device_scale(value: float, tensor: Optional[Tensor]):
-    """The scale for the Triton core: the tensor itself when given (read on the device: no
-    host sync, so a CUDA graph replay sees the tensor's current value), else the float."""
-    return value if tensor is None else tensor
 
 
 def _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor):
@@ -144,9 +99,7 @@ def _check_scales(bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor):
             raise ValueError(f"{name} must be finite, got {v}")
     for name, t in (("bmm1_scale", bmm1_scale_tensor), ("bmm2_scale", bmm2_scale_tensor)):
         if t is not None:
-            checks.expect_dtype(name, t, torch.float32)
-            if t.numel() != 1:
-                raise ValueError(f"{name} tensor must hold one scalar, got shape {list(t.shape)}")
+            checks.expect_scalar_tensor(name, t)
 
 
 def _check_query_batch(query, width, cum_seq_lens_q, max_q_len, allow_flat_tokens=False):
@@ -213,32 +166,14 @@ def _check_sinks(sinks, H):
 
 
 def _check_requests(cum_seq_lens_q, max_q_len, T):
-    cu = cum_seq_lens_q.long()
-    if int(cu[0]) < 0 or int(cu[-1]) > T:
-        raise ValueError(f"cum_seq_lens_q must lie in [0, {T}] (query rows), got "
-                         f"[{int(cu[0])}, {int(cu[-1])}]")
-    ql = cu[1:] - cu[:-1]
-    if int(ql.min()) < 0:
-        r = int((ql < 0).nonzero()[0])
-        raise ValueError(f"cum_seq_lens_q must be non-decreasing; request {r} has q_len "
-                         f"{int(ql[r])}")
+    """Values: ``cum_seq_lens_q`` non-decreasing inside the query rows, no request longer than
+    ``max_q_len``; returns the query lengths."""
+    ql = checks.expect_query_starts("cum_seq_lens_q", cum_seq_lens_q, "q_len", lo=0, hi=T,
+                                    note=" (query rows)")
     if int(ql.max()) > max_q_len:
         raise ValueError(f"max_q_len = {max_q_len} is smaller than the longest request "
                          f"({int(ql.max())} query tokens)")
     return ql
-
-
-def _check_active_slots(name, idx, ncols, capacity):
-    """Values: active (column < ncols[t]) non-negative entries address a pool row."""
-    if idx.numel() == 0:
-        return
-    cols = torch.arange(idx.shape[1], device=idx.device)
-    active = (cols.unsqueeze(0) < ncols.long().unsqueeze(1)) & (idx >= 0)
-    bad = (active & (idx.long() >= capacity)).nonzero()
-    if bad.numel():
-        t, j = int(bad[0, 0]), int(bad[0, 1])
-        raise ValueError(f"{name}[{t}, {j}] = {int(idx[t, j])} is not a row of its pool "
-                         f"({capacity} rows = pages * page_size, flat token addressing)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +185,8 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
     if kv_layout not in LAYOUTS:
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
     T, B, Q, H = _check_query_batch(query, DSV4_DIM, cum_seq_lens_q, max_q_len)
-    swa = _pool_view("swa_kv_cache", swa_kv_cache, kv_layout, DSV4_DIM)
-    cmp = _pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout, DSV4_DIM)
+    swa = _check_pool("swa_kv_cache", swa_kv_cache, kv_layout, DSV4_DIM)
+    cmp = _check_pool("compressed_kv_cache", compressed_kv_cache, kv_layout, DSV4_DIM)
     for name, c in (("swa_kv_cache", swa), ("compressed_kv_cache", cmp)):
         if c.dtype != query.dtype:
             raise TypeError(f"{name} dtype must match query dtype (TRTLLM-gen reads q and KV in "
@@ -282,7 +217,7 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
                               sparse_indices=sparse_indices, sparse_topk_lens=sparse_topk_lens,
                               seq_lens=seq_lens, out=out, sinks=sinks,
                               cum_seq_lens_q=cum_seq_lens_q, bmm1_scale=bmm1_scale_tensor,
-                              bmm2_scale=bmm2_scale_tensor)
+                              bmm2_scale=bmm2_scale_tensor, workspace_buffer=workspace_buffer)
     if checks.value_checks_enabled(query, sparse_topk_lens, seq_lens, sparse_indices):
         checks.expect_values_in("sparse_topk_lens", sparse_topk_lens, SWA_COLS, topk,
                                 f" (it counts the {SWA_COLS} SWA columns; TOPK = {topk})",
@@ -291,87 +226,19 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
             ql = _check_requests(cum_seq_lens_q, max_q_len, T)
         else:
             ql = torch.full((B,), Q, dtype=torch.long, device=seq_lens.device)
-        bad = (seq_lens.long() < ql).nonzero()
-        if bad.numel():
-            r = int(bad[0])
-            raise ValueError(f"seq_lens must be >= the request's query length (TRTLLM-gen "
-                             f"derives the SWA window from it): request {r} has seq_len "
-                             f"{int(seq_lens[r])} < q_len {int(ql[r])}")
-        swa_len, cmp_len = _dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q,
-                                         topk)
-        _check_active_slots("sparse_indices", sparse_indices[:, :SWA_COLS], swa_len,
-                            _pool_rows(swa))
-        _check_active_slots("sparse_indices[:, 128:]", sparse_indices[:, SWA_COLS:], cmp_len,
-                            _pool_rows(cmp))
+        checks.expect_seq_lens_cover(seq_lens, ql, "q_len",
+                                     " (TRTLLM-gen derives the SWA window from it)")
+        swa_len, cmp_len = reference.dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens,
+                                                  cum_seq_lens_q, topk)
+        checks.expect_active_slots("sparse_indices", sparse_indices[:, :SWA_COLS], swa_len,
+                                   reference.pool_rows(swa), _POOL_ROWS)
+        checks.expect_active_slots("sparse_indices[:, 128:]", sparse_indices[:, SWA_COLS:],
+                                   cmp_len, reference.pool_rows(cmp), _POOL_ROWS)
     return T, B, Q, H, swa, cmp
 
 
-def _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
-                  seq_lens, out, kv_layout, cum_seq_lens_q, max_q_len, lengths=None):
-    """(q [T, H, 512], sources, out [T, H, 512]) for the shared attention layer; ``lengths``
-    computes a varlen batch's per-token column counts (default: the PyTorch definition)."""
-    H = query.shape[-2]
-    q = query.reshape(-1, H, DSV4_DIM)
-    T = q.shape[0]
-    B = seq_lens.shape[0]
-    Q = query.shape[1] if cum_seq_lens_q is None else max_q_len
-    swa = _flat_rows(_pool_view("swa_kv_cache", swa_kv_cache, kv_layout, DSV4_DIM))
-    cmp = _flat_rows(_pool_view("compressed_kv_cache", compressed_kv_cache, kv_layout,
-                                DSV4_DIM))
-    topk = sparse_indices.shape[1]
-    fmt = _fmt(query.dtype)
-    if cum_seq_lens_q is None:
-        # One query length Q: the kernels derive each token's counts from seq_lens and
-        # sparse_topk_lens themselves (no lengths launch: ~1 µs of a batch-1 step on an H200)
-        swa_counts = dict(lengths=seq_lens, tokens_per_length=Q, causal=True)
-        cmp_counts = dict(lengths=sparse_topk_lens, length_offset=SWA_COLS)
-    else:
-        swa_len, cmp_len = (lengths or _dsv4_lengths)(T, B, Q, sparse_topk_lens, seq_lens,
-                                                       cum_seq_lens_q, topk)
-        swa_counts, cmp_counts = dict(lengths=swa_len), dict(lengths=cmp_len)
-    sources = [KeySource(swa, fmt, 1, sparse_indices[:, :SWA_COLS], **swa_counts)]
-    if topk > SWA_COLS:
-        sources.append(KeySource(cmp, fmt, 1, sparse_indices[:, SWA_COLS:], **cmp_counts))
-    return q, sources, out.view(T, H, V_DIM)
-
-
-def _dsv4_reference(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
-                    seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
-                    sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
-    q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
-                                  sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
-                                  max_q_len)
-    res, _ = sparse_attention_reference(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor),
-                                        _scale(bmm2_scale, bmm2_scale_tensor))
-    o.copy_(res)
-
-
-def _triton_lengths():
-    from sparse_mla.ops.trtllm_decode import triton_kernels   # imports Triton: Triton path only
-    return triton_kernels
-
-
-def _dsv4_triton(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
-                 seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor,
-                 sinks, kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
-    q, sources, o = _dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache,
-                                  sparse_topk_lens, seq_lens, out, kv_layout, cum_seq_lens_q,
-                                  max_q_len, _triton_lengths().dsv4_lengths)
-    sparse_attention_triton(q, sources, sinks, _device_scale(bmm1_scale, bmm1_scale_tensor), o,
-                            out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
-
-
-_dsv4_vendor = vendor.runner(vendor.dsv4_vendor_arguments)
-
-
-def _dsv4_vendor_check(*args) -> Optional[str]:
-    return vendor.cuda_reason(args[0])
-
-
-_DSV4 = Dispatcher("trtllm_decode_dsv4")
-_DSV4.register("vendor", _dsv4_vendor, _dsv4_vendor_check)
-_DSV4.register("triton", _dsv4_triton, lambda *a: triton_check(*a[:7]))
-_DSV4.register("reference", _dsv4_reference)
+_DSV4 = implementations("trtllm_decode_dsv4", vendor=vendor.DSV4, triton=triton_impl.dsv4,
+                       reference=reference.dsv4)
 
 
 @custom_op("sparse_mla::trtllm_decode_dsv4",
@@ -477,7 +344,7 @@ def _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1
                   workspace_buffer):
     T, B, Q, H = _check_query_batch(query, V32_DIM, cum_seq_lens_q, max_q_len,
                                     allow_flat_tokens=True)
-    cache = _pool_view("kv_cache", kv_cache, "HND", V32_DIM)
+    cache = _check_pool("kv_cache", kv_cache, "HND", V32_DIM)
     if cache.dtype != query.dtype:
         raise TypeError(f"kv_cache dtype must match query dtype (TRTLLM-gen sparse MLA reads "
                         f"q and KV in one precision), got "
@@ -502,72 +369,22 @@ def _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1
     checks.expect_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables,
                               seq_lens=seq_lens, out=out, sinks=sinks,
                               cum_seq_lens_q=cum_seq_lens_q, bmm1_scale=bmm1_scale_tensor,
-                              bmm2_scale=bmm2_scale_tensor)
+                              bmm2_scale=bmm2_scale_tensor,
+                              workspace_buffer=workspace_buffer)
     if checks.value_checks_enabled(query, seq_lens, block_tables):
-        if B and int(seq_lens.min()) < 0:
-            r = int((seq_lens < 0).nonzero()[0])
-            raise ValueError(f"seq_lens (valid top-k counts) must be >= 0; request {r} has "
-                             f"{int(seq_lens[r])}")
+        checks.expect_values_in("seq_lens (valid top-k counts)", seq_lens, 0, entry="request")
         if cum_seq_lens_q is not None:
             _check_requests(cum_seq_lens_q, max_q_len, T)
         idx = block_tables.reshape(T, -1)
-        _check_active_slots("block_tables", idx,
-                            _v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1]),
-                            _pool_rows(cache))
+        checks.expect_active_slots(
+            "block_tables", idx,
+            reference.v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1]),
+            reference.pool_rows(cache), _POOL_ROWS)
     return T, B, Q, H
 
 
-def _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q, max_q_len,
-                 lengths=None):
-    H = query.shape[-2]
-    q = query.reshape(-1, H, V32_DIM)
-    T = q.shape[0]
-    B = seq_lens.shape[0]
-    Q = query.shape[1] if query.dim() == 4 else (1 if cum_seq_lens_q is None else max_q_len)
-    idx = block_tables.reshape(T, -1)
-    rows = _flat_rows(_pool_view("kv_cache", kv_cache, "HND", V32_DIM))
-    if cum_seq_lens_q is None:      # one query length: the kernels read seq_lens[t // Q]
-        n, per = seq_lens, Q
-    else:
-        n, per = (lengths or _v32_lengths)(T, B, Q, seq_lens, cum_seq_lens_q, idx.shape[1]), 1
-    return q, [KeySource(rows, _fmt(query.dtype), 1, idx, n, per)], out.view(T, H, V_DIM)
-
-
-def _v32_reference(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
-                   bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
-                   workspace_buffer):
-    q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
-                                 max_q_len)
-    res, _ = sparse_attention_reference(q, sources, sinks, _scale(bmm1_scale, bmm1_scale_tensor),
-                                        _scale(bmm2_scale, bmm2_scale_tensor))
-    o.copy_(res)
-
-
-def _v32_triton(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
-                bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len,
-                workspace_buffer):
-    q, sources, o = _v32_problem(query, kv_cache, block_tables, seq_lens, out, cum_seq_lens_q,
-                                 max_q_len, _triton_lengths().v32_lengths)
-    sparse_attention_triton(q, sources, sinks, _device_scale(bmm1_scale, bmm1_scale_tensor), o,
-                            out_scale=_device_scale(bmm2_scale, bmm2_scale_tensor))
-
-
-_v32_vendor = vendor.runner(vendor.v32_vendor_arguments)
-
-
-def _v32_vendor_check(*args) -> Optional[str]:
-    reason = vendor.cuda_reason(args[0])
-    if reason is None:
-        ps = _pool_view("kv_cache", args[1], "HND", V32_DIM).shape[1]
-        if ps not in vendor.FLASHINFER_V32_PAGE_SIZES:
-            reason = f"TRTLLM-gen MLA decode needs page_size 32 or 64, got {ps}"
-    return reason
-
-
-_V32 = Dispatcher("trtllm_decode_v32")
-_V32.register("vendor", _v32_vendor, _v32_vendor_check)
-_V32.register("triton", _v32_triton, lambda *a: triton_check(*a[:5]))
-_V32.register("reference", _v32_reference)
+_V32 = implementations("trtllm_decode_v32", vendor=vendor.V32, triton=triton_impl.v32,
+                      reference=reference.v32)
 
 
 @custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"))

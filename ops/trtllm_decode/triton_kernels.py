@@ -1,9 +1,11 @@
-"""Per-token usable-column counts of the TRTLLM-gen ops in one Triton launch (varlen batches:
-a dense batch's counts are derived inside the attention kernels, see ``ops._dsv4_problem``).
+"""The TRTLLM-gen family's one kernel: per-token usable-column counts of a varlen batch in one
+launch (a dense batch's counts are derived inside the attention kernels, see
+``reference.dsv4_problem``); its launchers are in triton_impl.py.
 
-The PyTorch formulation (``reference.dsv4_lengths`` / ``reference.v32_lengths``, kept as the readable
-definition and used by the reference path) costs about ten tiny kernels: most of a batch-1
-decode step under CUDA graphs. This kernel computes the same int32 counts in one launch.
+The PyTorch formulation (``reference.dsv4_lengths`` / ``reference.v32_lengths``, kept as the
+readable definition and used by the reference path) costs about ten small PyTorch kernels
+(docs/perf-log.md, "Attention core rework"); this kernel computes the same int32 counts in one
+launch.
 
 Per token t: its request r (``t // Q``, or the varlen request whose ``cum_seq_lens_q`` range
 holds t: ``searchsorted(cu[1:], t, right=True)`` clamped to B - 1), index i in the request,
@@ -13,21 +15,16 @@ the request's query length ql, and whether t lies in the request at all. Then
   V3.2: n = clamp(seq_lens[r], 0, K);
 every count 0 for a token outside any request.
 """
-import torch
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common import checks
-from sparse_mla.ops.common.triton_utils import grid_launch_dependents, pdl_supported
-from sparse_mla.ops.trtllm_decode.reference import SWA_COLS
-
-BLOCK = 128
+from sparse_mla.ops.common.triton_utils import grid_launch_dependents
 
 
 @triton.jit
-def _lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
-                    HAS_CU: tl.constexpr, DSV4: tl.constexpr, SWA: tl.constexpr,
-                    BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
+                   HAS_CU: tl.constexpr, DSV4: tl.constexpr, SWA: tl.constexpr,
+                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:     # the attention kernel after this one may launch now (it waits for these rows)
         grid_launch_dependents()
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -60,29 +57,3 @@ def _lengths_kernel(seq_lens, cu, topk_lens, out_a, out_b, T, B, Q, K,
     else:
         n = tl.minimum(tl.maximum(sl, 0), K)
         tl.store(out_a + t, tl.where(inb, n, 0), mask=live)
-
-
-def _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, topk_lens, dsv4):
-    # the kernel reads each list by base pointer
-    seq_lens, cum_seq_lens_q, topk_lens = map(checks.unit_stride,
-                                              (seq_lens, cum_seq_lens_q, topk_lens))
-    dev = seq_lens.device
-    a = torch.empty(T, dtype=torch.int32, device=dev)
-    b = torch.empty(T if dsv4 else 0, dtype=torch.int32, device=dev)
-    if T:
-        cu = cum_seq_lens_q if cum_seq_lens_q is not None else seq_lens
-        _lengths_kernel[(triton.cdiv(T, BLOCK),)](
-            seq_lens, cu, topk_lens if topk_lens is not None else seq_lens, a,
-            b if dsv4 else a, T, B, Q, K, HAS_CU=cum_seq_lens_q is not None, DSV4=dsv4,
-            SWA=SWA_COLS, BLOCK=BLOCK, CHUNK=64, PDL=pdl_supported(dev), num_warps=4)
-    return a, b
-
-
-def dsv4_lengths(T, B, Q, sparse_topk_lens, seq_lens, cum_seq_lens_q, topk):
-    """(swa_len, cmp_len) int32 [T]: the same values as ``reference.dsv4_lengths``."""
-    return _launch(T, B, Q, topk, seq_lens, cum_seq_lens_q, sparse_topk_lens, True)
-
-
-def v32_lengths(T, B, Q, seq_lens, cum_seq_lens_q, K):
-    """n int32 [T]: the same values as ``reference.v32_lengths``."""
-    return _launch(T, B, Q, K, seq_lens, cum_seq_lens_q, None, False)[0]

@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.common import checks
+from sparse_mla.ops.common import checks, dispatch
 from sparse_mla.ops.common.vendor_heads import pad_heads
 from sparse_mla.ops.common.formats import HEAD_DIM as V_DIM
+from sparse_mla.ops.trtllm_decode.reference import pool_view
 
 FLASHINFER_DSV4_HEADS = (8, 16, 32, 64, 128)   # _check_dsv4_sparse_mla_inputs
 FLASHINFER_V32_PAGE_SIZES = (32, 64)           # trtllm-gen MLA decode block sizes
@@ -166,3 +167,21 @@ def v32_vendor_arguments(query, kv_cache, block_tables, seq_lens, out, bmm1_scal
         kwargs.update(cum_seq_lens_q=checks.unit_stride(cum_seq_lens_q), max_q_len=max_q_len)
     return {"function": "trtllm_batch_decode_with_kv_cache_mla", "kwargs": kwargs,
             "copy_out": copy_out}
+
+
+def dsv4_check(query, *args) -> Optional[str]:
+    return cuda_reason(query)
+
+
+def v32_check(query, kv_cache, *args) -> Optional[str]:
+    reason = cuda_reason(query)
+    if reason is None:
+        ps = pool_view(kv_cache, "HND").shape[1]
+        if ps not in FLASHINFER_V32_PAGE_SIZES:
+            reason = f"TRTLLM-gen MLA decode needs page_size 32 or 64, got {ps}"
+    return reason
+
+
+# The routes ops.py registers (dispatch.implementations).
+DSV4 = dispatch.VendorRoute(runner(dsv4_vendor_arguments), dsv4_check)
+V32 = dispatch.VendorRoute(runner(v32_vendor_arguments), v32_check)

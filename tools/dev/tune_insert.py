@@ -4,7 +4,7 @@
 """
 import torch
 
-from sparse_mla.ops.cache_insert import bench, triton_kernels
+from sparse_mla.ops.cache_insert import bench, triton_impl
 from sparse_mla.tools import harness
 
 
@@ -16,7 +16,7 @@ def main():
               ("quantize_insert_v4", "N=65536"), ("quantize_insert_v4", "N=4096")}
     cases = [c for c in bench.cases("cuda", False) if (c.op, c.shape) in wanted]
     def sweep(label, **cfg):
-        triton_kernels.CONFIG.update(cfg)
+        triton_impl.CONFIG.update(cfg)
         cells = []
         for c in cases:
             torch.manual_seed(0)
@@ -27,12 +27,12 @@ def main():
 
     for hb, warps in ((2, 1), (4, 1), (8, 1), (4, 2)):
         sweep(f"fused HB={hb} warps={warps}", heads_per_program=hb, num_warps=warps)
-    triton_kernels.CONFIG.update(heads_per_program=4, num_warps=1)
+    triton_impl.CONFIG.update(heads_per_program=4, num_warps=1)
     for iw, tpp in ((1, 1), (1, 4), (2, 4), (1, 8), (4, 8)):
         sweep(f"insert warps={iw} tokens/program={tpp}", insert_warps=iw, tokens_per_program=tpp)
     gcases = [c for c in bench.cases("cuda", False) if c.op == "gather_dequant"]
     for tb in (2, 4, 8):
-        triton_kernels.CONFIG.update(gather_tokens=tb)
+        triton_impl.CONFIG.update(gather_tokens=tb)
         for c in gcases:
             torch.manual_seed(0)
             a = c.make()

@@ -223,8 +223,8 @@ def test_cuda_out_of_range_slots_are_skipped_not_written(device, monkeypatch):
 def test_v4_insert_multi_token_programs(device, tokens_per_program, monkeypatch):
     """The launch shape is tunable: any tokens-per-program (not dividing N) gives the same
     bytes, including the ragged last program."""
-    from sparse_mla.ops.cache_insert import triton_kernels
-    monkeypatch.setitem(triton_kernels.CONFIG, "tokens_per_program", tokens_per_program)
+    from sparse_mla.ops.cache_insert import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "tokens_per_program", tokens_per_program)
     g = seeded(tokens_per_program)
     n, bs = 10, 64
     k = _rand((n, 512), g)

@@ -111,6 +111,9 @@ def test_fused_v4_rejects_bad_input_and_writes_nothing(what, over, exc, msg):
     assert torch.equal(a["q_out"].view(torch.int16), before[1].view(torch.int16))
 
 
+PLAIN_CACHE_SHAPE = r"k_cache must have shape \[num_blocks, block_size, 512\]"
+
+
 def test_plain_insert_scale_rules():
     q = torch.randn(1, 2, 512, dtype=torch.bfloat16)
     kv = torch.randn(1, 512, dtype=torch.bfloat16)
@@ -132,7 +135,7 @@ def test_plain_insert_scale_rules():
                                       q_out=torch.empty(1, 4, 512, dtype=torch.float8_e4m3fn),
                                       kv_scale=torch.tensor([1.0]),
                                       q_scale_inv=torch.tensor([1.0]))
-    with pytest.raises(ValueError, match=r"k_cache must have shape \[num_blocks, block_size, 512\]"):
+    with pytest.raises(ValueError, match=PLAIN_CACHE_SHAPE):
         fused_qnorm_rope_insert_plain(**base, k_cache=torch.zeros(4, 512, dtype=torch.bfloat16),
                                       q_out=q.clone())
 
@@ -146,7 +149,7 @@ def test_insert_plain_rejects_bad_input_and_writes_nothing():
         insert_plain(rows, c8, slots)
     with pytest.raises(ValueError, match="kv_scale applies only"):
         insert_plain(rows, c16, slots, torch.tensor([1.0]))
-    with pytest.raises(ValueError, match=r"k_cache must have shape \[num_blocks, block_size, 512\]"):
+    with pytest.raises(ValueError, match=PLAIN_CACHE_SHAPE):
         insert_plain(rows, c16.view(2, 2048), slots)
     with pytest.raises(ValueError, match="slot_mapping must be 1-D with at most 3"):
         insert_plain(rows, c16, torch.tensor([0, 1, 2, 3]))

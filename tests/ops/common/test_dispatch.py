@@ -7,7 +7,8 @@ import torch
 
 from sparse_mla.ops.cache_insert import quantize_insert_v4
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.common.dispatch import Dispatcher, explain, last_choice
+from sparse_mla.ops.common.dispatch import (Dispatcher, VendorRoute, explain, implementations,
+                                            last_choice, no_vendor_route)
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.tests.helpers import INTERPRETING
 
@@ -75,6 +76,39 @@ def test_forced_per_call_and_by_env(monkeypatch):
         d(20)
     with pytest.raises(ValueError, match="impl= asks for implementation 'cuda'"):
         d(20, impl="cuda")
+
+
+def test_implementations_registers_vendor_triton_reference_with_their_checks(monkeypatch):
+    """dispatch.implementations, every family's one way to register its ops: the vendor route
+    with its own checks (or the reason there is none), Triton wherever every tensor argument
+    (positional or keyword) allows it, the reference everywhere."""
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    run = {name: (lambda x, y=None, name=name: name) for name in ("vendor", "triton", "ref")}
+    none = implementations("toy_family_none", vendor=no_vendor_route("no vendor kernel here"),
+                           triton=run["triton"], reference=run["ref"])
+    cpu = torch.zeros(1)
+    assert none(cpu) == "ref"
+    rejected = last_choice("toy_family_none").rejected
+    assert rejected["vendor"] == "no vendor kernel here"
+    assert "TRITON_INTERPRET=1" in rejected["triton"]
+    with pytest.raises(ImplementationUnavailable, match="no vendor kernel here"):
+        none(cpu, impl="vendor")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert none(cpu) == "triton"
+    meta = torch.zeros(1, device="meta")
+    assert "['cpu', 'meta']" in explain("toy_family_none", cpu, y=meta).rejected["triton"]
+    assert "['cpu', 'meta']" in explain("toy_family_none", 3, meta, cpu).rejected["triton"]
+    routed = implementations(
+        "toy_family_vendor", triton=run["triton"], reference=run["ref"],
+        vendor=VendorRoute(run["vendor"], lambda x, y=None: None if x.numel() > 1 else "small",
+                           lambda x, y=None: "slower" if x.numel() < 4 else None))
+    assert routed(torch.zeros(4)) == "vendor"
+    assert routed(torch.zeros(2)) == "triton"
+    assert last_choice("toy_family_vendor").rejected == {"vendor": "slower"}
+    assert routed(torch.zeros(2), impl="vendor") == "vendor"
+    assert routed(cpu) == "triton" and last_choice("toy_family_vendor").rejected == {
+        "vendor": "small"}
 
 
 def test_cache_insert_reports_what_ran(monkeypatch):

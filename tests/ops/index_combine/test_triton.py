@@ -108,14 +108,15 @@ def test_convert_v32(device, stride_rows, counts, prefill_ws):
 def test_swa(device, cfg, seed, three_d):
     b = _batch(seed, *cfg)
     for offset, T in ((0, b.Td + b.Tp + b.n_tail_pad), (b.Td, b.Tp + b.n_tail_pad)):
-        def call(dev, outs, impl):
+        def call(dev, outs, impl, offset=offset):
             x = b.to(dev)
             ic.swa_indices_and_lens(x["query_start_loc"], x["seq_lens"], x["token_to_req"],
                                     x["is_valid"], x["swa_bt"], outs[0], outs[1], x["swa_bs"],
                                     W, offset, impl)
-        shape = (T, 1, W) if three_d else (T, W)
-        ref, tri = _both(device, call, lambda d: (poisoned(*shape, device=d),
-                                                  poisoned(T, device=d)))
+
+        def outputs(d, shape=(T, 1, W) if three_d else (T, W), T=T):
+            return poisoned(*shape, device=d), poisoned(T, device=d)
+        ref, tri = _both(device, call, outputs)
         _assert_equal(ref, tri)
         inv = ~b.t["is_valid"][offset:offset + T]
         assert (ref[1][inv] == 0).all() and (ref[0][inv] == -1).all()

@@ -15,7 +15,8 @@ def t32(x):
 
 
 def swa_args(**over):
-    a = dict(query_start_loc=t32([0, 2, 3]), seq_lens=t32([6, 2]), token_to_req_indices=t32([0, 0, 1]),
+    a = dict(query_start_loc=t32([0, 2, 3]), seq_lens=t32([6, 2]),
+             token_to_req_indices=t32([0, 0, 1]),
              is_valid_token=torch.ones(3, dtype=torch.bool),
              block_table=t32([[9, 4, 6], [3, 0, 0]]),
              out_indices=torch.full((3, 4), P, dtype=I32), out_lens=torch.full((3,), P, dtype=I32),
@@ -26,16 +27,22 @@ def swa_args(**over):
 
 @pytest.mark.parametrize("over,exc,msg", [
     (dict(seq_lens=torch.tensor([6, 2])), TypeError, "seq_lens must have dtype int32"),
-    (dict(block_table=torch.tensor([[9, 4, 6], [3, 0, 0]])), TypeError, "block_table must have dtype int32"),
-    (dict(is_valid_token=torch.ones(3, dtype=I32)), TypeError, "is_valid_token must have dtype bool"),
-    (dict(token_to_req_indices=t32([0, 0])), ValueError, "token_to_req_indices must be 1-D with at least 3"),
+    (dict(block_table=torch.tensor([[9, 4, 6], [3, 0, 0]])), TypeError,
+     "block_table must have dtype int32"),
+    (dict(is_valid_token=torch.ones(3, dtype=I32)), TypeError,
+     "is_valid_token must have dtype bool"),
+    (dict(token_to_req_indices=t32([0, 0])), ValueError,
+     "token_to_req_indices must be 1-D with at least 3"),
     (dict(query_start_loc=t32([0, 3])), ValueError, "query_start_loc must have shape [3]"),
-    (dict(out_indices=torch.full((3, 5), P, dtype=I32)), ValueError, "out_indices must have shape [3, 4]"),
+    (dict(out_indices=torch.full((3, 5), P, dtype=I32)), ValueError,
+     "out_indices must have shape [3, 4]"),
     (dict(seq_lens=t32([6, -1])), ValueError, "seq_lens must be >= 0"),
-    (dict(seq_lens=t32([1, 2])), ValueError, "query_len > seq_len for request 0"),
+    (dict(seq_lens=t32([1, 2])), ValueError,
+     "seq_lens must be >= the request's query_len: request 0 has seq_len 1 < query_len 2"),
     (dict(query_start_loc=t32([0, 3, 2])), ValueError, "non-decreasing"),
     (dict(block_table=t32([[9, 4], [3, 0]])), ValueError, "too few for position 4 of request 0"),
-    (dict(token_to_req_indices=t32([0, 1, 1])), ValueError, "mapped by token_to_req_indices to request 1"),
+    (dict(token_to_req_indices=t32([0, 1, 1])), ValueError,
+     "mapped by token_to_req_indices to request 1"),
     (dict(block_size=0), ValueError, "block_size"),
 ])
 def test_swa_bad_inputs(over, exc, msg):
@@ -112,7 +119,8 @@ def test_combine_bad_inputs():
         ic.combine_topk_swa_indices(**args(gather_lens=t32([2])))
     with pytest.raises(ValueError, match="exceeds the workspace rows"):
         ic.combine_topk_swa_indices(**args(M=5))
-    with pytest.raises(ValueError, match="query_len > seq_len"):
+    with pytest.raises(ValueError, match="seq_lens must be >= the request's query_len: "
+                                         "request 0 has seq_len 2 < query_len 3"):
         ic.combine_topk_swa_indices(**args(seq_lens=t32([2]), gather_lens=t32([2])))
     with pytest.raises(ValueError, match="not a compressed row"):
         ic.combine_topk_swa_indices(**args(topk_indices=t32([[-1, -1], [3, -1], [-1, -1]])))
@@ -132,7 +140,8 @@ def test_mixed_bad_inputs():
                 compressed_block_size=2, window_size=4, compress_ratio=2, topk=2)
     with pytest.raises(ValueError, match="too few for position 4"):
         ic.build_flashinfer_mixed_sparse_indices(**{**base, "swa_block_table": t32([[1, 2]])})
-    with pytest.raises(ValueError, match="query_len > seq_len"):
+    with pytest.raises(ValueError, match="seq_lens must be >= the request's query_len: "
+                                         "request 0 has seq_len 0 < query_len 1"):
         ic.build_flashinfer_mixed_sparse_indices(**{**base, "query_start_loc": t32([0, 1]),
                                                     "seq_lens": t32([0])})
     with pytest.raises(ValueError, match="decode_is_valid_token is required"):

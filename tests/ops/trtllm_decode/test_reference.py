@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparse_mla.ops import trtllm_decode as td
-from sparse_mla.ops.trtllm_decode import ops, reference
+from sparse_mla.ops.trtllm_decode import reference
 from sparse_mla.tests.helpers import seeded
 from sparse_mla.tests.ops.trtllm_decode.cases import I32, attend, fill, poisoned_pool, rows
 
@@ -276,7 +276,6 @@ def _v32(q, cache, bt, seq, **kw):
 def test_v32_counts_minus_one_and_rope_dims(form):
     g = seeded(12)
     cache = poisoned_pool(4, 64, 576)
-    K = 8
     tables = [[3, 70, -1, 9, 100, 101, 102, 103], [200, 201, 202, 203, 204, 205, 206, 207],
               [-1, -1, -1, -1, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6, 7, 8]]
     counts = [5, 8, 8, 0]                       # token 3: no usable column
@@ -329,14 +328,15 @@ def test_dense_batch_sources_count_like_torch_definition(B, Q):
     pool = torch.zeros(4, 16, 512, dtype=torch.bfloat16)
     idx = torch.zeros(T, topk, dtype=I32)
     out = torch.empty(B, Q, H, 512, dtype=torch.bfloat16)
-    _, sources, _ = ops._dsv4_problem(query, pool, idx, pool, topk_lens, seq_lens, out, "HND",
-                                      None, None)
+    _, sources, _ = reference.dsv4_problem(query, pool, idx, pool, topk_lens, seq_lens, out,
+                                           "HND", None, None)
     want = reference.dsv4_lengths(T, B, Q, topk_lens, seq_lens, None, topk)
     for src, w in zip(sources, want):
         assert [src.usable(t) for t in range(T)] == w.tolist()
     v32_q = torch.zeros(B, Q, H, 576, dtype=torch.bfloat16)
-    _, (src,), _ = ops._v32_problem(v32_q, torch.zeros(4, 16, 576, dtype=torch.bfloat16),
-                                    torch.zeros(T, 200, dtype=I32), seq_lens, out, None, None)
+    _, (src,), _ = reference.v32_problem(v32_q, torch.zeros(4, 16, 576, dtype=torch.bfloat16),
+                                         torch.zeros(T, 200, dtype=I32), seq_lens, out, None,
+                                         None)
     want = reference.v32_lengths(T, B, Q, seq_lens, None, 200)
     assert [src.usable(t) for t in range(T)] == want.tolist()
     assert (want > 0).any()          # the case is not trivially all-zero

@@ -124,12 +124,12 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
     """A dense batch (one query length) hands seq_lens / sparse_topk_lens to the kernels as
     they are: each token's window (seq_len - Q + i + 1, partial for the first request) and
     compressed count are derived in-kernel, with no lengths launch."""
-    from sparse_mla.ops.trtllm_decode import triton_kernels
+    from sparse_mla.ops.trtllm_decode import triton_impl
 
     def no_launch(*args):
         raise AssertionError("a dense batch must not launch the lengths kernel")
     force_tiny_launches(monkeypatch, tiny)
-    monkeypatch.setattr(triton_kernels, "dsv4_lengths", no_launch)
+    monkeypatch.setattr(triton_impl, "dsv4_lengths", no_launch)
     x = _dense(_batch(H + 1, H, dtype, q_lens=(3, 3, 3), seq=(3, 130, 200)), 3, 3)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -322,7 +322,7 @@ CASES = [  # (B, Q, varlen, extra rows beyond the last request)
 @pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("B,Q,varlen,extra", CASES)
 def test_triton_lengths_equal_torch_definition(device, B, Q, varlen, extra):
-    from sparse_mla.ops.trtllm_decode import triton_kernels
+    from sparse_mla.ops.trtllm_decode import triton_impl
     g = torch.Generator().manual_seed(B * 10 + Q)
     topk = 128 + 64
     if varlen:
@@ -334,10 +334,10 @@ def test_triton_lengths_equal_torch_definition(device, B, Q, varlen, extra):
     topk_lens = torch.randint(100, topk + 40, (T,), generator=g, dtype=I32)   # out of range too
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
     want = reference.dsv4_lengths(T, B, Q, dev(topk_lens), dev(seq_lens), dev(cu), topk)
-    got = triton_kernels.dsv4_lengths(T, B, Q, dev(topk_lens), dev(seq_lens), dev(cu), topk)
+    got = triton_impl.dsv4_lengths(T, B, Q, dev(topk_lens), dev(seq_lens), dev(cu), topk)
     for w, x in zip(want, got):
         assert x.dtype == I32 and torch.equal(x.cpu(), w.cpu())
     want = reference.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
-    got = triton_kernels.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
+    got = triton_impl.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
     assert torch.equal(got.cpu(), want.cpu())
     assert (want > 0).any()          # the case is not trivially all-zero

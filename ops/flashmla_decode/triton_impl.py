@@ -1,5 +1,6 @@
-"""The FlashMLA-semantics ops on the shared Triton attention core
-(ops/common/sparse_attention_triton.py, through ``sparse_attention_triton``)."""
+"""The FlashMLA-semantics ops' Triton implementations: their arguments as key sources
+(reference.py's) of the shared attention core, run by its Triton launcher
+(``sparse_attention_triton``; which kernel ran: ``dispatch.last_choice(op).route``)."""
 from __future__ import annotations
 
 import torch
