@@ -3,7 +3,7 @@ custom ops.
 
 Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
 list, an optional extra (compressed) key list and an attention sink. Prefill:
-``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/common/sparse_attention.py:
+``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to ops/attention/:
 reference.py and triton_kernels.py translate the arguments into its key sources; vendor.py
 runs FlashMLA itself.
 """

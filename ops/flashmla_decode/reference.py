@@ -1,8 +1,8 @@
 """The FlashMLA-semantics ops' arguments as key sources of the shared attention reference
-(ops/common/sparse_attention.py): the oracle and the CPU kernel of both ops."""
+(ops/attention/reference.py): the oracle and the CPU kernel of both ops."""
 from __future__ import annotations
 
-from sparse_mla.ops.common.sparse_attention import KeySource, sparse_attention_reference
+from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 
 
 def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,

@@ -1,11 +1,11 @@
 """The FlashMLA-semantics ops on the shared Triton attention core
-(ops/common/sparse_attention_triton.py, through ``sparse_attention_triton``)."""
+(ops/attention/, through ``sparse_attention_triton``)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.common.sparse_attention import sparse_attention_triton
+from sparse_mla.ops.attention import sparse_attention_triton
 from sparse_mla.ops.flashmla_decode.reference import decode_sources, prefill_source
 
 

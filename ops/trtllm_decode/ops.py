@@ -8,7 +8,7 @@
 
 Each op: validate (raises before anything is written) → dispatch → implementation. The
 arguments are translated into ``KeySource`` lists of the shared attention layer
-(ops/common/sparse_attention.py), so the reference and the Triton kernel are the shared ones.
+(ops/attention/), so the reference and the Triton kernel are the shared ones.
 Vendor: FlashInfer, imported lazily, only on SM100/SM103 with ``flashinfer`` installed. The
 vendor argument translation (vendor.py) is a pure function (``dsv4_vendor_arguments``,
 ``v32_vendor_arguments``) unit-tested on CPU; **FlashInfer's kernel itself was never run by
@@ -40,8 +40,8 @@ from torch import Tensor
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import Dispatcher, triton_check
 from sparse_mla.ops.common.opdef import custom_op
-from sparse_mla.ops.common.sparse_attention import (KeySource, sparse_attention_reference,
-                                                    sparse_attention_triton)
+from sparse_mla.ops.attention import (KeySource, sparse_attention_reference,
+                                      sparse_attention_triton)
 from sparse_mla.ops.trtllm_decode import vendor
 from sparse_mla.ops.trtllm_decode.reference import SWA_COLS, dsv4_lengths as _dsv4_lengths
 from sparse_mla.ops.trtllm_decode.reference import v32_lengths as _v32_lengths

@@ -1,7 +1,7 @@
 """PyTorch reference for the TRTLLM-gen-semantics family's own arithmetic: which leading
 index columns each query token may use. These tensor-op forms are the readable definitions
 (and the reference path's); ``triton_kernels.py`` computes the same int32 counts in one
-launch. The attention itself is the shared reference, ops/common/sparse_attention.py.
+launch. The attention itself is the shared reference, ops/attention/reference.py.
 """
 from __future__ import annotations
 
