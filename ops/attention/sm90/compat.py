@@ -69,9 +69,8 @@ def add_allocate_warp_groups(passes, pm):
 
 TRITON = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
 
-PANEL_VIEWS_ENV = "SPARSE_MLA_GLUON_PANEL_VIEWS"
-PANEL_VIEWS = gl.constexpr(
-    {"0": False, "1": True}.get(os.environ.get(PANEL_VIEWS_ENV, ""), TRITON >= (3, 7)))
+PANEL_VIEWS = gl.constexpr({"0": False, "1": True}.get(
+    os.environ.get("SPARSE_MLA_GLUON_PANEL_VIEWS", ""), TRITON >= (3, 7)))
 """Whether the kernel stores into a stage's 64-dim panels through panel views (see the module
 doc, 3.7): on from Triton 3.7. ``SPARSE_MLA_GLUON_PANEL_VIEWS=0`` / ``=1`` forces it off / on
 for A/B timing (read once, at import)."""
