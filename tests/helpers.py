@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device)")
@@ -74,12 +74,12 @@ def seeded(seed: int) -> torch.Generator:
 def hopper_with_gluon():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon)."""
     import torch
-    from sparse_mla.ops.common.attention_plan import gluon_triton_supported
+    from sparse_mla.ops.attention.plan import gluon_triton_supported
     if INTERPRETING or not torch.cuda.is_available() or \
             torch.cuda.get_device_capability() != (9, 0) or not gluon_triton_supported():
         return False
     try:
-        import sparse_mla.ops.common.sparse_attention_gluon  # noqa: F401
+        import sparse_mla.ops.attention.sm90.kernel  # noqa: F401
     except ImportError:
         return False
     return True

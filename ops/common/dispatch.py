@@ -60,8 +60,8 @@ class Choice:
     impl: str
     forced_by: Optional[str]            # "impl=" | ENV_VAR | None (automatic)
     rejected: dict                      # impl name -> reason it was not used
-    # what the Triton implementation launched (``attention_plan.LaunchPlan``: the kernel
-    # route and why); set on ``last_choice`` after a call of an attention op, else None
+    # what the Triton implementation launched (``LaunchPlan`` of ops/attention/plan.py: the
+    # kernel route and why); set on ``last_choice`` after a call of an attention op, else None
     plan: Optional[object] = None
 
     @property

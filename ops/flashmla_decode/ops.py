@@ -3,9 +3,9 @@ custom ops.
 
 Decode: ``flash_mla_with_kvcache`` on a V4 584 B (or V3.2 656 B) paged cache with a main key
 list, an optional extra (compressed) key list and an attention sink. Prefill:
-``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to the shared attention core:
-reference.py and triton_impl.py translate the arguments into its key sources; vendor.py
-runs FlashMLA itself.
+``flash_mla_sparse_fwd`` on a dense bf16 kv. Both reduce to the shared attention core
+(ops/attention/): reference.py and triton_impl.py translate the arguments into its key
+sources; vendor.py runs FlashMLA itself.
 """
 from __future__ import annotations
 

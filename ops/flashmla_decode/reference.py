@@ -1,8 +1,8 @@
 """The FlashMLA-semantics ops' PyTorch reference (the oracle and the CPU kernel of both ops):
-their arguments as key sources of the shared attention core's reference."""
+their arguments as key sources of the shared attention reference (ops/attention/reference.py)."""
 from __future__ import annotations
 
-from sparse_mla.ops.common.sparse_attention import KeySource, sparse_attention_reference
+from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 
 
 def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,

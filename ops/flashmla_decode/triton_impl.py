@@ -1,12 +1,12 @@
 """The FlashMLA-semantics ops' Triton implementations: their arguments as key sources
-(reference.py's) of the shared attention core, run by its Triton launcher
+(reference.py's) of the shared attention core (ops/attention/), run by its Triton launcher
 (``sparse_attention_triton``; which kernel ran: ``dispatch.last_choice(op).route``)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.common.sparse_attention import sparse_attention_triton
+from sparse_mla.ops.attention import sparse_attention_triton
 from sparse_mla.ops.flashmla_decode.reference import decode_sources, prefill_source
 
 

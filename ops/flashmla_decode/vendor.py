@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
-from sparse_mla.ops.common.attention_plan import gluon_enabled
+from sparse_mla.ops.attention.plan import gluon_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.common.sparse_attention import KeySource, sparse_attention_reference
+from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 
 I32 = torch.int32
 SWA_COLS = 128                        # fixed SWA window columns of a DSv4 index row

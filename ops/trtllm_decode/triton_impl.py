@@ -1,7 +1,7 @@
 """The TRTLLM-gen-semantics ops' Triton implementations: the same problems as reference.py's
-(key sources of the shared attention core) run by the core's Triton launcher, with a varlen
-batch's per-token column counts from triton_kernels.py's one launch. Triton itself is imported
-only when a varlen batch needs that launch."""
+(key sources of the shared attention core, ops/attention/) run by the core's Triton launcher,
+with a varlen batch's per-token column counts from triton_kernels.py's one launch. Triton
+itself is imported only when a varlen batch needs that launch."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.common.sparse_attention import sparse_attention_triton
+from sparse_mla.ops.attention import sparse_attention_triton
 from sparse_mla.ops.trtllm_decode import reference
 
 LENGTHS_BLOCK = 128                   # tokens per program of the lengths kernel

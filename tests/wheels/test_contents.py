@@ -185,9 +185,10 @@ def parent_is_module(mod: str, available: set) -> bool:
 
 def test_decode_wheel_requires_exactly_the_shared_layer():
     w = PRODUCTS["sparse-mla-flashmla-decode"]
-    assert set(first_party_requires(w)) == {"sparse-mla-common"}
+    assert set(first_party_requires(w)) == {"sparse-mla-attention", "sparse-mla-common"}
     assert "sparse_mla/ops/flashmla_decode/bench.py" not in w.payload  # it needs cache_insert
-    assert installed_closure(w) == {"sparse-mla-flashmla-decode", "sparse-mla-common"}
+    assert installed_closure(w) == {"sparse-mla-flashmla-decode", "sparse-mla-attention",
+                                    "sparse-mla-common"}
 
 
 def test_fixture_wheel_entry_points_and_extras():

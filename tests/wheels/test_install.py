@@ -68,9 +68,10 @@ def test_subset_install_side_by_side_and_clean_uninstall(venv):
     before = tree(env_dir)
     assert installed(python) == set(), "the system site already has sparse-mla wheels"
 
-    # 1. the decode op alone: pip brings exactly the shared layer with it
+    # 1. the decode op alone: pip brings exactly the attention core and the shared layer
     pip(python, links, "install", "sparse-mla-flashmla-decode")
-    assert installed(python) == {"sparse-mla-flashmla-decode", "sparse-mla-common"}
+    assert installed(python) == {"sparse-mla-flashmla-decode", "sparse-mla-attention",
+                                 "sparse-mla-common"}
     out = run([python, "-I", KNOWN_VALUES, "--absent", "sparse_mla.ops.cache_insert",
                "sparse_mla.ops.index_combine", "sparse_mla.ops.trtllm_decode",
                "sparse_mla.tests", "sparse_mla.tools"], cwd=base)
@@ -99,8 +100,9 @@ def test_subset_install_side_by_side_and_clean_uninstall(venv):
 
     # 5. uninstall everything: no file is left. pip (23.2.1 here) removes the directories
     # it recorded, not the namespace levels no RECORD owns: those may stay, empty.
-    pip(python, links, "uninstall", "-y", "sparse-mla-flashmla-decode", "sparse-mla-common",
-        "sparse-mla-index-combine", "sparse-mla-trtllm-decode", "sparse-mla-test-fixture")
+    pip(python, links, "uninstall", "-y", "sparse-mla-flashmla-decode", "sparse-mla-attention",
+        "sparse-mla-common", "sparse-mla-index-combine", "sparse-mla-trtllm-decode",
+        "sparse-mla-test-fixture")
     assert installed(python) == set()
     left = tree(env_dir) - before
     left_files = [p for p in left if not os.path.isdir(os.path.join(env_dir, p))]

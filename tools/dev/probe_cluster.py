@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from sparse_mla.ops.common.gluon_compat import barrier
+from sparse_mla.ops.attention.sm90.compat import barrier
 
 TILE_BYTES = 64 * 64 * 2
 HALF_BYTES = TILE_BYTES // 2

@@ -25,9 +25,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparse_mla.ops.common import attention_plan as plan
-from sparse_mla.ops.common import sparse_attention_portable as kernels
-from sparse_mla.ops.common import sparse_attention_triton as core
+from sparse_mla.ops.attention import launch as core
+from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention import portable as kernels
 
 POINTERS = {"q_ptr": "*bf16", "c0_ptr": "*u8", "c1_ptr": "*u8", "i0_ptr": "*i32",
             "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32", "part_o": "*fp32",

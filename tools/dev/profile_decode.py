@@ -7,7 +7,7 @@ grid; run under Nsight Compute for counters:
 """
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 

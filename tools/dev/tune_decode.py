@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
@@ -34,7 +34,7 @@ GLUON_SWEEP = [dict(), dict(PRODUCER_REGS=96),
 def main(argv):
     quick = "--quick" in argv
     if "--gluon" in argv:
-        from sparse_mla.ops.common import sparse_attention_gluon as g
+        from sparse_mla.ops.attention.sm90 import tuning as g
         return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False,
                       plain=True)
     return _sweep(plan.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,

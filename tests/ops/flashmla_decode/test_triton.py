@@ -2,12 +2,12 @@
 
 CUDA runs the production-like grid; the Triton interpreter (CPU, *_interpret_test) runs a
 few tiny shapes of the same code. The attention core's own routes (launch shapes, the sm_90
-and cluster kernels, tiny launches, ...) are tested in tests/ops/common/test_attention_core.py.
+and cluster kernels, tiny launches, ...) are tested in tests/ops/attention/test_attention_core.py.
 """
 import pytest
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,

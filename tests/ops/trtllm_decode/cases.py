@@ -1,4 +1,4 @@
-"""An explicit-softmax oracle written independently of ops/common/sparse_attention.py, plus
+"""An explicit-softmax oracle written independently of ops/attention/reference.py, plus
 small builders for hand-made DSv4 / V3.2 decode inputs."""
 from __future__ import annotations
 

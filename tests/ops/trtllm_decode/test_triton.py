@@ -4,13 +4,13 @@ rows are NaN (an over-read poisons the output).
 
 Runs on CUDA when present and on CPU through Triton's interpreter in the
 trtllm_decode_interpret_test target (tests/helpers.triton_params). Needs the shared Triton core
-(ops/common/sparse_attention_triton.py)."""
+(ops/attention/launch.py)."""
 import pytest
 import torch
 
 from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.trtllm_decode import reference
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
                                       hopper_with_gluon, last_plan, naming, record_results,
@@ -243,7 +243,7 @@ def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
     fp16 too, and converts in one instruction per two bytes) or, switched off, on bf16 (the
     tiny launch decodes q in the kernel, the others before it); the compiled kernel must be
     the one asked for, and both must agree with the reference."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.attention import launch as core
     if launch == "warp-specialized" and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if launch != "warp-specialized":

@@ -1,8 +1,8 @@
 """Inline PTX of the sm_90 kernel's 2-CTA clusters, as plain text (importable on any Triton,
-so CPU tests can check it; ``sparse_attention_gluon`` wraps it in ``gl.constexpr``).
+so CPU tests can check it; ``cluster`` wraps it in ``gl.constexpr`` for the kernel).
 
 Shared memory is addressed as ``global_smem`` plus the ``SMLA_OFF_*`` placeholders, which the
-Gluon module's compile hook replaces with the allocator's byte offsets of the buffers named in
+kernel's compile hook (``hooks``) replaces with the allocator's byte offsets of the buffers named in
 ``OFFSET_NAMES``. A placeholder missing there is a compile error.
 
 Each CTA of a cluster dequantizes one ``PAIR_SUB``-row half of every 64-row tile and copies
@@ -21,11 +21,11 @@ OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
                 "SMLA_OFF_PEER_FREE": "peer_free"}
 
 # (first panel, panels) of each copy batch. V4: panels 0-6 in one batch after the whole
-# half is stored (panel 7, the RoPE dims, comes from the cache; a second batch's barrier cost
-# V4 2.5-4 %). V3.2: the two staged pairs of panels (one fp32 scale each) together, then each
-# register pair as soon as it is stored, so the copies overlap the rest's dequantization
-# (201.7 -> 189.9 us on H200 over one batch; the first two pairs in one batch: 1.00-1.03x
-# over four, docs/perf-log.md, "V3.2 cluster bounds").
+# half is stored (panel 7, the RoPE dims, comes from the cache; a second batch's barrier made
+# V4 slower: docs/perf-log.md, "Cluster exchange"). V3.2: the two staged pairs of panels (one
+# fp32 scale each) together, then each register pair as soon as it is stored, so the copies
+# overlap the rest's dequantization (faster than one batch, and the first two pairs in one
+# batch than four: docs/perf-log.md, "Cluster exchange", "V3.2 cluster bounds").
 V4_SENDS = ((0, 7),)
 V32_SENDS = ((0, 4), (4, 2), (6, 2))
 
@@ -65,8 +65,8 @@ def send_panels(first: int, panels: int) -> str:
     $1 thread id (thread 0 issues), $2 the half's byte offset in k_bufs, $3 st * 8 (the
     stage's ready barrier), $4 the peer's rank. Every other thread branches around the copies
     (``${:uid}``: a label unique to each instance of the asm). Predicated copies made ptxas
-    wrap each one in a uniform-datapath loop that all producer warps ran: 23 % of the
-    producer's stall samples, 3.5-6.5 % of V4 h128's time (docs/perf-log.md, "Cluster exchange")."""
+    wrap each one in a uniform-datapath loop that all producer warps ran, a measurable share
+    of V4 h128's time (docs/perf-log.md, "Cluster exchange")."""
     copies = "".join(f"""
     add.u32 src, base, SMLA_OFF_K;
     add.u32 src, src, $2;
@@ -81,7 +81,8 @@ SMLA_SKIP_${:uid}:""")
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
-# MEMBAR + ERRBAR that took 3.7 % of the kernel's stall samples (ncu, docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
+# MEMBAR + ERRBAR that showed among the kernel's stall samples (ncu, docs/perf-log.md,
+# "Two-launch schedule and 2-CTA clusters")
 REMOTE_ARRIVE = _leader_block(_peer_address("bar", "SMLA_OFF_PEER_FREE", "$2", "$3") + """
     @leader mbarrier.arrive.shared::cluster.b64 _, [bar];""")
 # every thread of both CTAs arrives once at its partition's start (the lead, whose warps ran

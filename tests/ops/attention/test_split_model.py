@@ -1,8 +1,8 @@
 """The split-count cost model of the sparse-attention launch (pure Python, no kernel)."""
 import pytest
 
-from sparse_mla.ops.common import sparse_attention_triton as core
-from sparse_mla.ops.common.attention_plan import choose_splits, plan_phases
+from sparse_mla.ops.attention import launch as core
+from sparse_mla.ops.attention.plan import choose_splits, plan_phases
 
 
 @pytest.mark.parametrize("units,tiles,want", [

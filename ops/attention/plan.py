@@ -1,20 +1,21 @@
 """The attention core's launch planning: which kernel route a call takes, and its shape.
 
-``plan_launch`` decides, for one call of ``sparse_attention_triton.run``, between the routes
+``plan_launch`` decides, for one call of the launcher (``launch.run``), between the routes
 
-* ``sm90``: the warp-specialized Gluon kernel (``sparse_attention_gluon``), one CTA per
+* ``sm90``: the warp-specialized Gluon kernel (ops/attention/sm90/kernel.py), one CTA per
   (token, head block) unit and split;
 * ``sm90_cluster``: the same kernel with the token's two head blocks as a 2-CTA cluster
   (V4 / V3.2 rows at 65-128 heads);
-* ``tiny``: the portable kernel's small-launch shape (the 512 output dims split over two
-  4-warp programs, ``SMALL_CONFIG``);
-* ``portable``: the portable Triton split kernel,
+* ``tiny``: the portable kernel's small-launch shape (ops/attention/portable.py: the 512
+  output dims split over two 4-warp programs, ``SMALL_CONFIG``);
+* ``portable``: the portable Triton split kernel (ops/attention/portable.py),
 
 and the split counts (a wave cost model, ``choose_splits`` / ``plan_phases``). The returned
-``LaunchPlan`` says why (``reason``), and ``run`` fills in what it launched; the dispatcher
-attaches it to ``dispatch.last_choice(op)`` (``dispatch.explain`` reports it). Pure Python: no
-kernel is imported here, so the Triton version check runs before the Gluon module (whose
-import installs a process-wide compile hook) is ever loaded.
+``LaunchPlan`` says why (``reason``) and which file holds the kernel (``kernel_file``), and
+``run`` fills in what it launched; the dispatcher attaches it to ``dispatch.last_choice(op)``
+(``dispatch.explain`` reports it). Pure Python: no kernel is imported here, so the Triton
+version check runs before the Gluon kernel (whose import installs a process-wide compile
+hook, ``sm90/hooks.py``) is ever loaded.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ import triton
 from sparse_mla.ops.common.dispatch import triton_interpreting
 
 ROUTES = ("portable", "tiny", "sm90", "sm90_cluster")
+# The file that holds each route's split kernel, relative to the checkout (the ``sparse_mla``
+# package root): what ``LaunchPlan`` names, so a reader goes from ``last_choice`` to the code
+KERNEL_FILES = {"portable": "ops/attention/portable.py", "tiny": "ops/attention/portable.py",
+                "sm90": "ops/attention/sm90/kernel.py",
+                "sm90_cluster": "ops/attention/sm90/kernel.py"}
 
 
 @dataclasses.dataclass
@@ -46,6 +52,11 @@ class LaunchPlan:
     kernels: list = dataclasses.field(default_factory=list)
 
     @property
+    def kernel_file(self) -> str:
+        """The file holding this route's split kernel (``KERNEL_FILES``)."""
+        return KERNEL_FILES[self.route]
+
+    @property
     def kernel(self):
         """The last compiled split kernel launched (None before ``run`` launched one)."""
         return self.kernels[-1] if self.kernels else None
@@ -53,46 +64,45 @@ class LaunchPlan:
     def __str__(self):
         splits = ", ".join(f"tokens {a}-{b}: {n} split{'s' * (n > 1)}"
                            for a, b, n in self.phases)
-        return f"{self.route} ({self.reason})" + (f" [{splits}]" if splits else "")
+        return (f"{self.route} ({self.reason}; kernel in {self.kernel_file})"
+                + (f" [{splits}]" if splits else ""))
 
 
-# Launch shape; tools/dev/tune_decode.py sweeps it (docs/perf-log.md has the H200 numbers).
+# Launch shape; tools/dev/tune_decode.py sweeps it (docs/perf-log.md, "Attention core rework").
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
 # combine) in key tiles, for choose_splits' cost model.
-# "num_stages_v32": V3.2's 656 B records take a third stage (H200: 338 vs 371 µs at h128 b64
-# s_q2 top-k 2048); V4 gains nothing from it and plain bf16 rows do not fit.
+# "num_stages_v32": V3.2's 656 B records gain from a third stage (docs/perf-log.md, "Attention
+# core rework"); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
           "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
-# 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM. H200: 12.9 vs 15.6 µs
-# at batch 2, h64; slower as soon as the batch fills the card (docs/perf-log.md). Where the sm_90
-# warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it instead
-# (H200 batch 2, h128: 13.5 vs 14.9 µs at s_q 1, 16.7 vs 18.1 at s_q 2), and so do those of
-# one head block past ``WS_TINY``.
+# 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM: faster at batch 2,
+# slower as soon as the batch fills the card (docs/perf-log.md, "Attention core rework"). Where
+# the sm_90 warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it
+# instead (faster: docs/perf-log.md, "Small head counts"), and so do those of one head block
+# past ``WS_TINY``.
 SMALL_UNITS = 8
 # Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
-# 64-key tiles each (index columns): that kernel wins from 4 units up (H200 s_q 2, batch 4,
-# h64, window 128 + 1024: 17.6 -> 14.5 µs; bf16 rows 17.5 -> 13.4) and, at 1-2 units, from
-# 17 tiles up (window 128 + 960: bf16 rows 11.2 -> 10.6, V3.2 top-k 1088 11.7 -> 11.4, V4 a
-# tie), where 16 tiles stay faster split (window 128 + 896: V4 9.4 against 11.2, bf16 9.3
-# against 10.0; V3.2 top-k 1024 9.6 against 11.0; docs/perf-log.md, "Small head counts", "Tiny launches up to 16 tiles").
-# None: ``SMALL_UNITS`` alone.
+# 64-key tiles each (index columns): that kernel wins from 4 units up and, at 1-2 units, from
+# 17 tiles up, where 16 tiles stay faster split (docs/perf-log.md, "Small head counts", "Tiny
+# launches up to 16 tiles"). None: ``SMALL_UNITS`` alone.
 WS_TINY = {"units": 2, "tiles": 16}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
-# step; more cost it more than a second tile per split program saves (H200 batch 1, s_q 2,
-# h64, window 128 + 1024: 36 splits 14.2 µs, 18 splits 11.6)
+# step; more cost it more than a second tile per split program saves (docs/perf-log.md,
+# "FlashMLA timed per layer")
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32,
                 "tiny": True}
 # Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
-# Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones. H200 batch 2, V4
-# window 128 + 512, s_q 2: h32 23.9 -> 10.1 µs, h8 14.2 -> 10.4 (docs/perf-log.md, "Small head counts").
-# Plain bf16 rows (no decoding) at <= 16 heads keep their 16-row block: 7.3 against 9.1 µs
-# (h8, batch 1). Elsewhere (mma.sync only) the smallest block that holds the heads stays.
+# Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones, which were much
+# slower at h8-h32 (docs/perf-log.md, "Small head counts"). Plain bf16 rows (no decoding) at
+# <= 16 heads keep their 16-row block, faster there (same section). Elsewhere (mma.sync only)
+# the smallest block that holds the heads stays.
 SMALL_HEAD_BLOCK_SM90 = 64
 # The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
-# 5-8 % faster at h64 and h128, and no measured shape got slower (H200, docs/perf-log.md, "V4 rows staged by cp.async"). The portable kernel keeps 3 (not re-measured).
+# faster at h64 and h128, and no measured shape got slower (docs/perf-log.md, "V4 rows staged
+# by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
 
 
@@ -191,8 +201,8 @@ def plan_phases(T, n_hb, tiles, sms, overhead):
 
 
 # Launches whose splits are at most one tile each run the split kernel without its key loop
-# (``ONE_TILE``), so q's arrival and the gather overlap. H200, tiny launches: 1.01-1.06x
-# (batch 2, s_q 1, h64: 8.38 -> 8.12 µs), outputs bit-identical (docs/perf-log.md, "Tiny launches without the key loop").
+# (``ONE_TILE``), so q's arrival and the gather overlap: tiny launches a little faster, outputs
+# bit-identical (docs/perf-log.md, "Tiny launches without the key loop").
 ONE_TILE_FORM = True
 
 
@@ -203,10 +213,10 @@ def one_tile(max_tiles, n_splits):
 
 
 # The sm_90 Gluon kernel compiles and runs on these Triton releases (major, minor), with the
-# shims of ``gluon_compat``; each one was checked by compiling every launch variant for sm_90a
-# (``sm90_variants``) and the GPU tests (docs/PERF.md, "Triton 3.6-3.9"). A release outside
-# the range falls back to the portable kernel, and ``plan_launch`` says so: a new Triton's
-# Gluon API changes are found by tests/ops/common/test_sm90_compile.py first.
+# shims of ``sm90/compat.py``; each one was checked by compiling every launch variant for
+# sm_90a (``sm90/variants.py``) and the GPU tests (docs/PERF.md, "Triton 3.6-3.9"). A release
+# outside the range falls back to the portable kernel, and ``plan_launch`` says so: a new
+# Triton's Gluon API changes are found by tests/ops/attention/test_sm90_compile.py first.
 GLUON_TRITON = ((3, 6), (3, 9))
 
 
@@ -243,7 +253,7 @@ def gluon_enabled() -> bool:
 
 
 def gluon_route(q, fmt, blocks):
-    """(``sparse_attention_gluon`` or None, why not) for one launch: its warp-specialized
+    """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
     kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
     blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the V3.2
     cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
@@ -263,17 +273,17 @@ def gluon_route(q, fmt, blocks):
     if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
         return None, f"{fmt} cache blocks not all {need}-byte aligned"
     try:
-        from sparse_mla.ops.common import sparse_attention_gluon
+        from sparse_mla.ops.attention.sm90 import kernel
     except ImportError as exc:     # Triton without Gluon (< 3.5)
         return None, f"the Gluon kernel does not import ({exc})"
-    return sparse_attention_gluon, None
+    return kernel, None
 
 
 def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
     """The route, launch shape and split plan of one call: ``T`` tokens of ``heads`` heads
     (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
     (``blocks``: each source's (cache, block stride)). Returns (LaunchPlan, launch config,
-    the Gluon module or None); ``run`` launches it."""
+    the Gluon kernel module or None); ``run`` launches it."""
     g, why_not = gluon_route(q, fmt, blocks)
     cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None)
     units = T * n_hb
@@ -284,12 +294,14 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
     if g is None:
         route = "tiny" if cfg["tiny"] else "portable"
         return LaunchPlan(route, why_not or "the portable kernel"), cfg, None
+    from sparse_mla.ops.attention.sm90 import tuning
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
-    staged = (fmt == "v4" and g.STAGE_V4 and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
+    staged = (fmt == "v4" and tuning.STAGE_V4
+              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
-    # tiny launches: H200 batch 2, h128: 14.3 vs 13.1 µs at s_q 1, docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
+    # tiny launches, slower there: docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
     cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
-               and ((staged and g.CLUSTER_V4) or (fmt == "v32" and g.CLUSTER_V32)))
+               and ((staged and tuning.CLUSTER_V4) or (fmt == "v32" and tuning.CLUSTER_V32)))
     if cluster:
         reason = (f"{fmt} rows at {heads} heads: each token's two head blocks as one 2-CTA "
                   "cluster")

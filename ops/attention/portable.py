@@ -1,7 +1,7 @@
 """The portable Triton kernels of the attention core: the split kernel and the combine kernel,
 with the jit helpers the sm_90 Gluon kernel shares (``key_run``, ``slot_row``,
-``tile_source``, ``softmax_step``, ``sink_gate``). ``sparse_attention_triton`` plans and
-launches them (its docstring has the design, ``attention_plan`` the route choice).
+``tile_source``, ``softmax_step``, ``sink_gate``). ``launch`` launches them (its docstring has
+the design, ``plan`` the route choice).
 
 Split kernel: grid (tokens × head blocks × output halves, splits); each program walks its run
 of the token's virtual key list (source 0's usable columns padded to BLOCK_N, then source
@@ -389,8 +389,8 @@ def _split_kernel(
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     # the block's first partial row as one 64-bit scalar, its rows' offsets from it in 32 bits:
-    # 64-bit row products per element made the epilogue longer (H200, one-wave tiny launches
-    # 1.02x, docs/perf-log.md, "Batch-2 time and the combine")
+    # 64-bit row products per element made the epilogue longer (docs/perf-log.md, "Batch-2 time
+    # and the combine")
     row0 = (t.to(tl.int64) * H + hb * HB) * n_splits + sp
     hrow = tl.arange(0, HB) * n_splits
     o = acc * inv_l[:, None]
@@ -419,9 +419,8 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     # so the sink and scale are already final. After the wait the partial rows are loaded
     # first, and as volatile loads, which ptxas keeps in program order among themselves: as
     # plain loads, in some variants it moved them all behind the lse max's first shuffle,
-    # which waits for the lse loads, and paid a second round trip (H200, TRTLLM-gen B1 h128:
-    # 0.92x; volatile, one-wave launches 0.97-1.09x against plain loads after the max;
-    # docs/perf-log.md, "Batch-2 time and the combine").
+    # which waits for the lse loads, and paid a second round trip (docs/perf-log.md, "Batch-2
+    # time and the combine").
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
     if OUT_SCALE_T:

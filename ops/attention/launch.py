@@ -1,35 +1,33 @@
-"""Launcher of the attention core (ops/common/sparse_attention.py): split-KV sparse attention
-over listed keys.
+"""Launcher of the attention core: split-KV sparse attention over listed keys (its entry point,
+``sparse_attention_triton``, is in ops/attention/__init__.py).
 
-``run`` takes one call's plan from ``attention_plan.plan_launch`` (which kernel route and
-why; the split counts from a wave cost model) and launches it: the portable split and
-combine kernels (``sparse_attention_portable``: grid tokens × head blocks × output halves,
-splits; each token's key list is virtual, ``[source 0's usable columns, padded to BLOCK_N |
-source 1's]``, cut into ``n_splits`` runs of whole tiles), or on sm_90
-``sparse_attention_gluon._ws_kernel`` (warp-specialized: producer warps gather and
-dequantize, consumer warpgroups run the dots) for every cache format unless the launch is
-tiny and has one head block. The combine kernel is shared (launched with programmatic
-dependent launch on sm_90+), and when a launch has one split per token the Gluon kernel
-writes out / lse / max logits itself. Where one launch would leave its last wave mostly
-idle, ``plan_phases`` makes two: the tokens filling whole waves unsplit, then the rest split
-(``t0``: the launch's first token). V4 and V3.2 rows at 65-128 heads run as 2-CTA clusters,
-each CTA dequantizing half of every tile for both. Tiny launches split the 512 output dims
-over two 4-warp programs (``DV`` = 2), which then both compute q·k.
+``run`` takes one call's plan from ``plan.plan_launch`` (which kernel route and why; the split
+counts from a wave cost model) and launches it: the portable split and combine kernels
+(``portable``: grid tokens × head blocks × output halves, splits; each token's key list is
+virtual, ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into
+``n_splits`` runs of whole tiles), or on sm_90 ``sm90.kernel._ws_kernel`` (warp-specialized:
+producer warps gather and dequantize, consumer warpgroups run the dots) for every cache
+format unless the launch is tiny and has one head block. The combine kernel is shared
+(launched with programmatic dependent launch on sm_90+), and when a launch has one split per
+token the Gluon kernel writes out / lse / max logits itself. Where one launch would leave its
+last wave mostly idle, ``plan_phases`` makes two: the tokens filling whole waves unsplit, then
+the rest split (``t0``: the launch's first token). V4 and V3.2 rows at 65-128 heads run as
+2-CTA clusters, each CTA dequantizing half of every tile for both. Tiny launches split the
+512 output dims over two 4-warp programs (``DV`` = 2), which then both compute q·k.
 
 Interpreted launches (TRITON_INTERPRET=1) feed the dots fp32 operands (``DOT_F32``: the
 interpreter's bf16 ``tl.dot`` is wrong); compiled launches use bf16, or fp16 for plain e4m3
-keys with an e4m3 q (``F16``, exact). ``run`` returns the ``attention_plan.LaunchPlan`` that
-ran.
+keys with an e4m3 q (``F16``, exact). ``run`` returns the ``plan.LaunchPlan`` that ran.
 """
 from __future__ import annotations
 
 import torch
 import triton
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention import portable as kernels
+from sparse_mla.ops.attention.reference import head_dims
 from sparse_mla.ops.common import checks, formats
-from sparse_mla.ops.common import sparse_attention_portable as kernels
-from sparse_mla.ops.common.sparse_attention import head_dims
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
@@ -42,8 +40,8 @@ LOG2E = 1.4426950408889634
 PDL = True
 # Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
 # values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
-# bytes where -> bf16 is three (H200: the fp8 path 1.32-1.38x faster on the sm_90 kernel,
-# 1.10-1.14x on the portable one, docs/perf-log.md, "V3.2 and 576-wide rows on sm_90")
+# bytes where -> bf16 is three: the fp8 path is faster on both kernels (docs/perf-log.md,
+# "V3.2 and 576-wide rows on sm_90")
 FP16_FOR_E4M3 = True
 
 
@@ -55,6 +53,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
     staged or V3.2 rows, 65-128 heads; its producer gets ``PRODUCER_REGS_CLUSTER``
     registers): the compiled kernel is made cluster-launchable before its first
     launch, and the launch then takes half the grid's x (the launcher multiplies it back)."""
+    from sparse_mla.ops.attention.sm90 import tuning
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
                if max_logits is not None else (part_ml, 0, 0))
@@ -66,7 +65,7 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
-    kwargs = g.launch_constexprs(
+    kwargs = tuning.launch_constexprs(
         FMT_CODES[src0.fmt], has_l0=src0.lengths is not None,
         has_l1=src1 is not None and src1.lengths is not None, has_src1=src1 is not None,
         track_max=max_logits is not None, n_units=n_units,
@@ -76,8 +75,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         staged=staged, cluster=cluster)
     kwargs["launch_pdl"] = pdl
     if cluster:
-        from sparse_mla.ops.common import gluon_hooks
-        return gluon_hooks.launch_clusters(g._ws_kernel, grid, args, kwargs)
+        from sparse_mla.ops.attention.sm90 import hooks
+        return hooks.launch_clusters(g._ws_kernel, grid, args, kwargs)
     return g._ws_kernel[grid](*args, **kwargs)
 
 
@@ -97,9 +96,11 @@ def _scalar_arg(value, factor, dummy):
     return float(value) * factor, dummy
 
 
-def _scales_aligned(src):
-    """V4 scale bytes of every row can be read as one int64 (block starts 8-byte aligned)."""
-    return src.fmt == "v4" and plan._blocks_aligned(*_source_args(src)[:2])
+def scales_aligned(fmt, blocks):
+    """Whether the portable kernel reads V4 scale bytes as one int64 per row (``SCALE64``):
+    every block of every source (``blocks``: (uint8 cache, block stride) pairs) starts 8-byte
+    aligned."""
+    return fmt == "v4" and all(plan._blocks_aligned(c, s0) for c, s0 in blocks)
 
 
 def _source_args(src):
@@ -113,8 +114,8 @@ def _source_args(src):
 
 
 def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
-    """Launch the attention of ``q`` over ``sources`` (see ``sparse_attention``) and return
-    the ``attention_plan.LaunchPlan`` that ran (None where there was nothing to compute)."""
+    """Launch the attention of ``q`` over ``sources`` (``reference.KeySource``) and return
+    the ``plan.LaunchPlan`` that ran (None where there was nothing to compute)."""
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return None
@@ -131,7 +132,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     else:
         c1, c1s0, c1s1 = c0, 0, 0
     blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
-    scale64 = src0.fmt == "v4" and all(plan._blocks_aligned(c, s0) for c, s0 in blocks)
+    scale64 = scales_aligned(src0.fmt, blocks)
     d576 = head_dims(sources) == 576
     launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H)
     staged = launch.staged
@@ -170,8 +171,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
                 _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
                          out_scale, pdl, interp=False)
         return launch
-    # waves of one program per SM even where two 4-warp programs fit (dv 2): H200 batch 2,
-    # h64, s_q 2, window 128 + 512: 10 splits (80 programs) 11.6 µs, 20 (160) 12.8 µs
+    # waves of one program per SM even where two 4-warp programs fit (dv 2): twice the splits
+    # were slower (docs/perf-log.md, "FlashMLA timed per layer")
     n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, plan._sm_count(dev),
                                   cfg["split_overhead"], cfg["max_splits"])
     hb = plan.head_block(H, cfg["tiny"], dev, src0.fmt)
@@ -179,9 +180,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     if q_fp8 and cfg["dv"] == 1:
         # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
-        # 30 % slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
+        # slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
         # launches (one or two tiles per program) decode in the kernel: the extra launch
-        # would cost them more (H200 batch 1: 15.8 vs 11.8 µs).
+        # would cost them more (docs/perf-log.md, "Attention core rework").
         q, q_fp8 = q.to(torch.float16 if f16 else torch.bfloat16), False
     qq = q.view(torch.uint8) if q_fp8 else q
     interp = triton_interpreting()
@@ -211,9 +212,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
-# fp32: half the bytes between the split kernels and the combine. H100 (docs/perf-log.md, "bf16 split partials"): whole op 1.04-1.19x at batch 2 and b64, 0.996-1.007x at b74 / b148 h128. Each partial
-# is rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex
-# combination, within docs/semantics.md §9's rel 2/128; the error against the reference did not change).
+# fp32: half the bytes between the split kernels and the combine, faster at small and medium
+# batches and a tie at large ones (docs/perf-log.md, "bf16 split partials"). Each partial is
+# rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex combination,
+# within docs/semantics.md §9's rel 2/128; the error against the reference did not change).
 # A launch of one split (the portable kernel, whose combine then only applies the sink and
 # output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's own epilogue
 # rounds them. torch.float32 restores fp32 everywhere (both kernels take either).
@@ -236,7 +238,7 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
         part_o = part_o.view(torch.int16)
     # 2-byte partials: two warps span a row's 512 dims in 16-byte loads, so all splits of a
     # column sit in one thread; with four, the splits were summed across warps through shared
-    # memory and the combine ran up to 4x slower (b64 s_q1 h64: 21.4 against 4.6 µs, H100)
+    # memory and the combine ran several times slower (docs/perf-log.md, "bf16 split partials")
     grid = (t1 - t0, H)
     args = (
         part_o, part_ml, n_splits, t0, H, sink if sink is not None else part_ml, out,
@@ -260,12 +262,11 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
 
 
 # Launched early (PDL), the combine's CTAs all land on the SMs the split launch leaves free,
-# as many as fit, and only those SMs merge the partials: H200 batch 2, s_q 2, h128 (72 split
-# programs, 512 combine CTAs): 60 SMs, up to 9 CTAs each, 2.67 µs from release to the last
-# CTA. Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty:
-# 128 SMs, at most 4 each, 1.8 µs; the call 13.96 -> 13.04 µs (docs/perf-log.md, "Small-launch timeline and combine cap").
-# Large combines (b64 s_q1 h64: 4,096 CTAs) lost 8 % under a cap of 4, so only small ones
-# are capped: ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
+# as many as fit, and only those SMs merge the partials (at batch 2, h128: fewer than half the
+# SMs). Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty,
+# and small calls got faster (docs/perf-log.md, "Small-launch timeline and combine cap").
+# Large combines (thousands of CTAs) lost under a cap, so only small ones are capped:
+# ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
 COMBINE_SPREAD = 8
 
 

@@ -2,13 +2,15 @@
 
 A Triton upgrade that breaks the Gluon kernel would otherwise only show on a Hopper GPU,
 and there only as the portable kernel running instead (the version gate falls back). This
-compiles each variant ``sparse_attention_triton`` launches with the installed Triton and its
-own ptxas, and reports registers and spills per thread (tests/ops/common/test_sm90_compile.py
-runs it in the CPU CI; ``python3 -m sparse_mla.ops.common.sm90_variants`` prints the table).
+compiles each variant the launcher (ops/attention/launch.py) can pick with the installed
+Triton and its own ptxas, and reports registers and spills per thread
+(tests/ops/attention/test_sm90_compile.py runs it in the CPU CI;
+``python3 -m sparse_mla.ops.attention.sm90.variants`` prints the table; tools/dev/ptx_digest.py
+digests their PTX).
 
-The constexprs come from ``sparse_attention_gluon.launch_constexprs``, the function the launch
-itself uses; pointer and stride arguments are marked 16-byte divisible as the JIT marks the
-production ones.
+The constexprs come from ``tuning.launch_constexprs``, the function the launch itself uses;
+pointer and stride arguments are marked 16-byte divisible as the JIT marks the production
+ones.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import sys
 import tempfile
 
 # (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3 (sparse_attention_triton.FMT_CODES)
+#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3 (launch.FMT_CODES)
 VARIANTS = {
     "v4_staged": dict(fmt=0, staged=True),
     "v4_staged_final": dict(fmt=0, staged=True, final=True),
@@ -54,10 +56,10 @@ def _pointer_types(v):
 def constexprs(name):
     """The launch's compile-time parameters for variant ``name`` (decode-shaped: two
     sources with lengths, a sink, lse, PDL; 2 head blocks where the variant is a cluster)."""
-    from sparse_mla.ops.common import sparse_attention_gluon as g
+    from sparse_mla.ops.attention.sm90 import tuning
     v = VARIANTS[name]
     cluster = v.get("cluster", False)
-    return g.launch_constexprs(
+    return tuning.launch_constexprs(
         v["fmt"], has_l0=True, has_l1=True, has_src1=True, track_max=False,
         n_units=2 if cluster else 1, scale_t=False, q_fp8=v.get("q_fp8", False),
         final=v.get("final", False), has_sink=True, has_lse=True, out_scale_t=False, pdl=True,
@@ -71,8 +73,8 @@ def compile_variant(name):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from sparse_mla.ops.common import sparse_attention_gluon as g
-    fn = g._ws_kernel
+    from sparse_mla.ops.attention.sm90 import kernel
+    fn = kernel._ws_kernel
     names = list(inspect.signature(fn.fn).parameters)
     cx = constexprs(name)
     num_warps = cx.pop("num_warps")

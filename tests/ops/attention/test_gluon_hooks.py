@@ -5,7 +5,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 
 pytestmark = pytest.mark.skipif(
     not plan.gluon_triton_supported() or plan.triton_interpreting(),
@@ -34,28 +34,28 @@ def _ptx_body(kernel):
 def test_the_hook_answers_the_cache_key_call():
     from triton import knobs
 
-    from sparse_mla.ops.common import gluon_hooks, sparse_attention_gluon  # noqa: F401
+    from sparse_mla.ops.attention.sm90 import hooks, kernel  # noqa: F401
     hook = knobs.runtime.add_stages_inspection_hook
-    assert isinstance(hook, gluon_hooks._Hook)
+    assert isinstance(hook, hooks._Hook)
     key, digest = hook()
-    assert isinstance(key, str) and isinstance(digest, str) and key.endswith(gluon_hooks._KEY)
+    assert isinstance(key, str) and isinstance(digest, str) and key.endswith(hooks._KEY)
 
 
 def test_install_chains_a_hook_found_before_and_only_once(monkeypatch):
     from triton import knobs
 
-    from sparse_mla.ops.common import gluon_hooks
+    from sparse_mla.ops.attention.sm90 import hooks
     calls = []
 
     def previous(*args):
         calls.append(len(args))
         return ("prev", "p0") if not args else None
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", previous)
-    gluon_hooks.install()
-    gluon_hooks.install()
+    hooks.install()
+    hooks.install()
     hook = knobs.runtime.add_stages_inspection_hook
-    assert isinstance(hook, gluon_hooks._Hook) and hook.previous is previous
-    assert hook()[0] == "prev" + gluon_hooks._KEY and calls == [0]
+    assert isinstance(hook, hooks._Hook) and hook.previous is previous
+    assert hook()[0] == "prev" + hooks._KEY and calls == [0]
     stages = {}
     hook(None, stages, None, None, 90)      # no ptx / llir stages: nothing to wrap
     assert calls == [0, 5] and stages == {}
@@ -66,7 +66,7 @@ def test_other_kernels_compile_unchanged_after_the_import(monkeypatch):
     without any hook (the hook edits ``_ws_kernel`` builds only)."""
     from triton import knobs
 
-    from sparse_mla.ops.common import sparse_attention_gluon  # noqa: F401
+    from sparse_mla.ops.attention.sm90 import kernel  # noqa: F401
     with_hook = _compile_plain()
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
     without = _compile_plain()

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from sparse_mla.ops.common import cluster_ptx as cp
+from sparse_mla.ops.attention.sm90 import cluster_ptx as cp
 
 COPY = re.compile(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes"
                   r" \[dst\], \[src\], (\d+), \[rbar\];")

@@ -1,16 +1,17 @@
 """The Triton-version differences the sm_90 Gluon kernel meets, in one place.
 
-The kernel (``sparse_attention_gluon``) and its compile hooks (``gluon_hooks``) are written once
-against the names below; each resolves to what the installed Triton calls it. The supported
-range itself is ``attention_plan.GLUON_TRITON`` (pure Python: checked before this module, which
-needs Gluon, is imported). What changed, release by release (each checked by compiling every
-launch variant for sm_90a: ``sm90_variants``, tests/ops/common/test_sm90_compile.py):
+The kernel (``kernel`` and the modules it is made of) and its compile hooks (``hooks``) are
+written once against the names below; each resolves to what the installed Triton calls it.
+The supported range itself is ``plan.GLUON_TRITON`` (ops/attention/plan.py, pure Python:
+checked before this module, which needs Gluon, is imported). What changed, release by release
+(each checked by compiling every launch variant for sm_90a: ``variants``,
+tests/ops/attention/test_sm90_compile.py):
 
 * 3.7: ``gl.thread_barrier`` became ``gl.barrier`` (the same ``debug_barrier`` op);
   ``allocate_warp_groups`` did not change until 3.8, where it takes a second argument
   (whether the concurrency sanitizer runs);
 * 3.7: stages-inspection hooks are also called with no arguments and must then return a
-  ``(key, hash)`` pair for the compile cache (``gluon_hooks``);
+  ``(key, hash)`` pair for the compile cache (``hooks``);
 * 3.8: ``async_copy.async_copy_global_to_shared`` became ``async_load`` (the old name raises
   in 3.9);
 * 3.8: ``_reinterpret`` to a different byte size is rejected; 3.9 renames it ``reinterpret``.
@@ -20,10 +21,10 @@ launch variant for sm_90a: ``sm90_variants``, tests/ops/common/test_sm90_compile
   into the swizzle's XOR (one address register per slice, where 3.6 added the offset as an
   immediate), and shared stores became inline ``st.shared::cta`` asm. In the V4 cluster
   producer that cost seven live registers, and ptxas then scheduled all of the
-  dequantization after the stage hand-off's wait (3.6: 3 of 7 panels before it): Triton 3.8
-  ran V4 h128 5-10 % slower on an H100. ``PANEL_VIEWS`` stores through [panels, rows, 64]
-  views of the stage instead (``sparse_attention_gluon._panel``); 3.6 keeps the slices
-  (its code is unchanged). ``SMLA_GLUON_PANEL_VIEWS=0/1`` overrides it (A/B timing).
+  dequantization after the stage hand-off's wait (3.6: 3 of 7 panels before it), and
+  Triton 3.8 ran V4 h128 slower on an H100 (docs/perf-log.md, "Session 35: Triton 3.8").
+  ``PANEL_VIEWS`` stores through [panels, rows, 64] views of the stage instead
+  (``dequant._panel``); 3.6 keeps the slices (its code is unchanged).
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def add_allocate_warp_groups(passes, pm):
 
 TRITON = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
 
-# stores into a stage's 64-dim panels through panel views (see the module doc, 3.7)
-PANEL_VIEWS = gl.constexpr(
-    {"0": False, "1": True}.get(os.environ.get("SMLA_GLUON_PANEL_VIEWS", ""), TRITON >= (3, 7)))
+PANEL_VIEWS = gl.constexpr({"0": False, "1": True}.get(
+    os.environ.get("SPARSE_MLA_GLUON_PANEL_VIEWS", ""), TRITON >= (3, 7)))
+"""Whether the kernel stores into a stage's 64-dim panels through panel views (see the module
+doc, 3.7): on from Triton 3.7. ``SPARSE_MLA_GLUON_PANEL_VIEWS=0`` / ``=1`` forces it off / on
+for A/B timing (read once, at import)."""

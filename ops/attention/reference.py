@@ -1,4 +1,5 @@
-"""Sparse MLA attention over explicitly listed keys: the math every decode op shares.
+"""The attention core's key lists (``KeySource``) and its PyTorch reference: the math every
+decode op shares, the oracle of the Triton kernels and the CPU kernel of the ops.
 
 A query token attends to the union of up to two key lists ("sources"), each naming rows of one
 KV cache by slot id. K = V: the same row is used for q·k (all ``D_qk`` dims) and for the output
@@ -11,7 +12,8 @@ Key validity in a source: column ``j < lengths[t]`` (all columns when ``lengths`
 negative or too-large ids are undefined there and are simply skipped here.)
 
 Both op families (ops/flashmla_decode, ops/trtllm_decode) translate their own arguments into
-``KeySource`` lists and call ``sparse_attention_reference`` / ``sparse_attention_triton``.
+``KeySource`` lists and call ``sparse_attention_reference`` (here) or ``sparse_attention_triton``
+(ops/attention/__init__.py).
 """
 from __future__ import annotations
 
@@ -127,30 +129,3 @@ def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],
         lse[t] = lse_t
         mx[t] = s.amax(dim=-1)
     return (out, lse, mx) if return_max_logits else (out, lse)
-
-
-def _unit_strides(src: KeySource) -> KeySource:
-    idx, lens = checks.unit_stride(src.indices), checks.unit_stride(src.lengths)
-    if idx is src.indices and lens is src.lengths:
-        return src          # the usual case: no copy, no new object on the decode hot path
-    return dataclasses.replace(src, indices=idx, lengths=lens)
-
-
-def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
-                            sink: Optional[torch.Tensor], scale, out: torch.Tensor,
-                            lse: Optional[torch.Tensor] = None, out_scale=1.0,
-                            max_logits: Optional[torch.Tensor] = None):
-    """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
-    and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
-    contiguous). ``scale`` / ``out_scale`` may be one-element fp32 tensors on q's device:
-    the kernels read them, so nothing syncs with the host. Index lists, lengths and the sink
-    may be strided views: the kernels need unit-stride ones, made here (a copy only where the
-    view has gaps). Returns the ``attention_plan.LaunchPlan`` that ran (which kernel route and
-    why; also on ``dispatch.last_choice(op)`` of the op that called this)."""
-    from sparse_mla.ops.common import dispatch
-    from sparse_mla.ops.common import sparse_attention_triton as kernels
-    sources = [_unit_strides(s) for s in sources]
-    plan = kernels.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale,
-                       max_logits)
-    dispatch.record_plan(plan)
-    return plan

@@ -1,5 +1,5 @@
-"""The shared attention core's routes (ops/common/sparse_attention_triton.py, the split planner
-attention_plan.py, and the sm_90 kernel of sparse_attention_gluon.py): forced launch shapes and
+"""The shared attention core's routes (ops/attention/launch.py, the split planner plan.py, and
+the sm_90 kernel of ops/attention/sm90/): forced launch shapes and
 split counts, padded block strides, the warp-specialized and 2-CTA cluster kernels, the
 two-launch plan, tiny launches, the one-tile form, the capped combine, bf16 split partials, the
 prefill epilogues. Each runs the core through the FlashMLA-semantics ops
@@ -8,10 +8,14 @@ prefill epilogues. Each runs the core through the FlashMLA-semantics ops
 Moved here from tests/ops/flashmla_decode/test_triton.py unchanged: everything from
 ``test_forced_launch_shapes_match_reference`` to that file's end.
 """
+import os
+
 import pytest
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+import sparse_mla
+from sparse_mla.ops.attention import plan
+from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
 from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, last_plan,
@@ -42,20 +46,42 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gluon", ["1", "0"])
+def test_last_choice_names_the_kernel_file(device, gluon, monkeypatch):
+    """After a call, ``last_choice``'s route names the file of the kernel that ran (README ->
+    op -> route -> kernel file), and that file is there and holds that kernel."""
+    monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
+    force_tiny_launches(monkeypatch, False)
+    a = decode_case(device, b=2, s_q=1, h=8, bs=64, topk=32, extra=True, extra_topk=16,
+                    extra_bs=64, seed=5)
+    _run_decode(a, "triton")
+    choice = last_choice("flashmla_sparse_decode")
+    path = choice.plan.kernel_file
+    assert path in str(choice)
+    sm90 = gluon == "1" and hopper_with_gluon()
+    assert path == ("ops/attention/sm90/kernel.py" if sm90 else "ops/attention/portable.py")
+    with open(os.path.join(os.path.dirname(os.path.abspath(sparse_mla.__file__)), path)) as f:
+        kernel = "_ws_kernel" if sm90 else "_split_kernel"
+        assert f"def {kernel}(" in f.read()
+    if device != "cpu":     # (the interpreter compiles nothing)
+        assert split_kernel_name() == kernel
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pad_bytes,aligned", [(0, True), (576 + 8, True), (4, False), (12, False)])
-def test_padded_block_strides_match_reference(device, pad_bytes, aligned):
+def test_padded_block_strides_match_reference(device, pad_bytes, aligned, monkeypatch):
     """V4 scale bytes are read as one int64 per row only when every block starts 8-byte
     aligned; page paddings of 4 or 12 bytes (strides stay 4-byte aligned, as the op requires)
-    take the byte-wise path. Both must agree with the reference (the poisoned padding is
-    never read)."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
-    from sparse_mla.ops.flashmla_decode.reference import decode_sources
+    take the byte-wise path: the launcher's ``scales_aligned`` decides it. Both must agree
+    with the reference (the poisoned padding is never read)."""
+    from sparse_mla.ops.attention import launch as core
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=96, extra_bs=61, extra_topk=40,
                     seed=5, pad_bytes=pad_bytes)
-    srcs = decode_sources(a["k_cache"], a["indices"], a["topk_length"], a["extra_k_cache"],
-                           a["extra_indices_in_kvcache"], a["extra_topk_length"], "v4", 53, 61)
-    assert all(core._scales_aligned(s) for s in srcs) == aligned
-    check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
+    decided = record_results(monkeypatch, core, "scales_aligned")
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    assert decided == [aligned]     # one launch, its decision for both caches
+    check_decode(ref, got)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
@@ -98,7 +124,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     every tile for both: on poisoned caches, ragged lengths (some splits empty) and a head
     count that leaves most of the second block masked, the output must agree with the
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
-    from sparse_mla.ops.common import sparse_attention_gluon as g
+    from sparse_mla.ops.attention.sm90 import tuning
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
@@ -108,7 +134,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     assert split_kernel_name() == "_ws_kernel"
     assert last_plan().kernel.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
-    monkeypatch.setattr(g, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
+    monkeypatch.setattr(tuning, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
     one = _run_decode(a, "triton")
     assert last_plan().kernel.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
@@ -122,12 +148,12 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
     """``plan_phases``' two launches: the first tokens one program per unit (the kernel's own
     epilogue), the rest split, their partial rows numbered from their first token and merged
     by a combine launch for those tokens only; with and without clusters and PDL."""
-    from sparse_mla.ops.common import sparse_attention_gluon as g
-    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.attention.sm90 import tuning
+    from sparse_mla.ops.attention import launch as core
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(core, "PDL", pdl)
-    monkeypatch.setattr(g, "CLUSTER_V4", cluster)
-    monkeypatch.setattr(g, "CLUSTER_V32", cluster)
+    monkeypatch.setattr(tuning, "CLUSTER_V4", cluster)
+    monkeypatch.setattr(tuning, "CLUSTER_V32", cluster)
     monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + pdl)
@@ -282,7 +308,7 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, 
     the portable output-dim split only up to ``WS_TINY`` (2 units of at most 16 key tiles;
     the H200 measurements behind it), both through the combine kernel launched with and
     without programmatic dependent launch."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.attention import launch as core
     monkeypatch.setattr(core, "PDL", pdl)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True,
                     extra_topk=extra_topk, extra_bs=64, seed=h + s_q)
@@ -299,7 +325,7 @@ def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
     """Small early-launched combines run with at most ceil(CTAs / SMs) CTAs per SM
     (``COMBINE_SPREAD``): the same kernel and arithmetic as uncapped, so bit-identical
     outputs, both within tolerance of the reference."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.attention import launch as core
     caps = []
     real = core.launch_capped
     monkeypatch.setattr(core, "launch_capped", lambda *args: caps.append(args[-1]) or real(*args))
@@ -351,7 +377,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
     (``PARTIAL_DTYPE``), a launch of one split keeps fp32; either partial dtype, on either
     split kernel, agrees with the reference (sinks, ragged lengths, NaN-poisoned rows), and
     the two differ by at most the extra bf16 rounding of each partial."""
-    from sparse_mla.ops.common import sparse_attention_triton as core
+    from sparse_mla.ops.attention import launch as core
     if route == "ws":
         if not hopper_with_gluon():
             pytest.skip("the warp-specialized kernel is sm_90 only")

@@ -4,15 +4,15 @@ fails here, in the CPU CI, instead of silently sending Hopper GPUs to the portab
 
 Registers and spills are reported per variant (a warning where ptxas spills: the numbers per
 release are in docs/PERF.md, "Triton 3.6-3.9"). Runs where the installed Triton is in the
-tested range (``attention_plan.GLUON_TRITON``); outside it the kernel is not used at all, and
+tested range (``plan.GLUON_TRITON``); outside it the kernel is not used at all, and
 test_gluon_gate checks that the reason says so.
 """
 import warnings
 
 import pytest
 
-from sparse_mla.ops.common import attention_plan as plan
-from sparse_mla.ops.common import sm90_variants
+from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention.sm90 import variants as sm90_variants
 
 pytestmark = pytest.mark.skipif(
     not plan.gluon_triton_supported() or plan.triton_interpreting(),
@@ -44,7 +44,7 @@ def test_variant_compiles_for_sm90a(name):
         assert r.counts["cp.async"] > 0
     assert 0 < r.shared <= SM90_SHARED
     if r.spill_stores or r.spill_loads:
-        warnings.warn(f"sm_90 kernel variant {name} spills: {r}")
+        warnings.warn(f"sm_90 kernel variant {name} spills: {r}", stacklevel=1)
 
 
 def test_cluster_offsets_were_filled_in():

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from sparse_mla.ops.common import attention_plan as plan
+from sparse_mla.ops.attention import plan
 
 
 @pytest.mark.parametrize("version,ok", [
@@ -51,12 +51,12 @@ def _sm90():
 @pytest.mark.skipif(not _sm90(), reason="elsewhere the device check already says no")
 def test_unsupported_triton_never_imports_the_gluon_module(monkeypatch):
     """Importing the Gluon module installs a compile hook for the whole process (harmless on
-    the tested releases: tests/ops/common/test_gluon_hooks.py), but a release outside the
+    the tested releases: tests/ops/attention/test_gluon_hooks.py), but a release outside the
     range may not even compile it, so the version check comes first."""
-    monkeypatch.delitem(sys.modules, "sparse_mla.ops.common.sparse_attention_gluon",
+    monkeypatch.delitem(sys.modules, "sparse_mla.ops.attention.sm90.kernel",
                         raising=False)
     monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
     q = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device="cuda")
     g, why = plan.gluon_route(q, "plain_bf16", [])
     assert g is None and "outside" in why
-    assert "sparse_mla.ops.common.sparse_attention_gluon" not in sys.modules
+    assert "sparse_mla.ops.attention.sm90.kernel" not in sys.modules

@@ -1,11 +1,12 @@
-"""Compile hooks and the 2-CTA cluster launcher of the sm_90 Gluon kernel.
+"""Compile hooks and the 2-CTA cluster launcher of the sm_90 Gluon kernel (``kernel``).
 
 Triton has one process-wide stages-inspection hook (``knobs.runtime.add_stages_inspection_hook``).
-``install`` chains ours in front of whatever was there before; it edits only the Gluon kernel's
-own builds (``_ws_kernel``; the cluster placeholders appear in no other module), so every other
-kernel compiles exactly as it would without it. From Triton 3.7 the hook is also called with
-no arguments and must return a ``(key, hash)`` pair that joins the compile-cache key: ours is a
-digest of this file, so a changed hook never reuses a kernel the old one built.
+``install`` chains ours in front of whatever was there before (``kernel`` calls it on import);
+it edits only the Gluon kernel's own builds (``_ws_kernel``; the cluster placeholders appear
+in no other module), so every other kernel compiles exactly as it would without it. From
+Triton 3.7 the hook is also called with no arguments and must return a ``(key, hash)`` pair
+that joins the compile-cache key: ours is a digest of this file, so a changed hook never
+reuses a kernel the old one built.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import re
 from triton import knobs
 from triton.backends.compiler import Language
 
-from sparse_mla.ops.common import cluster_ptx, gluon_compat
+from sparse_mla.ops.attention.sm90 import cluster_ptx, compat
 from sparse_mla.ops.common.triton_utils import launch_compiled
 
 KERNEL_NAME = "_ws_kernel"
@@ -106,7 +107,7 @@ def _shared_offsets(text, context, options, backend, capability):
         mod = ir.parse_mlir_module(f.name, context)
     pm = ir.pass_manager(context)
     passes.ttgpuir.add_combine_tensor_select_and_if(pm)
-    gluon_compat.add_allocate_warp_groups(passes, pm)
+    compat.add_allocate_warp_groups(passes, pm)
     passes.convert.add_scf_to_cf(pm)
     passes.gluon.add_inliner(pm)
     nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(

@@ -1,0 +1,108 @@
+"""Dequantization into the sm_90 kernel's bf16 stages: e4m3 bytes times UE8M0 (V4) or fp32
+(V3.2) scales, plain e4m3 converted, each rounded to bf16 as the reference rounds it, and the
+stores into a stage's 64-dim panels (``_panel``: the view Triton 3.7+ needs, ``compat``).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from sparse_mla.ops.attention.sm90.compat import PANEL_VIEWS, reinterpret
+
+
+@gluon.jit
+def _dequant_bf16(x, sb):
+    """e4m3 bytes × 2^(sb - 127) as bf16, the multiply in bf16x2: each byte pair is converted
+    exactly (e4m3x2 -> f16x2 -> two f32 -> bf16x2) and scaled by one mul.rn.bf16x2, which
+    rounds like the fp32 product's rounding to bf16 (the reference's), NaN bytes stay NaN.
+    One instruction a pair fewer than two fp32 multiplies."""
+    f = gl.where(sb == 0, 0x40, sb << 7)        # 2^(sb - 127) as bf16 bits (sb 0: subnormal)
+    f = gl.broadcast(f | (f << 16), x.to(gl.int32))[0]
+    return gl.inline_asm_elementwise(_DEQUANT_PAIRS, "=r,=r,r,r,r,r,r", [x, f],
+                                     dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+# One e4m3 byte pair (16-bit register {pair}) -> bf16x2 output {out}, scaled by $3
+_DEQUANT_PAIR = """
+    cvt.rn.f16x2.e4m3x2 w, {pair};
+    mov.b32 {{h0, h1}}, w;
+    cvt.f32.f16 a, h0;
+    cvt.f32.f16 b, h1;
+    cvt.rn.bf16x2.f32 w, b, a;
+    mul.rn.bf16x2 {out}, w, $3;"""
+
+
+# four bytes ($2) -> two bf16x2 outputs ($0, $1)
+_DEQUANT_PAIRS = gl.constexpr("""{
+    .reg .b16 p0, p1, h0, h1;
+    .reg .b32 w;
+    .reg .f32 a, b;
+    mov.b32 {p0, p1}, $2;""" + _DEQUANT_PAIR.format(pair="p0", out="$0")
+                              + _DEQUANT_PAIR.format(pair="p1", out="$1") + """
+    }""")
+
+
+@gluon.jit
+def _dequant(x, sc64, TILE: gl.constexpr):
+    """e4m3 bytes × 2^(scale byte - 127) as bf16: exact where the product fits bf16, else
+    rounded (or overflowed) as the reference rounds its fp32 product."""
+    sb = ((sc64 >> (8 * TILE)) & 0xFF).to(gl.int32)
+    return _dequant_bf16(x, sb[:, None])
+
+
+@gluon.jit
+def _scaled(x, scale):
+    """e4m3 bytes × an fp32 scale (per row, broadcast), the product rounded to bf16."""
+    return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+
+
+@gluon.jit
+def _store_v4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc):
+    """Dequantized V4 rows into rows [r0, r0 + rows) of stage ``kb``: seven e4m3 64-dim
+    tiles, then the bf16 RoPE dims."""
+    _panel(kb, 0, r0, rows).store(_dequant(x0, sc, 0))
+    _panel(kb, 1, r0, rows).store(_dequant(x1, sc, 1))
+    _panel(kb, 2, r0, rows).store(_dequant(x2, sc, 2))
+    _panel(kb, 3, r0, rows).store(_dequant(x3, sc, 3))
+    _panel(kb, 4, r0, rows).store(_dequant(x4, sc, 4))
+    _panel(kb, 5, r0, rows).store(_dequant(x5, sc, 5))
+    _panel(kb, 6, r0, rows).store(_dequant(x6, sc, 6))
+    _panel(kb, 7, r0, rows).store(rope)
+
+
+@gluon.jit
+def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr):
+    """Dims [64 j, 64 j + 64) of rows [r0, r0 + rows) of a [BN, 512] stage, for a store.
+    With ``PANEL_VIEWS`` the view is panel j of the stage seen as the [8, BN, 64] panels
+    its 128-byte swizzle lays out (the same bytes): Triton 3.7+ folds a column slice's
+    offset into the swizzle's XOR, so each panel's store address was a register of its own
+    (seven more live in the producer loop, where 3.6 used one with immediate offsets), and
+    ptxas then kept the V4 dequantization behind the stage hand-off's wait instead of
+    overlapping it (``compat``, 3.7; docs/perf-log.md, "Session 35: Triton 3.8")."""
+    if PANEL_VIEWS:
+        view = reinterpret(kb, kb.dtype, 8, kb.shape[0], 64, gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(j)
+        if rows != kb.shape[0]:
+            view = view.slice(r0, rows)
+    elif rows == kb.shape[0]:
+        view = kb.slice(64 * j, 64, dim=1)
+    else:
+        view = kb.slice(r0, rows).slice(64 * j, 64, dim=1)
+    return view
+
+
+@gluon.jit
+def _store_v32(kb, PAIR: gl.constexpr, xa, xb, scale):
+    """Dims [128 PAIR, 128 PAIR + 128) of V3.2 rows (two byte tiles sharing one fp32 scale):
+    the fp32 product rounded to bf16, as the reference rounds it (FlashMLA's sm_90 kernel
+    rounds the scale to bf16 first, docs/semantics.md §2.1: within tolerance of this, not
+    bit-equal)."""
+    kb.slice(128 * PAIR, 64, dim=1).store(_scaled(xa, scale[:, None]))
+    kb.slice(128 * PAIR + 64, 64, dim=1).store(_scaled(xb, scale[:, None]))
+
+
+@gluon.jit
+def _store_e4m3(kb, TILE: gl.constexpr, x):
+    """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as the stage's bf16 or
+    fp16: exact either way (fp16 takes one conversion per two bytes, bf16 three)."""
+    kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(kb.dtype))

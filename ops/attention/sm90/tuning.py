@@ -1,0 +1,48 @@
+"""Launch shape and tuning of the sm_90 kernel (``kernel._ws_kernel``): the module constants its
+launches are built from, and ``launch_constexprs``, the compile-time parameters of one launch
+variant, shared by the launcher (ops/attention/launch.py) and the compile-only check
+(``variants``) so both build the same kernel. ops/attention/plan.py reads ``STAGE_V4``,
+``CLUSTER_V4`` and ``CLUSTER_V32`` to pick the route. The measurements behind each value are
+in docs/perf-log.md, in the section its comment names.
+"""
+from __future__ import annotations
+
+from triton.experimental.gluon import language as gl
+
+HEADS = gl.constexpr(64)         # rows of one program: the wgmma M of each warpgroup
+BLOCK_N = 64         # keys per ring stage (64 KB of bf16)
+SUB_N = 32           # V4 rows per staged gather chunk (18 KB of staging)
+STAGE_V4 = True      # V4 rows gathered through the staging buffer (16-byte-aligned blocks)
+STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
+PRODUCER_WARPS = 4
+# setmaxnreg for the producer: fewer registers were slower (docs/perf-log.md, "Lead and follow
+# consumers")
+PRODUCER_REGS = 120
+# in clusters (the lead keeps 208): faster for V4 and V3.2 at h128, slower for one CTA at h64
+# (docs/perf-log.md, "Cluster exchange")
+PRODUCER_REGS_CLUSTER = 128
+FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
+                     # 12-warp budget: 216
+CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
+                     # cluster and each CTA dequantizes half of every tile (``cluster``)
+CLUSTER_V32 = True   # the same for V3.2 rows
+# V4 rows outside clusters and plain e4m3 rows: the first two tiles' slot ids are loaded
+# together with the lengths, before the partitions start, instead of after them by the
+# producer (one dependent round trip less before the first gather), and the producer then
+# loads ids two tiles ahead (``gather._early_slots``). Faster for V4 at h64 and plain e4m3;
+# slower for plain bf16 rows, so not for them; V3.2 rows' producer spills with it
+# (docs/perf-log.md, "Slot ids loaded with the lengths")
+EARLY_SLOTS = gl.constexpr(True)
+
+
+def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
+                      final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster):
+    """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
+    ``fmt`` is the cache format's code (``launch.FMT_CODES``). Shared by the
+    launch and by the compile-only check (``variants``), so both build the same kernel."""
+    return dict(
+        FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
+        TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,
+        P_REGS=PRODUCER_REGS_CLUSTER if cluster else PRODUCER_REGS, Q_FP8=q_fp8, FINAL=final,
+        HAS_SINK=has_sink, HAS_LSE=has_lse, OUT_SCALE_T=out_scale_t, F_REGS=FOLLOW_REGS,
+        PDL=pdl, D576=d576, F16=f16, SUB=SUB_N, STAGED=staged, CLUSTER=cluster, num_warps=4)
