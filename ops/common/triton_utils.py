@@ -11,6 +11,7 @@ Everything here is bit-exact against the PyTorch reference. Two traps are handle
   fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
 """
 import os
+import re
 
 import torch
 import triton
@@ -23,6 +24,23 @@ from sparse_mla.ops.common.dispatch import triton_interpreting
 SOFT_FP8_ENV = "SPARSE_MLA_SOFT_FP8"
 # The first capability whose Triton compiles e4m3 conversions (Ada)
 HARDWARE_FP8_CAPABILITY = (8, 9)
+# Triton 3.6 lowers e4m3 -> bf16 for sm_89 through a cvt.bf16.f16 that ptxas takes only from
+# sm_90 on (the portable kernel over plain e4m3 rows did not compile: tools/dev/ptx_digest.py);
+# 3.9 compiles it, 3.7 and 3.8 were not tried. Below this release sm_89 takes the software route.
+SM89_HARDWARE_FP8_TRITON = (3, 7)
+
+
+def _triton_release(version: str):
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def hardware_fp8(cap, version: str = triton.__version__) -> bool:
+    """Whether kernels for GPU capability ``cap`` ((major, minor)) convert e4m3 in hardware
+    when compiled by Triton ``version``."""
+    if tuple(cap) == (8, 9):
+        return _triton_release(version) >= SM89_HARDWARE_FP8_TRITON
+    return tuple(cap) >= HARDWARE_FP8_CAPABILITY
 
 
 def soft_fp8_reason(device=None):
@@ -40,12 +58,17 @@ def soft_fp8_reason(device=None):
     if device.type != "cuda":
         return None
     cap = torch.cuda.get_device_capability(device)
-    return None if cap >= HARDWARE_FP8_CAPABILITY else f"sm_{cap[0]}{cap[1]}"
+    if hardware_fp8(cap, triton.__version__):
+        return None
+    if cap >= HARDWARE_FP8_CAPABILITY:
+        return f"sm_{cap[0]}{cap[1]}, Triton {triton.__version__}"
+    return f"sm_{cap[0]}{cap[1]}"
 
 
 def soft_fp8(device=None) -> bool:
     """Whether kernels launched on ``device`` take the software e4m3 route (``SOFT``):
-    interpreted, forced by ``SPARSE_MLA_SOFT_FP8=1``, or a GPU below sm_89."""
+    interpreted, forced by ``SPARSE_MLA_SOFT_FP8=1``, or a GPU without e4m3 conversions
+    (below sm_89; sm_89 under Triton 3.6: ``hardware_fp8``)."""
     return soft_fp8_reason(device) is not None
 
 

@@ -106,10 +106,15 @@ def test_soft_fp8_switch(monkeypatch):
     assert triton_utils.soft_fp8_reason(cpu) == "forced" and triton_utils.soft_fp8(cpu)
     monkeypatch.setenv(triton_utils.SOFT_FP8_ENV, "0")
     cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
     for cap, why in (((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), None), ((9, 0), None),
                      ((12, 0), None)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
         assert triton_utils.soft_fp8_reason(cuda) == why
+    # Triton 3.6 cannot compile sm_89's e4m3 -> bf16 conversion
+    assert triton_utils.hardware_fp8((8, 9), "3.7.0") and triton_utils.hardware_fp8((9, 0))
+    assert not triton_utils.hardware_fp8((8, 9), "3.6.0")
+    assert not triton_utils.hardware_fp8((8, 6), "3.9.0")
 
 
 @pytest.mark.parametrize("shared_per_sm", [233472, 167936, 102400])  # H100/H200, A100, sm_89
