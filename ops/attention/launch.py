@@ -17,7 +17,9 @@ the rest split (``t0``: the launch's first token). V4 and V3.2 rows at 65-128 he
 
 Interpreted launches (TRITON_INTERPRET=1) feed the dots fp32 operands (``DOT_F32``: the
 interpreter's bf16 ``tl.dot`` is wrong); compiled launches use bf16, or fp16 for plain e4m3
-keys with an e4m3 q (``F16``, exact). ``run`` returns the ``plan.LaunchPlan`` that ran.
+keys with an e4m3 q (``F16``, exact). Below sm_89, or forced (``SPARSE_MLA_SOFT_FP8=1``),
+the portable kernel decodes e4m3 in integer arithmetic (``SOFT``; the plan's ``soft_e4m3``
+says why); its dots stay bf16 / fp16. ``run`` returns the ``plan.LaunchPlan`` that ran.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
 FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
+# The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
+# ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
+FMT_PLAIN_BF16_TILED = 4
 LOG2E = 1.4426950408889634
 
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
@@ -42,8 +47,8 @@ PDL = True
 # values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
 # bytes where -> bf16 is three: the fp8 path is faster on both kernels (docs/perf-log.md,
 # "V3.2 and 576-wide rows on sm_90")
+# The software e4m3 route (``SOFT``) keeps it: its fp32 decode converts to fp16 exactly too.
 FP16_FOR_E4M3 = True
-
 
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
@@ -195,14 +200,15 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, *_length_args(src1, dummy),
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
-        FMT=FMT_CODES[src0.fmt],
+        FMT=(FMT_PLAIN_BF16_TILED if src0.fmt == "plain_bf16" and cfg["tiled_bf16"]
+             else FMT_CODES[src0.fmt]),
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
         TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=scale64,
         SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
-        ONE_TILE=plan.one_tile(max_tiles, n_splits),
+        ONE_TILE=plan.one_tile(max_tiles, n_splits), SOFT=bool(launch.soft_e4m3),
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
         launch_pdl=pdl))

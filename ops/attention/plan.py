@@ -28,6 +28,7 @@ import torch
 import triton
 
 from sparse_mla.ops.common.dispatch import triton_interpreting
+from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV, soft_fp8_reason
 
 ROUTES = ("portable", "tiny", "sm90", "sm90_cluster")
 # The file that holds each route's split kernel, relative to the checkout (the ``sparse_mla``
@@ -43,13 +44,24 @@ class LaunchPlan:
     portable or tiny route on a GPU, why not the sm_90 kernel); ``phases``: ``(first token,
     end token, splits)`` per split-kernel launch; ``combined``: whether a combine kernel
     merges splits; ``staged``: V4 rows gathered by cp.async (sm_90 routes); ``kernels``: the
-    compiled split kernels launched, one per phase (registers, PTX: tests and tools)."""
+    compiled split kernels launched, one per phase (registers, PTX: tests and tools);
+    ``soft_e4m3``: why the launch decodes e4m3 in software ("sm_80", "forced", "interpreter";
+    ``triton_utils.soft_fp8_reason``), "" where it decodes none or in hardware."""
     route: str
     reason: str
     phases: tuple = ()
     combined: bool = False
     staged: bool = False
     kernels: list = dataclasses.field(default_factory=list)
+    soft_e4m3: str = ""
+
+    @property
+    def label(self) -> str:
+        """The route as ``dispatch.Choice.route`` reports it: e.g. "portable", or
+        "portable, software e4m3 (sm_80)" where e4m3 is decoded in integer arithmetic."""
+        if self.soft_e4m3:
+            return f"{self.route}, software e4m3 ({self.soft_e4m3})"
+        return self.route
 
     @property
     def kernel_file(self) -> str:
@@ -64,7 +76,7 @@ class LaunchPlan:
     def __str__(self):
         splits = ", ".join(f"tokens {a}-{b}: {n} split{'s' * (n > 1)}"
                            for a, b, n in self.phases)
-        return (f"{self.route} ({self.reason}; kernel in {self.kernel_file})"
+        return (f"{self.label} ({self.reason}; kernel in {self.kernel_file})"
                 + (f" [{splits}]" if splits else ""))
 
 
@@ -74,7 +86,8 @@ class LaunchPlan:
 # "num_stages_v32": V3.2's 656 B records gain from a third stage (docs/perf-log.md, "Attention
 # core rework"); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
-          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False}
+          "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False,
+          "tiled_bf16": False}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM: faster at batch 2,
 # slower as soon as the batch fills the card (docs/perf-log.md, "Attention core rework"). Where
@@ -104,6 +117,31 @@ SMALL_HEAD_BLOCK_SM90 = 64
 # faster at h64 and h128, and no measured shape got slower (docs/perf-log.md, "V4 rows staged
 # by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
+# Shared memory one block may use (the opt-in maximum) by GPU capability: what the portable
+# kernel's launch shape must fit. tests/ops/test_arch_compile.py compiles every kernel for each
+# arch here and checks its use against this; a capability not listed takes the device's own
+# ``shared_memory_per_block_optin``.
+SHARED_PER_BLOCK = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
+                    (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+                    (10, 3): 227 * 1024, (12, 0): 99 * 1024, (12, 1): 99 * 1024}
+# Below sm_90's 227 KB per block the general shape keeps one stage of key rows and loads plain
+# bf16 rows 64 dims at a time as the e4m3 rows are (``tiled_bf16``): two stages take up to
+# 206 KB (V3.2 rows in blocks whose stride is no multiple of 16 bytes: unvectorized loads) and
+# whole bf16 rows up to 200 KB (576-wide), more than sm_80's 163 KB; with these every format
+# fits sm_86 / sm_89 / sm_120's 99 KB (tests/ops/test_arch_compile.py).
+FULL_SHARED = 227 * 1024
+LOW_SHARED_CONFIG = {"num_stages": 1, "num_stages_v32": 1, "tiled_bf16": True}
+
+
+def shared_budget(device) -> Optional[int]:
+    """The shared memory one block may use on ``device`` (None off CUDA or interpreted)."""
+    if device.type != "cuda" or triton_interpreting():
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if cap in SHARED_PER_BLOCK:
+        return SHARED_PER_BLOCK[cap]
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                   None)
 
 
 def head_block(H, tiny, device, fmt):
@@ -122,9 +160,10 @@ def _wgmma_device(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def launch_config(T, n_hb, tiles, warp_specialized=False):
+def launch_config(T, n_hb, tiles, warp_specialized=False, shared=None):
     """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
-    token (index columns): tiny, sm_90 kernel or general (portable)."""
+    token (index columns): tiny, sm_90 kernel or general (portable; ``LOW_SHARED_CONFIG``
+    where ``shared``, the device's ``shared_budget``, is below ``FULL_SHARED``)."""
     units = T * n_hb
     tiny = units <= SMALL_UNITS
     if warp_specialized:
@@ -135,6 +174,8 @@ def launch_config(T, n_hb, tiles, warp_specialized=False):
         cfg.update(SMALL_CONFIG)
     elif warp_specialized:
         cfg.update(WS_CONFIG)
+    elif shared is not None and shared < FULL_SHARED:
+        cfg.update(LOW_SHARED_CONFIG)
     return cfg
 
 
@@ -238,6 +279,10 @@ def gluon_disabled_reason() -> Optional[str]:
         return "SPARSE_MLA_GLUON=0"
     if triton_interpreting():
         return "the Triton interpreter runs the portable kernel"
+    if os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0"):
+        # the Gluon kernel converts e4m3 in hardware only; the forced software route runs
+        # what a GPU below sm_89 runs, on any GPU (all of it, so a Hopper runs exactly that)
+        return f"{SOFT_FP8_ENV}=1: the software e4m3 route's portable kernel, as below sm_89"
     if not gluon_triton_supported():
         lo, hi = GLUON_TRITON
         return (f"Triton {triton.__version__} is outside the sm_90 kernel's tested range "
@@ -247,9 +292,23 @@ def gluon_disabled_reason() -> Optional[str]:
 
 def gluon_enabled() -> bool:
     """Whether the sm_90 Gluon kernel may run in this process at all: a Triton in
-    ``GLUON_TRITON``, not interpreted, not turned off by ``SPARSE_MLA_GLUON=0``. Each launch
+    ``GLUON_TRITON``, not interpreted, not turned off by ``SPARSE_MLA_GLUON=0`` or by the
+    forced software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``). Each launch
     then checks its GPU and cache alignment (``gluon_route``)."""
     return gluon_disabled_reason() is None
+
+
+def uses_e4m3(q, fmt) -> bool:
+    """Whether a launch decodes e4m3: keys in the V4, V3.2 or plain e4m3 cache, or an e4m3 q."""
+    return fmt != "plain_bf16" or q.dtype == torch.float8_e4m3fn
+
+
+def soft_e4m3(q, fmt) -> str:
+    """Why a launch of ``q`` over ``fmt`` keys decodes e4m3 in software ("" where it does not:
+    no e4m3 to decode, or the GPU converts it)."""
+    if not uses_e4m3(q, fmt):
+        return ""
+    return soft_fp8_reason(q.device) or ""
 
 
 def gluon_route(q, fmt, blocks):
@@ -284,8 +343,10 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
     (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
     (``blocks``: each source's (cache, block stride)). Returns (LaunchPlan, launch config,
     the Gluon kernel module or None); ``run`` launches it."""
+    soft = soft_e4m3(q, fmt)
     g, why_not = gluon_route(q, fmt, blocks)
-    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None)
+    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None,
+                        shared=shared_budget(q.device))
     units = T * n_hb
     if g is not None and cfg["dv"] != 1:
         g = None
@@ -293,7 +354,7 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
                    f"{_tiles(k0, k1, 64)} key tiles: WS_TINY)")
     if g is None:
         route = "tiny" if cfg["tiny"] else "portable"
-        return LaunchPlan(route, why_not or "the portable kernel"), cfg, None
+        return LaunchPlan(route, why_not or "the portable kernel", soft_e4m3=soft), cfg, None
     from sparse_mla.ops.attention.sm90 import tuning
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
     staged = (fmt == "v4" and tuning.STAGE_V4

@@ -18,19 +18,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common.triton_utils import (grid_launch_dependents, grid_wait, to_bf16,
-                                                ue8m0_scale)
+from sparse_mla.ops.common.triton_utils import (e4m3_decode, grid_launch_dependents, grid_wait,
+                                                to_bf16, ue8m0_scale)
 
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 LOG2E_C = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _load_values(ptrs, mask, FP8: tl.constexpr):
-    """bf16 values, or e4m3 bytes decoded, at ``ptrs`` as fp32 (zeros where masked)."""
+def _load_values(ptrs, mask, FP8: tl.constexpr, SOFT: tl.constexpr = False):
+    """bf16 values, or e4m3 bytes decoded (in software where ``SOFT``), at ``ptrs`` as fp32
+    (zeros where masked)."""
     x = tl.load(ptrs, mask=mask, other=0)
     if FP8:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        x = e4m3_decode(x, SOFT)
     return x.to(tl.float32)
 
 
@@ -49,14 +50,15 @@ def _dot_operand(x, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
 
 @triton.jit
 def _load_operand(ptrs, mask, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                  F16: tl.constexpr = False):
+                  F16: tl.constexpr = False, SOFT: tl.constexpr = False):
     """bf16 / fp16 values, or e4m3 bytes decoded, at ``ptrs`` straight into a dot operand (no
     fp32 copy: a [64, 512] fp32 q staged on its way to bf16 is what made the fp8 path spill).
     ``F16``: the operand is fp16 (e4m3 is exact in it, and converts to it in one instruction
-    per two bytes: three to bf16)."""
+    per two bytes: three to bf16). ``SOFT``: e4m3 decoded in software, to fp32 (exact in
+    either operand type)."""
     x = tl.load(ptrs, mask=mask, other=0)
     if FP8:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        x = e4m3_decode(x, SOFT)
     return _dot_operand(x.to(tl.float32) if DOT_F32 else x, DOT_F32, F16)
 
 
@@ -75,7 +77,8 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
 
 @triton.jit
 def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT: tl.constexpr,
-              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
+              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False,
+              SOFT: tl.constexpr = False):
     """Dims [64·TILE, 64·TILE + 64) of key rows (blk, off) as a [BN, 64] dot operand; rows
     with ``v`` False are zeros. TILE 8 is the 64-dim RoPE tail of 576-wide rows. V4: e4m3 × 2^k
     is exact in bf16 (one UE8M0 scale per row and tile), dims 448..511 are the bf16 RoPE part;
@@ -86,7 +89,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
     if FMT == 0:
         base = cache_ptr + blk * s0
         if TILE < 7:
-            x = _load_values(base + off * 576 + TILE * 64 + c, v, True)
+            x = _load_values(base + off * 576 + TILE * 64 + c, v, True, SOFT)
             if SCALE64:
                 sb = ((sc64 >> (8 * TILE)) & 0xFF).to(tl.int32)
             else:
@@ -98,7 +101,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
     elif FMT == 1:
         rec = cache_ptr + blk * s0 + off * 656
         if TILE < 8:
-            x = _load_values(rec + TILE * 64 + c, v, True)
+            x = _load_values(rec + TILE * 64 + c, v, True, SOFT)
             sc = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + TILE // 2, mask=v,
                          other=0.0)
             k = _dot_operand(to_bf16(x * sc, DOT_F32).to(tl.float32), DOT_F32)
@@ -107,7 +110,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
                               DOT_F32)
     else:
         k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32,
-                          F16)
+                          F16, SOFT)
     return k
 
 
@@ -120,13 +123,18 @@ def _cat(a, b):
 
 @triton.jit
 def _key_half(cache_ptr, s0, s1, BS, blk, off, v, sc64, HALF: tl.constexpr, FMT: tl.constexpr,
-              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
+              SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
+              SOFT: tl.constexpr):
     """Dims [256·HALF, 256·HALF + 256) of the key rows: four ``_key_tile``s joined."""
     T0: tl.constexpr = 4 * HALF
-    a = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0, FMT, SCALE64, DOT_F32, F16)
-    b = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 1, FMT, SCALE64, DOT_F32, F16)
-    c = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 2, FMT, SCALE64, DOT_F32, F16)
-    d = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 3, FMT, SCALE64, DOT_F32, F16)
+    a = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0, FMT, SCALE64, DOT_F32, F16,
+                  SOFT)
+    b = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 1, FMT, SCALE64, DOT_F32, F16,
+                  SOFT)
+    c = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 2, FMT, SCALE64, DOT_F32, F16,
+                  SOFT)
+    d = _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, T0 + 3, FMT, SCALE64, DOT_F32, F16,
+                  SOFT)
     return _cat(_cat(a, b), _cat(c, d))
 
 
@@ -217,25 +225,25 @@ def key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off, l1_lag, t, K
 
 @triton.jit
 def _load_q(q_row, hmask, COL0: tl.constexpr, NC: tl.constexpr, Q_FP8: tl.constexpr,
-            DOT_F32: tl.constexpr, F16: tl.constexpr):
+            DOT_F32: tl.constexpr, F16: tl.constexpr, SOFT: tl.constexpr):
     """Dims [COL0, COL0 + NC) of the head block's q rows as a dot operand."""
     return _load_operand(q_row + COL0 + tl.arange(0, NC)[None, :], hmask[:, None], Q_FP8,
-                         DOT_F32, F16)
+                         DOT_F32, F16, SOFT)
 
 
 @triton.jit
 def _load_q_block(q_row, hmask, DV: tl.constexpr, D576: tl.constexpr, Q_FP8: tl.constexpr,
-                  DOT_F32: tl.constexpr, F16: tl.constexpr):
+                  DOT_F32: tl.constexpr, F16: tl.constexpr, SOFT: tl.constexpr):
     """The head block's q as dot operands: the two 256-dim halves (the same full 512 dims
     twice where ``DV`` is 1) and the RoPE tail of 576-wide rows (else a placeholder)."""
     if DV == 1:
-        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32, F16)
+        q_lo = _load_q(q_row, hmask, 0, 512, Q_FP8, DOT_F32, F16, SOFT)
         q_hi = q_lo
     else:
-        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32, F16)
-        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32, F16)
+        q_lo = _load_q(q_row, hmask, 0, 256, Q_FP8, DOT_F32, F16, SOFT)
+        q_hi = _load_q(q_row, hmask, 256, 256, Q_FP8, DOT_F32, F16, SOFT)
     if D576:
-        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32, F16)
+        q_rope = _load_q(q_row, hmask, 512, 64, Q_FP8, DOT_F32, F16, SOFT)
     else:
         q_rope = q_lo
     return q_lo, q_hi, q_rope
@@ -243,7 +251,8 @@ def _load_q_block(q_row, hmask, DV: tl.constexpr, D576: tl.constexpr, Q_FP8: tl.
 
 @triton.jit
 def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
-               SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr):
+               SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
+               SOFT: tl.constexpr):
     """Gather and decode the key rows ``idx`` (slot ids; unusable where < 0 or >= ``cap``) of
     one cache: (valid [BN], block and in-block row [BN, 1], dims [0, 256) and [256, 512) as dot
     operands, or where ``DV`` is 1 the whole rows twice)."""
@@ -253,7 +262,9 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
     off = (idx % bs).to(tl.int64)[:, None]
     if FMT == 2:
         # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
-        # shared memory (cp.async) instead of staging 64-wide pieces in registers
+        # shared memory (cp.async) instead of staging 64-wide pieces in registers. (FMT 4:
+        # the same rows in 64-wide pieces, for GPUs below sm_90, whose shared memory cannot
+        # hold two stages of whole rows: plan.LOW_SHARED_CONFIG.)
         row = cache + blk * s0 + off * s1
         if DV == 1:
             k_lo = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)
@@ -263,8 +274,10 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
             k_hi = _load_operand(row + 256 + tl.arange(0, 256)[None, :], v, False, DOT_F32)
     else:
         sc64 = _row_scales(cache, s0, bs, blk, off, v, FMT, SCALE64)
-        k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32, F16)
-        k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32, F16)
+        k_lo = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 0, FMT, SCALE64, DOT_F32, F16,
+                         SOFT)
+        k_hi = _key_half(cache, s0, s1, bs, blk, off, v, sc64, 1, FMT, SCALE64, DOT_F32, F16,
+                         SOFT)
         if DV == 1:
             k_lo = _cat(k_lo, k_hi)
             k_hi = k_lo
@@ -275,7 +288,7 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
 def _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, off, dv,
                  scale2, acc, m_i, l_i, mx, FMT: tl.constexpr, DV: tl.constexpr,
                  D576: tl.constexpr, TRACK_MAX: tl.constexpr, DOT_F32: tl.constexpr,
-                 F16: tl.constexpr):
+                 F16: tl.constexpr, SOFT: tl.constexpr):
     """One key tile of the flash-attention loop: scores (576-wide rows: the RoPE dims loaded
     here, after the first dots), the running softmax, p·v. Returns (acc, m, l, max)."""
     if DV == 1:
@@ -285,7 +298,7 @@ def _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, 
         s = tl.dot(q_hi, tl.trans(k_hi), s)
     if D576:
         k_rope = _key_tile(cache, s0, s1, bs, blk, off, valid[:, None], off, 8, FMT, False,
-                           DOT_F32, F16)
+                           DOT_F32, F16, SOFT)
         s = tl.dot(q_rope, tl.trans(k_rope), s)
     s = tl.where(valid[None, :], s * scale2, float("-inf"))
     p, alpha, m_new, l_i, m_tile = softmax_step(s, m_i, l_i)
@@ -306,15 +319,15 @@ def _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, 
 def _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv, scale2, acc, m_i, l_i,
                mx, FMT: tl.constexpr, DV: tl.constexpr, D576: tl.constexpr,
                TRACK_MAX: tl.constexpr, SCALE64: tl.constexpr, DOT_F32: tl.constexpr,
-               F16: tl.constexpr):
+               F16: tl.constexpr, SOFT: tl.constexpr):
     """One tile of the split kernel, in either of its forms: the key rows ``idx`` of the
     tile's cache (``tile_source``) gathered and decoded, and the running softmax / p·v
     updated. Returns (acc, m, l, max). (The loop form picks the source before it loads the
     next tile's ids: picked here, after them, ptxas scheduled the loop differently.)"""
     valid, blk, off, k_lo, k_hi = _tile_keys(cache, s0, s1, bs, cap, idx, FMT, DV, SCALE64,
-                                             DOT_F32, F16)
+                                             DOT_F32, F16, SOFT)
     return _tile_update(q_lo, q_hi, q_rope, k_lo, k_hi, valid, cache, s0, s1, bs, blk, off, dv,
-                        scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX, DOT_F32, F16)
+                        scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX, DOT_F32, F16, SOFT)
 
 
 @triton.jit
@@ -328,7 +341,7 @@ def _split_kernel(
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
-        ONE_TILE: tl.constexpr):
+        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -345,7 +358,7 @@ def _split_kernel(
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16)
+    q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16, SOFT)
     acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
@@ -367,7 +380,7 @@ def _split_kernel(
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
                                        scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
-                                       SCALE64, DOT_F32, F16)
+                                       SCALE64, DOT_F32, F16, SOFT)
     else:
         # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits
         # on its ids, and that load's latency is otherwise paid in full every iteration
@@ -381,7 +394,7 @@ def _split_kernel(
                 idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
             acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
                                            scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
-                                           SCALE64, DOT_F32, F16)
+                                           SCALE64, DOT_F32, F16, SOFT)
             if PREFETCH:
                 idx = idx_next
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit

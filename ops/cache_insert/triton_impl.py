@@ -36,7 +36,7 @@ def quantize_insert_v4(k, k_cache, slot_mapping, block_size):
     tpp = CONFIG["tokens_per_program"]
     v4_insert_kernel[(triton.cdiv(n, tpp),)](
         k, k.stride(0), _bytes(k_cache), stride0, slot_mapping, n, k_cache.shape[0] * block_size,
-        block_size, TPP=tpp, SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+        block_size, TPP=tpp, SOFT=soft_fp8(k.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 def insert_plain(k, k_cache, slot_mapping, kv_scale):
@@ -49,7 +49,7 @@ def insert_plain(k, k_cache, slot_mapping, kv_scale):
     plain_insert_kernel[(triton.cdiv(n, tpp),)](
         k, k.stride(0), k_cache.view(torch.uint8) if fp8 else k_cache, k_cache.stride(0),
         k_cache.stride(1), slot_mapping, n, nb * bs, bs, kv_scale if fp8 else slot_mapping,
-        FP8=fp8, TPP=tpp, SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+        FP8=fp8, TPP=tpp, SOFT=soft_fp8(k.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format):
@@ -61,7 +61,7 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
     v32_insert_kernel[(triton.cdiv(n, tpp),)](
         kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), _bytes(kv_cache), stride0, slot_mapping, n,
         kv_cache.shape[0] * block_size, block_size, TPP=tpp, POW2=scale_format == "pow2",
-        SOFT=soft_fp8(), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+        SOFT=soft_fp8(kv_c.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
 def _head_block(hp):
@@ -83,7 +83,7 @@ def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, position
         q_out.stride(0), q_out.stride(1),
         dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
         float(eps), q.shape[1], hp, bs,
-        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(),
+        HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(q.device),
         num_warps=CONFIG["num_warps"],
         **_LAUNCH)
 
@@ -119,5 +119,5 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,
         seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
         block_table.shape[1], block_size, offset, max_tokens,
-        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(),
+        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(out.device),
         num_warps=4, **_LAUNCH)

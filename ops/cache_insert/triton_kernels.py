@@ -6,6 +6,8 @@ Exactness rules every kernel here follows (they are why the tests can compare by
   PyTorch's separate multiplies and subtract;
 * power-of-two exponents come from fp32 bits (``ceil_log2``/``exp2_int``), never ``log2``;
 * the q RMS mean is accumulated in fp64 (see quant.rms_norm_no_weight);
+* ``SOFT`` (``triton_utils.soft_fp8``: interpreted, below sm_89, or forced): e4m3 and bf16
+  conversions in integer arithmetic, bit-identical to the hardware's;
 * out-of-range slots / block ids are skipped, never written: a kernel cannot raise, but it must
   never touch memory outside the slots it was asked to write.
 """
@@ -15,8 +17,8 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_sat, exp2_int, to_bf16,
-                                                ue8m0_scale)
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_decode, e4m3_sat, exp2_int,
+                                                to_bf16, ue8m0_scale)
 
 MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
@@ -212,7 +214,7 @@ def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_block
     if V4:
         data = base[:, None] + (o * V4_DATA)[:, None]
         m = okd & (d < NOPE)
-        q = tl.load(data + d, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        q = e4m3_decode(tl.load(data + d, mask=m, other=0), SOFT).to(tl.float32)
         sb = tl.load(base[:, None] + BS * V4_DATA + (o * V4_SCALE_BYTES)[:, None] + d // 64, mask=m,
                      other=127).to(tl.int32)
         tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=m)
@@ -220,7 +222,7 @@ def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_block
         tl.store(out_row + NOPE + p, rope, mask=okd)
     else:
         rec = base[:, None] + (o * V32_RECORD)[:, None]
-        q = tl.load(rec + d, mask=okd, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        q = e4m3_decode(tl.load(rec + d, mask=okd, other=0), SOFT).to(tl.float32)
         scale = tl.load((rec + V32_SCALES).to(tl.pointer_type(tl.float32)) + d // 128, mask=okd,
                         other=1.0)
         tl.store(out_row + d, to_bf16(q * scale, SOFT), mask=okd)

@@ -67,10 +67,11 @@ class Choice:
     @property
     def route(self) -> Optional[str]:
         """The kernel route that ran: "vendor", "reference", or for Triton the attention
-        core's route ("portable", "tiny", "sm90", "sm90_cluster"; None for other ops)."""
+        core's route ("portable", "tiny", "sm90", "sm90_cluster"; None for other ops), with
+        ", software e4m3 (why)" where it decoded e4m3 in software (``LaunchPlan.label``)."""
         if self.impl != "triton":
             return self.impl
-        return getattr(self.plan, "route", None)
+        return getattr(self.plan, "label", None)
 
     def __str__(self):
         why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())

@@ -2,11 +2,17 @@
 
 Everything here is bit-exact against the PyTorch reference. Two traps are handled on purpose:
 * ``log2``/``exp2`` are approximate on GPUs, so power-of-two exponents come from the fp32 bits;
-* Triton's CPU interpreter (TRITON_INTERPRET=1) rounds fp32→e4m3 wrongly when the mantissa
-  carries into the exponent (125.6 → 64 instead of 128), so interpreted kernels encode e4m3
-  with integer arithmetic (``SOFT``); compiled kernels use the hardware conversion. The
-  interpreter also truncates fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
+* GPUs below sm_89 (Ampere) have no e4m3 conversion at all: Triton refuses to compile
+  ``tl.float8e4nv`` for them. Triton's CPU interpreter (TRITON_INTERPRET=1) has one, but rounds
+  fp32→e4m3 wrongly when the mantissa carries into the exponent (125.6 → 64 instead of 128).
+  Kernels therefore take a ``SOFT`` constexpr (``soft_fp8``): where set, e4m3 is encoded and
+  decoded with integer arithmetic, bit-identical to the hardware conversion; elsewhere the
+  hardware conversion runs (its code is untouched by the flag). The interpreter also truncates
+  fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
 """
+import os
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -14,9 +20,56 @@ import triton.language as tl
 from sparse_mla.ops.common.dispatch import triton_interpreting
 
 
-def soft_fp8() -> bool:
-    """Whether kernels launched now must encode e4m3 in software (the interpreter)."""
-    return triton_interpreting()
+# Forces the software e4m3 route on any GPU ("1"): what an Ampere card runs, testable on a Hopper
+SOFT_FP8_ENV = "SPARSE_MLA_SOFT_FP8"
+# The first capability whose Triton compiles e4m3 conversions (Ada)
+HARDWARE_FP8_CAPABILITY = (8, 9)
+# Triton 3.6 lowers e4m3 -> bf16 for sm_89 through a cvt.bf16.f16 that ptxas takes only from
+# sm_90 on (the portable kernel over plain e4m3 rows did not compile: tools/dev/ptx_digest.py);
+# 3.9 compiles it, 3.7 and 3.8 were not tried. Below this release sm_89 takes the software route.
+SM89_HARDWARE_FP8_TRITON = (3, 7)
+
+
+def _triton_release(version: str):
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def hardware_fp8(cap, version: str = triton.__version__) -> bool:
+    """Whether kernels for GPU capability ``cap`` ((major, minor)) convert e4m3 in hardware
+    when compiled by Triton ``version``."""
+    if tuple(cap) == (8, 9):
+        return _triton_release(version) >= SM89_HARDWARE_FP8_TRITON
+    return tuple(cap) >= HARDWARE_FP8_CAPABILITY
+
+
+def soft_fp8_reason(device=None):
+    """Why kernels launched on ``device`` (a torch device; None: the current CUDA device where
+    there is one) encode and decode e4m3 in software: "interpreter", "forced" (``SOFT_FP8_ENV``)
+    or the GPU's arch ("sm_80"); None where the hardware conversion runs."""
+    if triton_interpreting():
+        return "interpreter"
+    if os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0"):
+        return "forced"
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if hardware_fp8(cap, triton.__version__):
+        return None
+    if cap >= HARDWARE_FP8_CAPABILITY:
+        return f"sm_{cap[0]}{cap[1]}, Triton {triton.__version__}"
+    return f"sm_{cap[0]}{cap[1]}"
+
+
+def soft_fp8(device=None) -> bool:
+    """Whether kernels launched on ``device`` take the software e4m3 route (``SOFT``):
+    interpreted, forced by ``SPARSE_MLA_SOFT_FP8=1``, or a GPU without e4m3 conversions
+    (below sm_89; sm_89 under Triton 3.6: ``hardware_fp8``)."""
+    return soft_fp8_reason(device) is not None
 
 
 @triton.jit
@@ -60,6 +113,34 @@ def e4m3_bits_soft(x):
     mag = tl.where(a < 0.015625, sub, normal)
     mag = tl.where(x != x, 0x7F, mag)
     return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_to_f32_soft(b):
+    """e4m3fn bytes ``b`` (any integer type; the low 8 bits count) → fp32 with integer
+    arithmetic, exactly as the hardware decodes them: subnormals, ±0, NaN for 0x7F / 0xFF."""
+    b = b.to(tl.int32) & 0xFF
+    sign = (b & 0x80) << 24
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    # a normal byte's value (1 + man/8) * 2^(exp - 7) as fp32 bits: rebias the exponent by 120
+    normal = sign | ((exp + 120) << 23) | (man << 20)
+    # a subnormal's is man * 2^-9 (exact in fp32); the sign goes on by bits so -0 stays -0
+    sub = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
+    bits = tl.where(exp == 0, sub, normal)
+    bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000 | sign, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(b, SOFT: tl.constexpr):
+    """e4m3fn bytes ``b`` (uint8) decoded: fp32 in software where ``SOFT``, else the
+    hardware's fp8 values (the caller converts them on, as the kernels always did)."""
+    if SOFT:
+        y = e4m3_to_f32_soft(b)
+    else:
+        y = b.to(tl.float8e4nv, bitcast=True)
+    return y
 
 
 @triton.jit

@@ -15,7 +15,11 @@ either side of the move to ``ops/attention`` (``MODULES``). The variants:
 * the portable split kernel for each cache format at sm_80, 86, 89, 90, 100 and 120 in the
   general launch shape, and the fp16-operand and tiny (output-dim split, one-tile and looped)
   shapes at sm_80, 90 and 120;
-* the combine kernel with bf16 and fp32 partials at sm_80 and sm_90.
+* the combine kernel with bf16 and fp32 partials at sm_80 and sm_90;
+* the software-e4m3 route (``SOFT``, what sm_80 / sm_86 run) of the split kernel for each
+  e4m3 cache format at sm_80 and sm_90 (named ``..._soft_...``; absent from a tree older than
+  that route: ``--compare`` lists variants only the AFTER file has, and fails only on variants
+  it lost).
 
 Each run compiles into a fresh Triton cache (``TRITON_CACHE_DIR``), so a kernel is never
 taken from a cache filled by the other tree. ``--compare`` prints the variants whose digests
@@ -81,6 +85,12 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     names = list(inspect.signature(fn.fn).parameters)
+    # constexprs the caller leaves out take their defaults (``SOFT``: the hardware route); one
+    # the kernel lacks (``SOFT`` in an older tree) fails the variant
+    constexprs = dict(constexprs)
+    for p in fn.params:
+        if p.is_constexpr and p.has_default and p.name not in constexprs:
+            constexprs[p.name] = p.default
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats
                                                                 else "i32")
            for n in names}
@@ -91,7 +101,7 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False):
+def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False):
     kernels = load("portable")
     pointers = {"q_ptr": "*fp16" if f16 else "*bf16", "i0_ptr": "*i32", "i1_ptr": "*i32",
                 "l0_ptr": "*i32", "l1_ptr": "*i32", "part_o": "*fp32", "part_ml": "*fp32",
@@ -103,6 +113,8 @@ def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False):
               D576=fmt == "v32", TRACK_MAX=False, PREFETCH=True, DV=dv, N_UNITS=2 * dv,
               SCALE64=fmt == "v4", SCALE_T=False, DOT_F32=False, PDL=arch >= 90, F16=f16,
               ONE_TILE=one_tile)
+    if soft:
+        cx["SOFT"] = True
     stages = 1 if tiny else (3 if fmt == "v32" else 2)
     return _compile(kernels._split_kernel, cx, pointers, {"scale2"}, arch,
                     {"num_warps": 8 // dv, "num_stages": stages})
@@ -136,6 +148,10 @@ def variants():
             out[f"portable/tiny_v4_{'one_tile' if one_tile else 'loop'}_sm{arch}"] = (
                 lambda arch=arch, one_tile=one_tile: _split("v4", arch, tiny=True,
                                                             one_tile=one_tile))
+    for fmt in ("v4", "v32", "plain_fp8"):
+        for arch in (80, 90):
+            out[f"portable/split_{fmt}_soft_sm{arch}"] = (
+                lambda fmt=fmt, arch=arch: _split(fmt, arch, soft=True))
     for arch in (80, 90):
         for bf16 in (True, False):
             out[f"portable/combine_{'bf16' if bf16 else 'fp32'}_sm{arch}"] = (
@@ -173,10 +189,12 @@ def read(path):
 def compare(before, after) -> int:
     a, b = read(before), read(after)
     bad = 0
-    if list(a) != list(b):
-        print(f"variant lists differ: only before {sorted(set(a) - set(b))}, "
-              f"only after {sorted(set(b) - set(a))}")
+    lost, new = [n for n in a if n not in b], [n for n in b if n not in a]
+    if lost:
+        print(f"variants only BEFORE has (lost): {lost}")
         bad = 1
+    if new:
+        print(f"variants only AFTER has (new, not compared): {new}")
     diff = [n for n in a if n in b and a[n] != b[n]]
     for n in diff:
         print(f"DIFFERS {n}: {a[n]} -> {b[n]}")

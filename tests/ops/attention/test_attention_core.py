@@ -18,8 +18,9 @@ from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
-from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon, last_plan,
-                                      record_results, split_kernel_name)
+from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, force_tiny_launches,
+                                      hopper_with_gluon, last_plan, record_results,
+                                      split_kernel_name)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (DEVICES, _run_decode,
                                                               check_decode, check_prefill)
@@ -428,3 +429,23 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
     assert split_kernel_name() == "_ws_kernel" and last_plan().combined == (n_splits > 1)
     check_prefill((ro, rm, rl), (o, m, l))
+
+
+@pytest.mark.skipif(INTERPRETING, reason="interpreted kernels always take the software route")
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("fmt", ["v4", "v32"])
+@pytest.mark.parametrize("tiny", [True, False])
+def test_software_e4m3_route_matches_reference(device, fmt, tiny, monkeypatch):
+    """The route GPUs below sm_89 take (e4m3 decoded in integer arithmetic by the portable
+    kernel), forced on this GPU (``SPARSE_MLA_SOFT_FP8=1``): the route says so, the portable
+    kernel ran, and the outputs are the reference's."""
+    monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
+    force_tiny_launches(monkeypatch, tiny)
+    a = decode_case(device, b=4, s_q=2, h=128, bs=64, topk=256, extra=True, extra_topk=128,
+                    extra_bs=64, seed=17, fmt=fmt)
+    ref = _run_decode(a, "reference")
+    got = _run_decode(a, "triton")
+    route = "tiny" if tiny else "portable"
+    assert last_choice("flashmla_sparse_decode").route == f"{route}, software e4m3 (forced)"
+    assert split_kernel_name() == "_split_kernel"
+    check_decode(ref, got)

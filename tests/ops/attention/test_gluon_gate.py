@@ -20,6 +20,7 @@ def test_gluon_kernel_on_the_tested_triton_range(version, ok):
 def test_outside_the_range_the_reason_names_the_version(monkeypatch):
     monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
     monkeypatch.setattr(plan.triton, "__version__", "3.10.0")
     monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
     reason = plan.gluon_disabled_reason()
@@ -27,11 +28,15 @@ def test_outside_the_range_the_reason_names_the_version(monkeypatch):
     assert plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])[0] is None
 
 
-@pytest.mark.parametrize("env,interp,want", [("0", "", "SPARSE_MLA_GLUON=0"),
-                                             ("1", "1", "interpreter")])
-def test_switches_give_their_reason(env, interp, want, monkeypatch):
+@pytest.mark.parametrize("env,interp,soft,want", [("0", "", "0", "SPARSE_MLA_GLUON=0"),
+                                                  ("1", "1", "0", "interpreter"),
+                                                  ("1", "", "1", "SPARSE_MLA_SOFT_FP8=1")])
+def test_switches_give_their_reason(env, interp, soft, want, monkeypatch):
+    """The forced software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``) is the portable kernel's
+    on every GPU: the Gluon kernel converts e4m3 in hardware only."""
     monkeypatch.setenv("SPARSE_MLA_GLUON", env)
     monkeypatch.setenv("TRITON_INTERPRET", interp)
+    monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", soft)
     assert want in plan.gluon_disabled_reason()
     assert not plan.gluon_enabled()
 
@@ -39,6 +44,7 @@ def test_switches_give_their_reason(env, interp, want, monkeypatch):
 def test_cpu_tensors_are_not_routed_to_the_gluon_kernel(monkeypatch):
     monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
     monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: True)
     g, why = plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])
     assert g is None and "cpu" in why
@@ -55,6 +61,7 @@ def test_unsupported_triton_never_imports_the_gluon_module(monkeypatch):
     range may not even compile it, so the version check comes first."""
     monkeypatch.delitem(sys.modules, "sparse_mla.ops.attention.sm90.kernel",
                         raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
     monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
     q = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device="cuda")
     g, why = plan.gluon_route(q, "plain_bf16", [])

@@ -8,8 +8,10 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import quant
+from sparse_mla.ops.common import triton_utils
 from sparse_mla.ops.common.triton_utils import (RESERVED_SHARED_PER_CTA, SHARED_WITHOUT_OPT_IN,
                                                 bf16_soft, ceil_log2, e4m3_bits, e4m3_bits_soft,
+                                                e4m3_decode, e4m3_to_f32_soft,
                                                 residency_shared_bytes)
 from sparse_mla.tests.helpers import triton_params
 
@@ -59,6 +61,60 @@ def test_soft_conversions_match_torch_bit_for_bit(device):
     assert torch.equal(bf.cpu()[fin].view(torch.int16), x[fin].to(torch.bfloat16).view(torch.int16))
     assert bf.cpu()[~fin].isnan().all()
     assert torch.equal(lg.cpu()[fin], quant.ceil_log2(x.abs() + 1e-30)[fin])
+
+
+@triton.jit
+def _decode(b_ptr, soft_ptr, hw_ptr, N: tl.constexpr, HW: tl.constexpr):
+    o = tl.arange(0, N)
+    b = tl.load(b_ptr + o)
+    tl.store(soft_ptr + o, e4m3_to_f32_soft(b))
+    tl.store(soft_ptr + N + o, e4m3_decode(b, True).to(tl.float32))
+    if HW:
+        tl.store(hw_ptr + o, e4m3_decode(b, False).to(tl.float32))
+
+
+@pytest.mark.parametrize("device", triton_params())
+def test_soft_e4m3_decode_matches_torch_for_every_byte(device):
+    """The software decode (what sm_80 / sm_86 run) gives torch's float8_e4m3fn value of every
+    byte bit for bit: ±0 with their signs, subnormals, 448, and NaN for 0x7F / 0xFF; on a GPU
+    the hardware conversion agrees too."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    hw = device != "cpu"
+    soft = torch.empty(512, dtype=torch.float32, device=device)
+    hard = torch.empty(256, dtype=torch.float32, device=device)
+    with torch.cuda.device(torch.device(device)) if hw else contextlib.nullcontext():
+        _decode[(1,)](codes.to(device), soft, hard, 256, HW=hw)
+    nan = want.isnan()
+    assert nan.sum() == 2 and set(codes[nan].tolist()) == {0x7F, 0xFF}
+    for got in (soft.cpu()[:256], soft.cpu()[256:]) + ((hard.cpu(),) if hw else ()):
+        assert got[nan].isnan().all()
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+def test_soft_fp8_switch(monkeypatch):
+    """The software route: interpreted, forced by SPARSE_MLA_SOFT_FP8=1, or a GPU below sm_89
+    (named by its arch); the hardware conversion from sm_89 on and for CPU tensors."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(triton_utils.SOFT_FP8_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert triton_utils.soft_fp8_reason(cpu) is None and not triton_utils.soft_fp8(cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_utils.soft_fp8_reason(cpu) == "interpreter"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv(triton_utils.SOFT_FP8_ENV, "1")
+    assert triton_utils.soft_fp8_reason(cpu) == "forced" and triton_utils.soft_fp8(cpu)
+    monkeypatch.setenv(triton_utils.SOFT_FP8_ENV, "0")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    for cap, why in (((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), None), ((9, 0), None),
+                     ((12, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
+        assert triton_utils.soft_fp8_reason(cuda) == why
+    # Triton 3.6 cannot compile sm_89's e4m3 -> bf16 conversion
+    assert triton_utils.hardware_fp8((8, 9), "3.7.0") and triton_utils.hardware_fp8((9, 0))
+    assert not triton_utils.hardware_fp8((8, 9), "3.6.0")
+    assert not triton_utils.hardware_fp8((8, 6), "3.9.0")
 
 
 @pytest.mark.parametrize("shared_per_sm", [233472, 167936, 102400])  # H100/H200, A100, sm_89

@@ -9,6 +9,7 @@ import torch
 
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
+from sparse_mla.ops.common.triton_utils import soft_fp8_reason
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
 from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
                                       last_plan, naming, requires_cuda, split_kernel_name,
@@ -121,8 +122,13 @@ def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch):
     got = _run_decode(a, "triton")
     choice = last_choice("flashmla_sparse_decode")
     p = choice.plan
-    assert choice.route == p.route and p is last_plan() and p.reason
-    assert p.route in plan.ROUTES and p.route in str(choice) and p.reason in str(choice)
+    assert choice.route == p.label and p is last_plan() and p.reason
+    assert p.route in plan.ROUTES and p.label in str(choice) and p.reason in str(choice)
+    # V4 keys: e4m3 decoded in software exactly where the interpreter or a GPU below sm_89
+    # runs them, or where forced (SPARSE_MLA_SOFT_FP8=1), and the route says so
+    soft = soft_fp8_reason(torch.device(device))
+    assert p.soft_e4m3 == (soft or "")
+    assert p.label == (f"{p.route}, software e4m3 ({soft})" if soft else p.route)
     assert p.phases and len(p.kernels) == len(p.phases)
     sm90 = gluon == "1" and hopper_with_gluon()
     assert (p.route in ("sm90", "sm90_cluster")) == sm90

@@ -12,7 +12,7 @@ from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.trtllm_decode import reference
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
-from sparse_mla.tests.helpers import (INTERPRETING, force_tiny_launches, gapped,
+from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, force_tiny_launches, gapped,
                                       hopper_with_gluon, last_plan, naming, record_results,
                                       seeded, split_kernel_name, triton_params)
 from sparse_mla.tests.ops.trtllm_decode.cases import I32, fill, poisoned_pool
@@ -341,3 +341,35 @@ def test_triton_lengths_equal_torch_definition(device, B, Q, varlen, extra):
     got = triton_impl.v32_lengths(T, B, Q, dev(seq_lens), dev(cu), 200)
     assert torch.equal(got.cpu(), want.cpu())
     assert (want > 0).any()          # the case is not trivially all-zero
+
+
+@pytest.mark.skipif(INTERPRETING, reason="interpreted kernels always take the software route")
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
+def test_software_e4m3_route_matches_reference(device, tiny, monkeypatch):
+    """The route GPUs below sm_89 take, forced on this GPU (``SPARSE_MLA_SOFT_FP8=1``): plain
+    e4m3 rows and an e4m3 q (decoded in the kernel on tiny launches, fp16 dots otherwise)
+    through the portable kernel, which the route names, against the reference."""
+    monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
+    for H in (16, 128):
+        test_dsv4_triton_matches_reference(device, H, E4M3, tiny, monkeypatch)
+        route = "tiny" if tiny else "portable"
+        assert last_choice("trtllm_decode_dsv4").route == f"{route}, software e4m3 (forced)"
+        assert split_kernel_name() == "_split_kernel"
+    ref, tri = _v32_outputs(device, 64, E4M3)
+    torch.testing.assert_close(tri, ref, **TOL)
+
+
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+def test_low_shared_memory_launch_matches_reference(device, dtype, monkeypatch):
+    """GPUs with less shared memory per block than sm_90 (sm_80, 86, 89, 120) get one key
+    stage and plain bf16 rows loaded 64 dims at a time (``plan.LOW_SHARED_CONFIG``); the
+    same inputs give the reference's outputs through that shape too (512- and 576-wide
+    rows)."""
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setattr(plan, "shared_budget", lambda device: 99 * 1024)
+    force_tiny_launches(monkeypatch, False)
+    test_dsv4_triton_matches_reference(device, 16, dtype, False, monkeypatch)
+    ref, tri = _v32_outputs(device, 16, dtype)
+    torch.testing.assert_close(tri, ref, **TOL)

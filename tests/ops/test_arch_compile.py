@@ -1,0 +1,254 @@
+"""Every Triton kernel of every op compiled for every CUDA arch the README claims (sm_80, 86,
+89, 90, 100, 120) with the launch configuration the planner picks there, on the CPU (Triton
+compiles for a target without a GPU): a kernel that cannot compile for an arch (e4m3 below
+sm_89 without the software route) or that asks for more shared memory than one block of that
+arch may use fails here. The sm_90 Gluon kernel has its own check
+(tests/ops/attention/test_sm90_compile.py).
+
+The planner's choices come from its own functions with the GPU's capability faked
+(``planned``): the software e4m3 route below sm_89, PDL from sm_90, the shared-memory budget
+(``plan.SHARED_PER_BLOCK``) and the launch shape it picks. Launch shapes that do not depend on
+problem size are compiled once each, for the larger shared-memory need where the shape
+allows two: plain caches with 576-wide rows (a superset of the 512-wide code), and integer
+arguments never specialized as multiples of 16 (a cache whose block stride is not: its loads
+are not vectorized and take more shared memory). Pointers are 16-byte aligned, as torch
+allocates them. The variants compile in parallel, one process per core, once per test
+process.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib
+import inspect
+import multiprocessing
+import os
+import types
+from unittest import mock
+
+import pytest
+import torch
+import triton
+
+from sparse_mla.ops.attention import launch, plan
+from sparse_mla.ops.common import triton_utils
+
+# Shared memory one block may use, by arch (the CUDA programming guide's opt-in maxima)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                100: 227 * 1024, 120: 99 * 1024}
+ARCHS = tuple(SHARED_LIMIT)
+PORTABLE = "sparse_mla.ops.attention.portable"
+INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
+INDEX = "sparse_mla.ops.index_combine.triton_kernels"
+
+
+def _cap(arch):
+    return (arch // 10, arch % 10)
+
+
+@contextlib.contextmanager
+def _on_arch(arch):
+    """The planner's view of a CUDA device of capability ``arch`` (nothing else touched)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", triton_utils.SOFT_FP8_ENV)}
+    with mock.patch.dict(os.environ, env, clear=True), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *a: _cap(arch)):
+        yield torch.device("cuda", 0)
+
+
+def planned(arch):
+    """What the launchers pick on ``arch``: {"soft", "pdl", "general", "tiny", "hb", "hb_tiny"}
+    (launch configs as ``plan.launch_config`` gives them, head blocks at 128 and 8 heads)."""
+    with _on_arch(arch) as dev:
+        q = types.SimpleNamespace(device=dev, dtype=torch.bfloat16)
+        shared = plan.shared_budget(dev)
+        return dict(
+            soft=triton_utils.soft_fp8(dev), soft_route=plan.soft_e4m3(q, "v4"),
+            pdl=triton_utils.pdl_supported(dev), shared=shared,
+            general=plan.launch_config(64, 2, 64, shared=shared),
+            tiny=plan.launch_config(1, 1, 2, shared=shared),
+            hb=plan.head_block(128, False, dev, "v4"),
+            hb_tiny=plan.head_block(8, True, dev, "v4"))
+
+
+def _attention_variants(arch):
+    p = planned(arch)
+    ptr = {"i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32",
+           "part_o": "*bf16", "part_ml": "*fp32", "scale_ptr": "*fp32"}
+    out = {}
+
+    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False):
+        g = cfg
+        code = launch.FMT_CODES[fmt]
+        if fmt == "plain_bf16" and g["tiled_bf16"]:
+            code = launch.FMT_PLAIN_BF16_TILED
+        cache = "*bf16" if fmt == "plain_bf16" else "*u8"
+        cx = dict(FMT=code, HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=q_fp8, HB=hb,
+                  BN=g["block_n"], D576=d576, TRACK_MAX=True, PREFETCH=g["prefetch"],
+                  DV=g["dv"], N_UNITS=2 * g["dv"], SCALE64=fmt == "v4", SCALE_T=False,
+                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"])
+        stages = g["num_stages_v32"] if fmt == "v32" else g["num_stages"]
+        out[name] = (PORTABLE, "_split_kernel", cx,
+                     dict(ptr, q_ptr=q, c0_ptr=cache, c1_ptr=cache), {"scale2"},
+                     dict(num_warps=g["num_warps"] // g["dv"], num_stages=stages))
+
+    gen, tiny = p["general"], p["tiny"]
+    split("split_v4", "v4", gen, p["hb"])
+    split("split_v32", "v32", gen, p["hb"], d576=True)
+    split("split_plain_bf16_576", "plain_bf16", gen, p["hb"], d576=True)
+    split("split_plain_fp8_576", "plain_fp8", gen, p["hb"], d576=True)
+    # e4m3 q over plain e4m3 rows: converted to fp16 by the launcher, fp16 dots
+    split("split_plain_fp8_f16", "plain_fp8", gen, p["hb"], q="*fp16",
+          f16=launch.FP16_FOR_E4M3)
+    # tiny launches decode an e4m3 q in the kernel
+    split("tiny_v4_fp8_q", "v4", tiny, p["hb_tiny"], q="*u8", q_fp8=True)
+    for part, warps in (("*i16", 2), ("*fp32", 4)):
+        out[f"combine_{part[1:]}"] = (
+            PORTABLE, "_combine_kernel",
+            dict(OUT_SCALE_T=False, HAS_SINK=True, HAS_LSE=True, HAS_MAX=True, SPLITS=32,
+                 SOFT=False, PDL=p["pdl"]),
+            {"part_o": part, "part_ml": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+             "lse_ptr": "*fp32", "mx_ptr": "*fp32", "out_scale_ptr": "*fp32"},
+            {"out_scale"}, dict(num_warps=warps))
+    return out
+
+
+def _family_variants(arch):
+    from sparse_mla.ops.cache_insert import triton_impl as insert
+    from sparse_mla.ops.cache_insert import triton_kernels as ik
+    from sparse_mla.ops.index_combine import triton_impl as index
+    from sparse_mla.ops.trtllm_decode import triton_impl as trtllm
+    p = planned(arch)
+    soft, fuse = p["soft"], dict(enable_fp_fusion=False)
+    tpp, iw = insert.CONFIG["tokens_per_program"], insert.CONFIG["insert_warps"]
+    slots = {"slot_ptr": "*i64"}
+    out = {
+        "v4_insert": (INSERT, "v4_insert_kernel", dict(TPP=tpp, SOFT=soft),
+                      dict(slots, k_ptr="*bf16", cache_ptr="*u8"), set(),
+                      dict(num_warps=iw, **fuse)),
+        "v32_insert": (INSERT, "v32_insert_kernel", dict(TPP=tpp, POW2=True, SOFT=soft),
+                       dict(slots, kvc_ptr="*bf16", pe_ptr="*bf16", cache_ptr="*u8"), set(),
+                       dict(num_warps=iw, **fuse)),
+    }
+    for fp8 in (False, True):
+        out[f"plain_insert_{'fp8' if fp8 else 'bf16'}"] = (
+            INSERT, "plain_insert_kernel", dict(FP8=fp8, TPP=tpp, SOFT=soft),
+            dict(slots, k_ptr="*bf16", cache_ptr="*u8" if fp8 else "*bf16",
+                 kv_scale_ptr="*fp32" if fp8 else "*i64"), set(), dict(num_warps=iw, **fuse))
+    for mode in (ik.MODE_V4, ik.MODE_PLAIN_BF16, ik.MODE_PLAIN_FP8):
+        byte = mode != ik.MODE_PLAIN_BF16
+        out[f"fused_insert_mode{mode}"] = (
+            INSERT, "fused_insert_kernel",
+            dict(HB=insert.CONFIG["heads_per_program"], MODE=mode, APPLY_NORM=True, SOFT=soft),
+            dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8" if byte else "*bf16",
+                 pos_ptr="*i64", cs_ptr="*fp32",
+                 qo_ptr="*u8" if mode == ik.MODE_PLAIN_FP8 else "*bf16",
+                 kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
+            {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
+    for v4 in (True, False):
+        out[f"gather_dequant_{'v4' if v4 else 'v32'}"] = (
+            INSERT, "gather_dequant_kernel",
+            dict(V4=v4, HAS_GLEN=True, TB=insert.CONFIG["gather_tokens"], SOFT=soft),
+            {"out_ptr": "*bf16", "cache_ptr": "*u8"}, set(), dict(num_warps=4, **fuse))
+    block = index._block(2048)
+    for name, cx in (("global_topk_kernel", dict(BLOCK=block)),
+                     ("convert_kernel", dict(HAS_PREFILL=True, COUNT=True, BLOCK=block)),
+                     ("swa_kernel", dict(BLOCK=index._block(128))),
+                     ("c128a_kernel", dict(BLOCK=block)),
+                     ("combine_kernel", dict(BLOCK=index.COMBINE_CONFIG["block"])),
+                     ("mixed_kernel", dict(HAS_DCOMP=True, LOCAL=False, HAS_DLENS=True,
+                                           SPACKED=True, CPACKED=True, WBLOCK=128,
+                                           KBLOCK=block))):
+        warps = index.COMBINE_CONFIG["num_warps"] if name == "combine_kernel" else 4
+        out[f"index_{name}"] = (INDEX, name, cx, {}, set(), dict(num_warps=warps))
+    out["trtllm_lengths"] = (
+        "sparse_mla.ops.trtllm_decode.triton_kernels", "lengths_kernel",
+        dict(HAS_CU=True, DSV4=True, SWA=128, BLOCK=trtllm.LENGTHS_BLOCK, CHUNK=64,
+             PDL=p["pdl"]),
+        {n: "*i32" for n in ("seq_lens", "cu", "topk_lens", "out_a", "out_b")}, set(),
+        dict(num_warps=4))
+    out["flashmla_usable_ids"] = (
+        "sparse_mla.ops.flashmla_decode.vendor", "_usable_ids_kernel", dict(BLOCK=1024),
+        {"src": "*i32", "dst": "*i32"}, set(), dict(num_warps=4))
+    return out
+
+
+def variants():
+    """{(arch, name): spec} of every variant (spec: module, kernel, constexprs, pointer
+    types, float parameters, compile options)."""
+    return {(arch, name): spec for arch in ARCHS
+            for name, spec in {**_attention_variants(arch), **_family_variants(arch)}.items()}
+
+
+def compile_variant(spec, arch):
+    """(shared bytes, None) of ``spec`` compiled for sm_``arch``, or (None, the error).
+    Parameters named ``*_ptr`` (or listed in the spec's pointer types) are pointers (int32
+    unless listed), the spec's floats fp32, the rest int32 scalars; constexprs the spec
+    leaves out take their defaults, and one without a default fails the variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    module, kernel, constexprs, pointers, floats, options = spec
+    fn = getattr(importlib.import_module(module), kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    cx = dict(constexprs)
+    try:
+        for p in fn.params:
+            if p.is_constexpr and p.name not in cx:
+                if not p.has_default:
+                    raise TypeError(f"no value for constexpr {p.name}")
+                cx[p.name] = p.default
+        sig = {n: "constexpr" if n in cx else pointers.get(
+            n, "*i32" if n.endswith("_ptr") else "fp32" if n in floats else "i32")
+               for n in names}
+        # pointers 16-byte aligned, as torch allocates them and Triton specializes for
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if sig[n].startswith("*")}
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()},
+                        attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        return compiled.metadata.shared, None
+    except Exception as exc:   # reported per variant by the test
+        return None, f"{type(exc).__name__}: {str(exc)[:2000]}"
+
+
+def _compile_all():
+    specs = variants()
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                                mp_context=ctx) as pool:
+        futures = {key: pool.submit(compile_variant, spec, key[0])
+                   for key, spec in specs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+_RESULTS = {}
+
+
+def results():
+    """Every variant's (shared bytes, error), compiled once per process."""
+    if not _RESULTS:
+        _RESULTS.update(_compile_all())
+    return _RESULTS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_planner_knows_each_archs_shared_memory_and_fp8(arch):
+    """The budget the planner fits launches to is the arch's, and the software e4m3 route is
+    taken exactly where the GPU has no e4m3 conversion Triton compiles (below sm_89, and sm_89
+    under Triton 3.6: ``triton_utils.hardware_fp8``), named by the arch."""
+    p = planned(arch)
+    assert p["shared"] == SHARED_LIMIT[arch]
+    old = triton_utils._triton_release(triton.__version__) < (3, 7)
+    assert p["soft"] == (arch < 89 or (arch == 89 and old))
+    want = f"sm_{arch}" if arch < 89 else f"sm_{arch}, Triton {triton.__version__}"
+    assert p["soft_route"] == (want if p["soft"] else "")
+
+
+@pytest.mark.parametrize("arch,name", sorted(variants()))
+def test_kernel_compiles_within_the_archs_shared_memory(arch, name):
+    shared, error = results()[(arch, name)]
+    assert error is None, f"sm_{arch} {name}: {error}"
+    assert shared <= SHARED_LIMIT[arch], (
+        f"sm_{arch} {name} uses {shared} B of shared memory; one block may use "
+        f"{SHARED_LIMIT[arch]} B")
