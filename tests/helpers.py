@@ -72,14 +72,13 @@ def seeded(seed: int) -> torch.Generator:
 
 
 def hopper_with_gluon():
-    """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon); not
-    with the software e4m3 route forced (``SPARSE_MLA_SOFT_FP8=1``: the portable kernel)."""
+    """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon) now: not
+    where the process turned it off (``SPARSE_MLA_GLUON=0``, the forced software e4m3 route
+    ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.gluon_disabled_reason``)."""
     import torch
-    from sparse_mla.ops.attention.plan import gluon_triton_supported
-    from sparse_mla.ops.common.triton_utils import soft_fp8_reason
+    from sparse_mla.ops.attention.plan import gluon_disabled_reason
     if INTERPRETING or not torch.cuda.is_available() or \
-            torch.cuda.get_device_capability() != (9, 0) or not gluon_triton_supported() or \
-            soft_fp8_reason() == "forced":
+            torch.cuda.get_device_capability() != (9, 0) or gluon_disabled_reason() is not None:
         return False
     try:
         import sparse_mla.ops.attention.sm90.kernel  # noqa: F401
