@@ -1,7 +1,7 @@
 """FlashMLA-semantics decode / prefill: our Triton kernel and FlashMLA side by side, one run.
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_flashmla [--quick]
-      [--only TEXT] [--rounds N]
+      [--only TEXT] [--rounds N] [--soft]
 
 Times are CUDA-graph replays (GPU time per call). FlashMLA is called directly (legacy SM90
 kernels); ours goes through the op. "FlashMLA µs" reuses one filled scheduler metadata
@@ -16,10 +16,16 @@ bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA
 medians over the rounds, the ratio is the median of the rounds' own ratios, and "range" gives
 their lowest and highest (the V3.2 row's rounds spread 4-9 % within one process:
 docs/perf-log.md, "Parity in alternating rounds").
+``--soft`` adds the software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``: the portable kernel decoding
+e4m3 in integer arithmetic, what GPUs below sm_89 run): "soft µs", its time over the portable
+kernel's with hardware e4m3 ("soft/hw": the cost of the software decode alone) and over ours
+("soft/ours": what an Ampere-class route would give up against this card's best), and
+max |soft - ours|.
 Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 heads, a q padded
 with zero heads once, outside the timing.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -86,12 +92,28 @@ def _alternate(vendor, ours, rounds):
             statistics.median(ratios), min(ratios), max(ratios))
 
 
+@contextlib.contextmanager
+def _env(name, value):
+    """``name=value`` in the environment for the block (the op reads these per launch)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
     p.add_argument("--only", default="", help="only the cases whose shape contains this text")
     p.add_argument("--rounds", type=int, default=1,
                    help="time FlashMLA and ours alternately this many times per shape")
+    p.add_argument("--soft", action="store_true",
+                   help="also time the software e4m3 route (SPARSE_MLA_SOFT_FP8=1)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -103,6 +125,8 @@ def main(argv=None):
     head = ("shape", "route", "FlashMLA µs", "+sched µs", "portable µs", "ours µs", "ratio",
             "range",
             "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
+    if args.soft:
+        head += ("soft µs", "soft/hw", "soft/ours", "max |soft-ours|")
     rows = []
     for case in bench.cases("cuda", False):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
@@ -128,9 +152,8 @@ def main(argv=None):
         except Exception as exc:  # reported in the table
             v_out, vendor, tv_sched = None, None, None
             print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
-        os.environ["SPARSE_MLA_GLUON"] = "0"
-        tp, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
-        del os.environ["SPARSE_MLA_GLUON"]
+        with _env("SPARSE_MLA_GLUON", "0"):
+            tp, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
         ours = case.run(a, "triton")
         route = getattr(dispatch.last_plan(), "route", "?")
         mine = lambda case=case, a=a: case.run(a, "triton")  # noqa: E731
@@ -148,6 +171,15 @@ def main(argv=None):
                      f"{case.flops / to / 1e12:.0f}",
                      f"{case.bytes / to / 1e9:,.0f}", f"{100 * case.flops / to / mm:.0f}%",
                      f"{100 * case.bytes / to / copy:.0f}%", diff))
+        if args.soft:
+            with _env("SPARSE_MLA_SOFT_FP8", "1"):
+                ts, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
+                soft = case.run(a, "triton")
+            soft_route = getattr(dispatch.last_plan(), "label", "?")
+            if "software" not in soft_route:      # the timing above is then not the soft route
+                raise RuntimeError(f"{case.shape}: SPARSE_MLA_SOFT_FP8=1 ran {soft_route!r}")
+            rows[-1] += (f"{ts * 1e6:.1f}", f"{ts / tp:.2f}", f"{ts / to:.2f}",
+                         f"{float((soft[0].float() - ours[0].float()).abs().max()):.2e}")
         print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
