@@ -1,7 +1,7 @@
 """FlashMLA-semantics decode / prefill: our Triton kernel and FlashMLA side by side, one run.
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_flashmla [--quick]
-      [--only TEXT] [--rounds N] [--soft]
+      [--only TEXT] [--rounds N] [--decode] [--soft]
 
 Times are CUDA-graph replays (GPU time per call). FlashMLA is called directly (legacy SM90
 kernels); ours goes through the op. "FlashMLA µs" reuses one filled scheduler metadata
@@ -112,6 +112,7 @@ def main(argv=None):
     p.add_argument("--only", default="", help="only the cases whose shape contains this text")
     p.add_argument("--rounds", type=int, default=1,
                    help="time FlashMLA and ours alternately this many times per shape")
+    p.add_argument("--decode", action="store_true", help="decode rows only (no prefill)")
     p.add_argument("--soft", action="store_true",
                    help="also time the software e4m3 route (SPARSE_MLA_SOFT_FP8=1)")
     args = p.parse_args(argv)
@@ -132,7 +133,7 @@ def main(argv=None):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
                                                            for b in (2, 64))):
             continue
-        if args.only not in case.shape:
+        if args.only not in case.shape or (args.decode and "prefill" in case.op):
             continue
         torch.manual_seed(0)
         a = case.make()

@@ -154,6 +154,11 @@ class Dispatcher:
         reason = None if check is None else check(*args, **kwargs)
         if reason is None and automatic and auto_check is not None:
             reason = auto_check(*args, **kwargs)
+        if reason is None and automatic and name == "vendor" and soft_fp8_forced():
+            # the switch stands in for a GPU below sm_89, where no vendor kernel runs (FlashMLA:
+            # sm_90; FlashInfer's DSv4: sm_100): the automatic choice must run what runs there
+            reason = (f"{SOFT_FP8_ENV}=1 runs what a GPU below sm_89 runs, and no vendor "
+                      "kernel runs there (impl='vendor' still runs it)")
         return reason
 
     def choose(self, impl: Optional[str], *args, **kwargs) -> Choice:
@@ -271,6 +276,14 @@ def dispatcher(op: str) -> Dispatcher:
 
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+# Forces the software e4m3 route on any GPU ("1"): what an Ampere card runs, testable on a Hopper
+SOFT_FP8_ENV = "SPARSE_MLA_SOFT_FP8"
+
+
+def soft_fp8_forced() -> bool:
+    return os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0")
 
 
 def triton_check(*tensors) -> Optional[str]:

@@ -10,18 +10,16 @@ Everything here is bit-exact against the PyTorch reference. Two traps are handle
   hardware conversion runs (its code is untouched by the flag). The interpreter also truncates
   fp32→bf16 instead of rounding: ``to_bf16`` handles that the same way.
 """
-import os
 import re
 
 import torch
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common.dispatch import triton_interpreting
+from sparse_mla.ops.common.dispatch import SOFT_FP8_ENV  # noqa: F401  (callers name it here)
+from sparse_mla.ops.common.dispatch import soft_fp8_forced, triton_interpreting
 
 
-# Forces the software e4m3 route on any GPU ("1"): what an Ampere card runs, testable on a Hopper
-SOFT_FP8_ENV = "SPARSE_MLA_SOFT_FP8"
 # The first capability whose Triton compiles e4m3 conversions (Ada)
 HARDWARE_FP8_CAPABILITY = (8, 9)
 # Triton 3.6 lowers e4m3 -> bf16 for sm_89 through a cvt.bf16.f16 that ptxas takes only from
@@ -49,7 +47,7 @@ def soft_fp8_reason(device=None):
     or the GPU's arch ("sm_80"); None where the hardware conversion runs."""
     if triton_interpreting():
         return "interpreter"
-    if os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0"):
+    if soft_fp8_forced():
         return "forced"
     if device is None:
         if not torch.cuda.is_available():
@@ -133,11 +131,25 @@ def e4m3_to_f32_soft(b):
 
 
 @triton.jit
+def e4m3_to_f16_soft(b):
+    """e4m3fn bytes ``b`` (any integer type; the low 8 bits count) → fp16, exactly as the
+    hardware decodes them, in fewer operations than ``e4m3_to_f32_soft``: the byte's exponent
+    and mantissa placed in fp16's fields read as 2^-8 times the value — subnormals included,
+    since fp16 keeps its own subnormals — so one fp16 multiply by 2^8 finishes it (the
+    conversion Ampere inference kernels use for fp8 weights). 0x7F / 0xFF, which that would
+    read as ±480, are NaN."""
+    b = b.to(tl.int16) & 0xFF
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    y = bits.to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), y).to(tl.float16)
+
+
+@triton.jit
 def e4m3_decode(b, SOFT: tl.constexpr):
-    """e4m3fn bytes ``b`` (uint8) decoded: fp32 in software where ``SOFT``, else the
+    """e4m3fn bytes ``b`` (uint8) decoded: fp16 in software where ``SOFT`` (exact), else the
     hardware's fp8 values (the caller converts them on, as the kernels always did)."""
     if SOFT:
-        y = e4m3_to_f32_soft(b)
+        y = e4m3_to_f16_soft(b)
     else:
         y = b.to(tl.float8e4nv, bitcast=True)
     return y

@@ -2,7 +2,8 @@
 89, 90, 100, 120) with the launch configuration the planner picks there, on the CPU (Triton
 compiles for a target without a GPU): a kernel that cannot compile for an arch (e4m3 below
 sm_89 without the software route) or that asks for more shared memory than one block of that
-arch may use fails here. The sm_90 Gluon kernel has its own check
+arch may use fails here, and so does one that spills more registers than its bound
+(``SPILL_BOUND``). The sm_90 Gluon kernel has its own check
 (tests/ops/attention/test_sm90_compile.py).
 
 The planner's choices come from its own functions with the GPU's capability faked
@@ -21,8 +22,10 @@ import concurrent.futures
 import contextlib
 import importlib
 import inspect
+import io
 import multiprocessing
 import os
+import re
 import types
 from unittest import mock
 
@@ -37,6 +40,16 @@ from sparse_mla.ops.common import triton_utils
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
                 100: 227 * 1024, 120: 99 * 1024}
 ARCHS = tuple(SHARED_LIMIT)
+# Register spills a variant may have on any arch: bytes of spill stores + loads in its code
+# (ptxas -v; static, per thread), about 1.25x the most any arch had with Triton 3.9 when the
+# bound was set (docs/perf-log.md, "Session 37: register spills by arch"), so a change that
+# makes one spill more fails here. Every variant not named here must not spill at all. The
+# portable attention kernel spills on every arch (its [64, 512] fp32 accumulator and q
+# operands fill the register file); most on sm_80, whose ptxas schedules the same code
+# differently from sm_86's.
+SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
+               "split_plain_fp8_f16": 8192, "split_v32": 10240, "split_v4": 12288,
+               "tiny_v4_fp8_q": 2048, "gather_dequant_v32": 64}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
@@ -100,8 +113,12 @@ def _attention_variants(arch):
     # e4m3 q over plain e4m3 rows: converted to fp16 by the launcher, fp16 dots
     split("split_plain_fp8_f16", "plain_fp8", gen, p["hb"], q="*fp16",
           f16=launch.FP16_FOR_E4M3)
-    # tiny launches decode an e4m3 q in the kernel
-    split("tiny_v4_fp8_q", "v4", tiny, p["hb_tiny"], q="*u8", q_fp8=True)
+    # tiny launches decode an e4m3 q in the kernel, but on the software e4m3 route (the
+    # launcher converts it: decoded in integer arithmetic, a q block spilled tens of KB)
+    if p["soft"]:
+        split("tiny_v4_fp8_q", "v4", tiny, p["hb_tiny"])
+    else:
+        split("tiny_v4_fp8_q", "v4", tiny, p["hb_tiny"], q="*u8", q_fp8=True)
     for part, warps in (("*i16", 2), ("*fp32", 4)):
         out[f"combine_{part[1:]}"] = (
             PORTABLE, "_combine_kernel",
@@ -180,13 +197,36 @@ def variants():
             for name, spec in {**_attention_variants(arch), **_family_variants(arch)}.items()}
 
 
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _compile_with_ptxas_log(src, arch, options):
+    """(compiled kernel, ptxas's ``-v`` report). Triton runs ptxas with ``-v`` and prints its
+    report only when asked to and only when it really compiles (not on a cache hit)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    out = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(out):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled, out.getvalue()
+
+
+def spill_bytes(ptxas_log):
+    """Bytes of register spills (stores + loads) ptxas reports, over all functions; None if
+    the report has no such line (the check would otherwise pass on an empty report)."""
+    found = _SPILLS.findall(ptxas_log)
+    return sum(int(a) + int(b) for a, b in found) if found else None
+
+
 def compile_variant(spec, arch):
-    """(shared bytes, None) of ``spec`` compiled for sm_``arch``, or (None, the error).
+    """(shared bytes, spill bytes, None) of ``spec`` compiled for sm_``arch``, or (None, None,
+    the error).
     Parameters named ``*_ptr`` (or listed in the spec's pointer types) are pointers (int32
     unless listed), the spec's floats fp32, the rest int32 scalars; constexprs the spec
     leaves out take their defaults, and one without a default fails the variant."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     module, kernel, constexprs, pointers, floats, options = spec
     fn = getattr(importlib.import_module(module), kernel)
@@ -206,10 +246,10 @@ def compile_variant(spec, arch):
                  if sig[n].startswith("*")}
         src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()},
                         attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-        return compiled.metadata.shared, None
+        compiled, log = _compile_with_ptxas_log(src, arch, options)
+        return compiled.metadata.shared, spill_bytes(log), None
     except Exception as exc:   # reported per variant by the test
-        return None, f"{type(exc).__name__}: {str(exc)[:2000]}"
+        return None, None, f"{type(exc).__name__}: {str(exc)[:2000]}"
 
 
 def _compile_all():
@@ -246,9 +286,23 @@ def test_planner_knows_each_archs_shared_memory_and_fp8(arch):
 
 
 @pytest.mark.parametrize("arch,name", sorted(variants()))
-def test_kernel_compiles_within_the_archs_shared_memory(arch, name):
-    shared, error = results()[(arch, name)]
+def test_kernel_compiles_within_the_archs_shared_memory_and_spill_bound(arch, name):
+    shared, spills, error = results()[(arch, name)]
     assert error is None, f"sm_{arch} {name}: {error}"
     assert shared <= SHARED_LIMIT[arch], (
         f"sm_{arch} {name} uses {shared} B of shared memory; one block may use "
         f"{SHARED_LIMIT[arch]} B")
+    assert spills is not None, f"sm_{arch} {name}: ptxas reported no spill line"
+    bound = SPILL_BOUND.get(name, 0)
+    assert spills <= bound, (
+        f"sm_{arch} {name} spills {spills} B of registers (stores + loads); its bound is "
+        f"{bound} B (SPILL_BOUND)")
+
+
+def test_spill_report_is_read():
+    """The spill check reads ptxas's report (a report without the line fails the variant,
+    it does not pass it)."""
+    log = ("ptxas info    : Function properties for k\n"
+           "    0 bytes stack frame, 8 bytes spill stores, 16 bytes spill loads\n")
+    assert spill_bytes(log) == 24 and spill_bytes(log * 2) == 48
+    assert spill_bytes("ptxas info    : Used 40 registers") is None

@@ -13,6 +13,14 @@ from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.tests.helpers import INTERPRETING
 
 
+@pytest.fixture(autouse=True)
+def _hardware_e4m3_route(monkeypatch):
+    """The automatic choices below are those of a GPU with e4m3 conversions; the forced
+    software route (a run of the whole tree with SPARSE_MLA_SOFT_FP8=1) passes over vendors,
+    which its own test covers."""
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
+
+
 def _toy(name):
     d = Dispatcher(name)
     d.register("vendor", lambda x: "vendor", lambda x: None if x > 10 else "x too small")
@@ -53,6 +61,20 @@ def test_automatic_check_passes_over_only_the_automatic_choice(monkeypatch):
     assert d(20) == "vendor" and last_choice("toy_prefer").forced_by == "SPARSE_MLA_IMPL"
     with pytest.raises(ImplementationUnavailable, match="x too small"):
         d(5)
+
+
+def test_forced_software_e4m3_passes_over_vendors_automatically(monkeypatch):
+    """SPARSE_MLA_SOFT_FP8=1 stands in for a GPU below sm_89, where no vendor kernel runs: the
+    automatic choice runs ours (forcing the vendor still runs it). Found on an H200, where the
+    switch sent the V3.2 backend's decodes to FlashMLA, not to the software route."""
+    monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
+    d = _toy("toy_soft")
+    monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
+    assert d(20) == "triton"
+    assert "SPARSE_MLA_SOFT_FP8=1" in last_choice("toy_soft").rejected["vendor"]
+    assert d(20, impl="vendor") == "vendor"
+    monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "0")
+    assert d(20) == "vendor"
 
 
 def test_forced_per_call_and_by_env(monkeypatch):
