@@ -94,24 +94,28 @@ def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
         out.fill_(-1)
         return
     req, nc = prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n)
-    cfg = _config(q.device)
-    chunk = chunk or fmt.auto_chunk(width)
-    rows = min(chunk, n)
+    rows = min(chunk or fmt.auto_chunk(width), n)
     keys = torch.empty(rows, width, dtype=torch.int64, device=q.device)
-    kfp8 = k.dtype != torch.bfloat16
-    qb, kb = _bytes(q), _bytes(k)
-    bt, bn = cfg["prefill_bt"], cfg["prefill_bn"]
     for s in range(0, n, rows):
-        m = min(rows, n - s)
-        part = keys[:m]
-        prefill_keys_kernel[(triton.cdiv(m, bt), triton.cdiv(width, bn))](
-            qb[s:], q.stride(0), q.stride(1), weights[s:], weights.stride(0), kb, k.stride(0),
-            k_scale if kfp8 else weights, req[s:], nc[s:], cu_seqlens_k, part, part.stride(0),
-            m, q.shape[1], width, BT=bt, BN=bn, QFP8=q.dtype == torch.float8_e4m3fn,
-            KFP8=kfp8, SOFT=soft_fp8(q.device), DOT_F32=triton_interpreting(),
-            num_warps=cfg["prefill_warps"],
-            num_stages=cfg["prefill_stages"], **_LAUNCH)
-        select_from_keys(part, out[s:s + m])
+        part = keys[:min(rows, n - s)]
+        prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, s, part)
+        select_from_keys(part, out[s:s + part.shape[0]])
+
+
+def prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, start, keys):
+    """Selection keys of tokens ``start..start + keys.shape[0]`` into ``keys`` [m, width]
+    (``req`` / ``nc`` from ``prefill_candidates``): the scores half of a prefill chunk."""
+    m, width = keys.shape
+    cfg = _config(q.device)
+    kfp8 = k.dtype != torch.bfloat16
+    bt, bn = cfg["prefill_bt"], cfg["prefill_bn"]
+    prefill_keys_kernel[(triton.cdiv(m, bt), triton.cdiv(width, bn))](
+        _bytes(q)[start:], q.stride(0), q.stride(1), weights[start:], weights.stride(0),
+        _bytes(k), k.stride(0), k_scale if kfp8 else weights, req[start:], nc[start:],
+        cu_seqlens_k, keys, keys.stride(0), m, q.shape[1], width, BT=bt, BN=bn,
+        QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8, SOFT=soft_fp8(q.device),
+        DOT_F32=triton_interpreting(), num_warps=cfg["prefill_warps"],
+        num_stages=cfg["prefill_stages"], **_LAUNCH)
 
 
 def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width):
