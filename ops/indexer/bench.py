@@ -270,12 +270,76 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64):
         t, peak = _peak(whole)
         rows.append((shape, "op (scores + top-k)", t, peak, f"{100 * flops / t / mm:.0f}% mm"))
         dense = _dense_bf16(x)
-        t, peak = _peak(lambda x=x, dense=dense: hf_eager_topk(x["q"], x["weights"], dense,
-                                                               x["positions"]))
-        rows.append((shape, "HF eager indexer math", t, peak, "-"))
+        got = {}
+
+        def hf(x=x, dense=dense, got=got):
+            got["ids"] = hf_eager_topk(x["q"], x["weights"], dense, x["positions"])
+        t, peak = _peak(hf)
+        agree = "-" if "ids" not in got else \
+            f"{_mismatch_fraction((got['ids'],), (x['out'],)):.4f} of ids differ"
+        rows.append((shape, "HF eager indexer math", t, peak, agree))
         del x, dense
         torch.cuda.empty_cache()
     _print(rows)
+
+
+PREFILL_SHAPES = ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 3), (128, 64, 8, 2),
+                  (128, 128, 8, 2), (32, 128, 4, 3))
+DECODE_SHAPES = ((32, 4), (64, 4), (64, 8), (128, 8))
+
+
+def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
+    """The scores kernels' time under other launch shapes (triton_impl.CONFIG keys), to pick
+    CONFIG from one GPU run: prefill (BT, BN, warps, stages), decode (BN, warps)."""
+    from sparse_mla.ops.indexer import triton_impl
+    saved = dict(triton_impl.CONFIG)
+    try:
+        rows = _sweep_prefill(device, tokens, cand) + _sweep_decode(device, batch, cand)
+    finally:
+        triton_impl.CONFIG.clear()
+        triton_impl.CONFIG.update(saved)
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _sweep_prefill(device, tokens, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    x = prefill_inputs(device, tokens, cand)
+    flops = pairs(x) * HEADS * fmt.DIM * 2
+    req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                             x["positions"], RATIO, tokens)
+    keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+    rows = []
+    for bt, bn, warps, stages in PREFILL_SHAPES:
+        triton_impl.CONFIG.update(prefill_bt=bt, prefill_bn=bn, prefill_warps=warps,
+                                  prefill_stages=stages)
+        shape = f"BT={bt} BN={bn} warps={warps} stages={stages}"
+        try:
+            t = _time(lambda: triton_impl.prefill_keys(x["q"], x["weights"], x["k"],
+                                                       x["k_scale"], x["cu_seqlens_k"], req,
+                                                       nc, 0, keys))
+            rows.append(("prefill scores", shape,
+                         f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"))
+        except Exception as exc:      # a shape that does not compile or fit: say which
+            rows.append(("prefill scores", shape, f"failed: {type(exc).__name__}"))
+    return rows
+
+
+def _sweep_decode(device, batch, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    x = decode_inputs(device, batch, 1, cand)
+    width = fmt.decode_width(x["block_table"], BLOCK, None)
+    moved = decode_bytes(x, cand)
+    rows = []
+    for bn, warps in DECODE_SHAPES:
+        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps)
+        t = _time(lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
+                                                  x["seq_lens"], x["block_table"], RATIO, 1,
+                                                  BLOCK, width))
+        rows.append(("decode scores", f"BN={bn} warps={warps}",
+                     f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"))
+    return rows
 
 
 def _paged_dense(x, cand):
@@ -304,9 +368,13 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--candidates", type=int, default=16384)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the scores kernels under other launch shapes first")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the comparison needs a CUDA GPU")
+    if a.sweep:
+        sweep("cuda", a.tokens, a.candidates, a.batch)
     compare("cuda", a.tokens, a.candidates, a.batch)
 
 

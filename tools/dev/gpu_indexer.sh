@@ -27,7 +27,7 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/integration/transformers/test
 rc_hf=${PIPESTATUS[0]}
 python3 -m sparse_mla.tools.cli --ops indexer --no-model 2>"$out/cli.err" | tee "$out/cli.txt"
 rc_cli=${PIPESTATUS[0]}
-python3 -m sparse_mla.ops.indexer.bench 2>"$out/bench.err" | tee "$out/bench.txt"
+python3 -m sparse_mla.ops.indexer.bench --sweep 2>"$out/bench.err" | tee "$out/bench.txt"
 rc_bench=${PIPESTATUS[0]}
 echo "pytest rc=$rc_tests hf rc=$rc_hf cli rc=$rc_cli bench rc=$rc_bench"
 [ "$rc_tests" = 0 ] && [ "$rc_hf" = 0 ] && [ "$rc_cli" = 0 ] && [ "$rc_bench" = 0 ]
