@@ -36,6 +36,15 @@ def _bytes(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _cache_args(k_cache, block_size):
+    """(fp8?, the cache as the kernels take it, bytes or rows between blocks, between
+    entries): fp8 pages as bytes addressed through ``stride(0)``, bf16 rows as they are."""
+    if k_cache.dtype == torch.bfloat16:
+        return False, k_cache, k_cache.stride(0), k_cache.stride(1)
+    cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
+    return True, cache, checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
+
+
 def select_from_keys(keys: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` [n, K] <- the columns of the K largest keys of each row, in key order, -1 where
     the key says "not a candidate" and for columns beyond the keys' width."""
@@ -51,12 +60,7 @@ def k_insert(k, k_cache, slot_mapping, block_size):
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    fp8 = k_cache.dtype != torch.bfloat16
-    if fp8:
-        cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
-        s0, s1 = checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
-    else:
-        cache, s0, s1 = k_cache, k_cache.stride(0), k_cache.stride(1)
+    fp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     tpp = CONFIG["insert_tokens"]
     k_insert_kernel[(triton.cdiv(n, tpp),)](
         k, k.stride(0), cache, s0, s1, slot_mapping, n, k_cache.shape[0] * block_size,
@@ -125,12 +129,7 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     if batch == 0 or width == 0:
         return keys
     cfg = _config(q.device)
-    kfp8 = k_cache.dtype != torch.bfloat16
-    if kfp8:
-        cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
-        s0, s1 = checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
-    else:
-        cache, s0, s1 = k_cache, k_cache.stride(0), k_cache.stride(1)
+    kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     hp = max(16, triton.next_power_of_2(q.shape[1]))
     bn = cfg["decode_bn"]
     decode_keys_kernel[(batch, triton.cdiv(width, bn))](

@@ -52,11 +52,16 @@ PREFILL_BAD = [
 @pytest.mark.parametrize("name,bad,exc,match", PREFILL_BAD,
                          ids=[f"{p[0]}-{i}" for i, p in enumerate(PREFILL_BAD)])
 def test_prefill_rejects(name, bad, exc, match):
-    args = _prefill_args()
+    _expect_rejected(indexer_topk_prefill, _prefill_args(), name, bad, exc, match)
+
+
+def _expect_rejected(op, args, name, bad, exc, match):
+    """``op`` with argument ``name`` replaced by ``bad(args)`` raises ``exc`` matching
+    ``match`` and leaves ``out`` as it was."""
     args[name] = bad(args)
     before = args["out"].clone() if name != "out" else None
     with pytest.raises(exc, match=match):
-        indexer_topk_prefill(**args)
+        op(**args)
     if before is not None:
         assert torch.equal(args["out"], before)
 
@@ -87,13 +92,7 @@ DECODE_BAD = [
 @pytest.mark.parametrize("name,bad,exc,match", DECODE_BAD,
                          ids=[f"{p[0]}-{i}" for i, p in enumerate(DECODE_BAD)])
 def test_decode_rejects(name, bad, exc, match):
-    args = _decode_args()
-    args[name] = bad(args)
-    before = args["out"].clone() if name != "out" else None
-    with pytest.raises(exc, match=match):
-        indexer_topk_decode(**args)
-    if before is not None:
-        assert torch.equal(args["out"], before)
+    _expect_rejected(indexer_topk_decode, _decode_args(), name, bad, exc, match)
 
 
 def test_decode_rejects_tokens_not_a_multiple_of_next_n():
