@@ -20,6 +20,7 @@ import argparse
 import torch
 
 from sparse_mla.ops.common.benchcase import BenchCase
+from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import ops
 
@@ -143,6 +144,9 @@ def cases(device: str, small: bool) -> list:
         return prefill_inputs(device, tokens, cand, heads=heads)
 
     def run_prefill(x, impl):
+        if impl == "reference" and not small:
+            raise ImplementationUnavailable(
+                "the float64 reference", "the float64 reference takes hours at this size")
         ops.indexer_topk_prefill(x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
                                  x["cu_seqlens_k"], x["positions"], x["out"], RATIO, 0,
                                  x["max_seqlen_k"], impl=impl)
