@@ -21,7 +21,9 @@ from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_
 _LAUNCH = dict(enable_fp_fusion=False)
 
 # prefill: BT tokens x BN entries per program; decode: BN entries of one request per program.
-CONFIG = {"prefill_bt": 64, "prefill_bn": 64, "prefill_warps": 4, "prefill_stages": 2,
+# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less
+# (chosen without a GPU: ``python3 -m sparse_mla.ops.indexer.bench --sweep`` times others).
+CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 8, "prefill_stages": 2,
           "decode_bn": 64, "decode_warps": 4, "insert_tokens": 4, "insert_warps": 1}
 INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
 

@@ -53,6 +53,30 @@ def _keys(score, j, cand):
 
 
 @triton.jit
+def _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_k_ptr, r, t64, rows,
+                    j, H, BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
+                    KFP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Scores [BT, BN] of token rows ``t64`` (those in ``rows``; others 0) against request
+    ``r``'s entries ``j`` (dense key rows cu_k[r] + j; 0 past its last)."""
+    d = tl.arange(0, D)
+    k0 = tl.load(cu_k_ptr + r).to(tl.int64)
+    k1 = tl.load(cu_k_ptr + r + 1).to(tl.int64)
+    kmask = j < k1 - k0
+    kt = tl.load(k_ptr + (k0 + j)[None, :] * k_s0 + d[:, None], mask=kmask[None, :], other=0)
+    kt = _operand(kt, KFP8, SOFT, DOT_F32)
+    s = tl.zeros((BT, BN), tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + t64[:, None] * q_s0 + h * q_s1 + d[None, :], mask=rows[:, None],
+                     other=0)
+        dot = tl.dot(_operand(qh, QFP8, SOFT, DOT_F32), kt)
+        wh = tl.load(w_ptr + t64 * w_s0 + h, mask=rows, other=0.0).to(tl.float32)
+        s += wh[:, None] * tl.maximum(dot, 0.0)
+    if KFP8:
+        s = s * tl.load(ks_ptr + k0 + j, mask=kmask, other=0.0)[None, :]
+    return s
+
+
+@triton.jit
 def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, req_ptr, nc_ptr,
                         cu_k_ptr, key_ptr, key_s0, n_rows, H, width,
                         BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
@@ -66,29 +90,21 @@ def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, req
     live = t < n_rows
     nc = tl.load(nc_ptr + t, mask=live, other=0)
     req = tl.load(req_ptr + t, mask=live, other=-1)
-    d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     score = tl.zeros((BT, BN), tl.float32)
     if tl.program_id(1) * BN < tl.max(nc, axis=0):
         r_lo = tl.min(tl.where(live & (nc > 0), req, 2147483647), axis=0)
         r_hi = tl.max(tl.where(nc > 0, req, -1), axis=0)
-        for r in range(r_lo, r_hi + 1):
-            k0 = tl.load(cu_k_ptr + r).to(tl.int64)
-            k1 = tl.load(cu_k_ptr + r + 1).to(tl.int64)
-            kmask = j < k1 - k0
-            kt = tl.load(k_ptr + (k0 + j)[None, :] * k_s0 + d[:, None], mask=kmask[None, :],
-                         other=0)
-            kt = _operand(kt, KFP8, SOFT, DOT_F32)
-            s = tl.zeros((BT, BN), tl.float32)
-            for h in range(H):
-                qh = tl.load(q_ptr + t64[:, None] * q_s0 + h * q_s1 + d[None, :],
-                             mask=live[:, None], other=0)
-                dot = tl.dot(_operand(qh, QFP8, SOFT, DOT_F32), kt)
-                wh = tl.load(w_ptr + t64 * w_s0 + h, mask=live, other=0.0).to(tl.float32)
-                s += wh[:, None] * tl.maximum(dot, 0.0)
-            if KFP8:
-                s = s * tl.load(ks_ptr + k0 + j, mask=kmask, other=0.0)[None, :]
-            score = tl.where((req == r)[:, None], s, score)
+        if r_lo == r_hi:        # the usual tile: one request, one accumulator
+            score = _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr,
+                                    cu_k_ptr, r_lo, t64, live, j, H, BT, BN, QFP8, KFP8, SOFT,
+                                    DOT_F32)
+        else:                   # rows of several requests: each request's keys in turn
+            for r in range(r_lo, r_hi + 1):
+                s_r = _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr,
+                                      cu_k_ptr, r, t64, live & (req == r), j, H, BT, BN, QFP8,
+                                      KFP8, SOFT, DOT_F32)
+                score = tl.where((req == r)[:, None], s_r, score)
     key = _keys(score, j[None, :], j[None, :] < nc[:, None])
     tl.store(key_ptr + t64[:, None] * key_s0 + j[None, :], key,
              mask=live[:, None] & (j < width)[None, :])
