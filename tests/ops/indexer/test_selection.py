@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparse_mla.ops.indexer import lightning_indexer_decode, lightning_indexer_prefill
-from sparse_mla.tests.helpers import seeded, triton_devices
+from sparse_mla.tests.helpers import cuda_params, seeded, triton_devices
 from sparse_mla.tests.ops.indexer import cases
 
 ROUTES = [pytest.param("reference", "cpu", id="reference")] + [
@@ -107,13 +107,14 @@ def _decode(case, seq_lens, cache, bt, impl, device, topk, next_n, **kw):
 
 
 @pytest.mark.parametrize("impl,device", ROUTES)
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8,q_fp8", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("next_n,block_size", [(1, 16), (2, 4)])
-def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, next_n, block_size):
+def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, block_size):
     """Unwritten cache bytes are 0xFF (NaN in both formats) and never chosen; MTP tokens see
     one entry fewer every `ratio` positions back."""
-    g = seeded(20 + fp8 + 2 * next_n)
-    case, seq_lens = cases.decode_case(g, [7, 1, 33, 12], next_n=next_n, fp8=fp8)
+    g = seeded(20 + fp8 + 2 * next_n + 4 * q_fp8)
+    case, seq_lens = cases.decode_case(g, [7, 1, 33, 12], next_n=next_n, fp8=fp8,
+                                       q_fp8=q_fp8)
     cache, bt = cases.paged(case, g, block_size)
     got = _decode(case, seq_lens, cache, bt, impl, device, 8, next_n)
     want, s, allowed = cases.decode_oracle(case, bt, cache.shape[0], block_size, 8)
@@ -146,3 +147,34 @@ def test_decode_width_bound_and_short_requests(impl, device):
     want, s, allowed = cases.decode_oracle(case, bt, cache.shape[0], 8, 8, width=16)
     cases.assert_selection(got, want, s, allowed, TOL[impl])
     assert (got[2] == -1).all()
+
+
+@pytest.mark.parametrize("device", cuda_params())
+def test_decode_replays_in_a_cuda_graph(device):
+    """Captured once, replayed after the step's lengths and block table change in place:
+    the same rows as an eager call on the new metadata (no host sync, no shape change)."""
+    g = seeded(50)
+    case, seq_lens = cases.decode_case(g, [40, 25], next_n=2, fp8=True)
+    cache, bt = cases.paged(case, g, 8)
+    dev = lambda t: t.to(device)  # noqa: E731
+    q, w, cache, bt, sl = dev(case.q), dev(case.w), dev(cache), dev(bt), dev(seq_lens)
+    out = torch.full((q.shape[0], 16), 7, dtype=torch.int32, device=device)
+
+    def step():
+        lightning_indexer_decode(q, w, cache, sl, bt, topk=16, next_n=2, out=out,
+                                 impl="triton")
+    step()                              # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    sl.sub_(13)                         # earlier positions: fewer candidates
+    bt[1, 0] = -1                       # and one block of request 1 gone
+    graph.replay()
+    torch.cuda.synchronize()
+    want = lightning_indexer_decode(q, w, cache, sl, bt, topk=16, next_n=2, impl="triton")
+    assert torch.equal(out, want)
+    ref, s, allowed = cases.decode_oracle(
+        cases.Case(case.q, case.w, case.keys, case.k, case.k_scale, case.cu_q, case.cu_k,
+                   case.positions - 13, case.ratio), bt.cpu(), cache.shape[0], 8, 16)
+    cases.assert_selection(out, ref, s, allowed, TOL["triton"])
