@@ -213,3 +213,13 @@ def decode_case(g, k_lens, next_n=1, heads=4, ratio=4, fp8=False, q_fp8=False):
                         q_fp8=q_fp8)
     seq_lens = torch.tensor([c * ratio + 3 for c in k_lens], dtype=torch.int32)
     return case, seq_lens
+
+
+def to_device(cache, device):
+    """``cache`` on ``device`` with the same page layout (``Tensor.to`` would pack a strided
+    view's rows together and drop the pages' padding)."""
+    if str(cache.device) == str(torch.device(device)):
+        return cache
+    from sparse_mla.tests.helpers import storage_bytes
+    raw = storage_bytes(cache).to(device).view(cache.dtype)
+    return raw.as_strided(cache.shape, cache.stride(), cache.storage_offset())

@@ -32,7 +32,7 @@ def _scale(amax: float) -> float:
 
 
 def _expected_fp8(cache, x, slots, bs):
-    want = storage_bytes(cache)
+    want = storage_bytes(cache).cpu()
     page = cache.stride(0)
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
@@ -54,12 +54,11 @@ def test_fp8_insert_matches_an_independent_writer(impl, device, bs, dtype):
     g = seeded(bs)
     n = 9
     nb = n // bs + 2
-    cache = alloc_cache(nb, bs, fp8=True, fill=POISON)
+    cache = alloc_cache(nb, bs, fp8=True, fill=POISON, device=device)
     x = _rows(n, g).to(dtype)
     slots = torch.randperm(nb * bs, generator=g)[:n]
     slots[3] = -1
     want = _expected_fp8(cache, x, slots, bs)
-    cache = cache.to(device)
     indexer_k_insert(x.to(device), cache, slots.to(device), impl=impl)
     assert torch.equal(storage_bytes(cache).cpu(), want)
 
@@ -81,14 +80,13 @@ def test_fp8_insert_into_a_2d_page_view(impl, device):
 @pytest.mark.parametrize("impl,device", ROUTES)
 def test_bf16_insert_rounds_to_nearest_even(impl, device):
     g = seeded(41)
-    cache = alloc_cache(3, 4, fp8=False, fill=POISON)
+    cache = alloc_cache(3, 4, fp8=False, fill=POISON, device=device)
     x = torch.randn(6, fmt.DIM, generator=g)
     slots = torch.tensor([2, -1, 7, 0, 11, 9])
-    want = cache.clone()
+    want = cache.cpu().clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
             want[s // 4, s % 4] = x[t].to(torch.bfloat16)
-    cache = cache.to(device)
     indexer_k_insert(x.to(device), cache, slots.to(device), impl=impl)
     assert torch.equal(storage_bytes(cache).cpu(), storage_bytes(want))
 
@@ -101,7 +99,7 @@ def test_inserted_keys_score_like_the_dense_keys(impl, device):
     from sparse_mla.ops.indexer.reference import quantize_fp8
     g = seeded(42)
     x = torch.randn(10, fmt.DIM, generator=g)
-    cache = alloc_cache(4, 4, fp8=True, fill=POISON).to(device)
+    cache = alloc_cache(4, 4, fp8=True, fill=POISON, device=device)
     bt = torch.tensor([[2, 0, 3, -1]], dtype=torch.int32)
     slots = torch.tensor([bt[0, j // 4].item() * 4 + j % 4 for j in range(10)])
     indexer_k_insert(x.to(device), cache, slots.to(device), impl=impl)

@@ -102,7 +102,7 @@ def test_prefill_chunking_changes_nothing(impl, device):
 
 def _decode(case, seq_lens, cache, bt, impl, device, topk, next_n, **kw):
     return lightning_indexer_decode(
-        case.q.to(device), case.w.to(device), cache.to(device), seq_lens.to(device),
+        case.q.to(device), case.w.to(device), cases.to_device(cache, device), seq_lens.to(device),
         bt.to(device), topk=topk, ratio=case.ratio, next_n=next_n, impl=impl, **kw)
 
 
@@ -157,7 +157,8 @@ def test_decode_replays_in_a_cuda_graph(device):
     case, seq_lens = cases.decode_case(g, [40, 25], next_n=2, fp8=True)
     cache, bt = cases.paged(case, g, 8)
     dev = lambda t: t.to(device)  # noqa: E731
-    q, w, cache, bt, sl = dev(case.q), dev(case.w), dev(cache), dev(bt), dev(seq_lens)
+    q, w, bt, sl = dev(case.q), dev(case.w), dev(bt), dev(seq_lens)
+    cache = cases.to_device(cache, device)
     out = torch.full((q.shape[0], 16), 7, dtype=torch.int32, device=device)
 
     def step():
