@@ -3,8 +3,11 @@
     import sparse_mla.integration.transformers        # registers "sparse_mla"
     model = DeepseekV4ForCausalLM.from_pretrained(path, attn_implementation="sparse_mla")
 
-Importing registers; ``register()`` may be called again at no cost.
+Importing registers; ``register()`` may be called again at no cost. Importing also hooks
+DeepSeek-V4's indexer (``indexer.install``): under "sparse_mla" its top-k runs through
+``sparse_mla::indexer_topk_prefill``.
 """
+from sparse_mla.integration.transformers import indexer as _indexer
 from sparse_mla.integration.transformers.registration import (  # noqa: F401
     NAME,
     register,
@@ -12,3 +15,4 @@ from sparse_mla.integration.transformers.registration import (  # noqa: F401
 )
 
 register()
+_indexer.install()

@@ -48,6 +48,7 @@ OPS_BY_FAMILY = {
                       "combine_topk_swa_indices", "flashinfer_mixed_sparse_indices"),
     "flashmla_decode": ("flashmla_sparse_decode", "flashmla_sparse_prefill"),
     "trtllm_decode": ("trtllm_decode_dsv4", "trtllm_decode_v32"),
+    "indexer": ("indexer_k_insert", "indexer_topk_prefill", "indexer_topk_decode"),
 }
 FAMILY_OF = {op: fam for fam, ops in OPS_BY_FAMILY.items() for op in ops}
 

@@ -53,6 +53,7 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
+INDEXER = "sparse_mla.ops.indexer.triton_kernels"
 
 
 def _cap(arch):
@@ -184,9 +185,40 @@ def _family_variants(arch):
              PDL=p["pdl"]),
         {n: "*i32" for n in ("seq_lens", "cu", "topk_lens", "out_a", "out_b")}, set(),
         dict(num_warps=4))
+    out.update(_indexer_variants(soft))
     out["flashmla_usable_ids"] = (
         "sparse_mla.ops.flashmla_decode.vendor", "_usable_ids_kernel", dict(BLOCK=1024),
         {"src": "*i32", "dst": "*i32"}, set(), dict(num_warps=4))
+    return out
+
+
+def _indexer_variants(soft):
+    from sparse_mla.ops.indexer import triton_impl as ix
+    cfg, fuse = ix.CONFIG, dict(enable_fp_fusion=False)
+    out = {}
+    for q8 in (False, True):
+        for k8 in (False, True):
+            if q8 and not k8:
+                continue
+            name = f"{'q8' if q8 else 'qbf16'}_{'k8' if k8 else 'kbf16'}"
+            byte = lambda fp8: "*u8" if fp8 else "*bf16"  # noqa: E731
+            out[f"indexer_prefill_{name}"] = (
+                INDEXER, "prefill_keys_kernel",
+                dict(BT=cfg["prefill_bt"], BN=cfg["prefill_bn"], QFP8=q8, KFP8=k8, SOFT=soft,
+                     DOT_F32=False),
+                {"q_ptr": byte(q8), "w_ptr": "*fp32", "k_ptr": byte(k8), "ks_ptr": "*fp32",
+                 "cu_k_ptr": "*i64", "key_ptr": "*i64"}, set(),
+                dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
+            out[f"indexer_decode_{name}"] = (
+                INDEXER, "decode_keys_kernel",
+                dict(HP=64, BN=cfg["decode_bn"], QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
+                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64"},
+                set(), dict(num_warps=cfg["decode_warps"], **fuse))
+    for fp8 in (False, True):
+        out[f"indexer_k_insert_{'fp8' if fp8 else 'bf16'}"] = (
+            INDEXER, "k_insert_kernel", dict(FP8=fp8, TPP=cfg["insert_tokens"], SOFT=soft),
+            {"k_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "slot_ptr": "*i64"},
+            set(), dict(num_warps=cfg["insert_warps"], **fuse))
     return out
 
 

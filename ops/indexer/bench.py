@@ -1,0 +1,386 @@
+"""Benchmark cases of the indexer family (ops/common/benchcase.py contract), and the H200
+comparison ``python3 -m sparse_mla.ops.indexer.bench`` (tools/dev/gpu_indexer.sh runs it).
+
+Shapes (small=False): DeepSeek-V4's indexer, 64 heads of 128, top-512, ratio 4, fp8 cache in
+64-entry blocks. Decode: batch 64, s_q 1 and 2, 16,384 candidates each (64k context).
+Prefill: one 8,192-token chunk at positions 57,344..65,535 over 16,384 keys (each token sees
+14,336..16,384 of them). ``bytes``: the cache / key bytes a perfect kernel reads plus q,
+weights and the top-k written; ``flops``: 2 * 128 * heads per (token, candidate) pair.
+
+The comparison prints, for the same inputs: the scores kernel alone and the whole op (scores +
+top-k) as % of the card's measured copy bandwidth (decode, on the bytes above) and bf16
+matmul rate (prefill, on the flops above), and HF transformers' eager indexer math
+(``DeepseekV4IndexerScorer`` + the top-k of ``DeepseekV4Indexer``, written out here: a
+[tokens, heads, candidates] fp32 score tensor) in time and peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from sparse_mla.ops.common.benchcase import BenchCase
+from sparse_mla.ops.common.errors import ImplementationUnavailable
+from sparse_mla.ops.indexer import format as fmt
+from sparse_mla.ops.indexer import ops
+
+HEADS, TOPK, RATIO, BLOCK = 64, 512, 4, 64
+
+
+def _mismatch_fraction(ref, out):
+    """Fraction of valid ids in ``out`` that the reference's row does not select (routes
+    agree up to swaps among scores tied within rounding: a small fraction at most)."""
+    r, o = ref[0].cpu(), out[0].cpu()
+    bad = total = 0
+    for a, b in zip(r.tolist(), o.tolist()):
+        want = {x for x in a if x >= 0}
+        got = [x for x in b if x >= 0]
+        total += max(len(want), 1)
+        bad += sum(1 for x in got if x not in want) + abs(len(got) - len(want))
+    return bad / max(total, 1)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def decode_inputs(device, batch, next_n, cand, heads=HEADS, fp8=True, seed=0):
+    """A decode step whose every token's last position sees ``cand`` entries: the paged
+    cache filled through ``indexer_k_insert`` from random rows, blocks in random order."""
+    g = _gen(seed)
+    per = -(-cand // BLOCK)
+    cache = fmt.alloc_cache(batch * per, BLOCK, fp8=fp8, device=device, fill=0)
+    bt = torch.randperm(batch * per, generator=g).to(torch.int32).view(batch, per)
+    slots = (bt.long().unsqueeze(2) * BLOCK + torch.arange(BLOCK)).view(batch, -1)[:, :cand]
+    for b in range(batch):            # one request at a time bounds the bf16 rows' memory
+        rows = torch.randn(cand, fmt.DIM, generator=g).to(device)
+        ops.indexer_k_insert(rows, cache, slots[b].to(device))
+    t = batch * next_n
+    return dict(q=torch.randn(t, heads, fmt.DIM, generator=g).to(torch.bfloat16).to(device),
+                weights=(torch.randn(t, heads, generator=g) * (heads * fmt.DIM) ** -0.5
+                         ).to(device),
+                k_cache=cache, block_table=bt.to(device),
+                seq_lens=torch.full((batch,), cand * RATIO + next_n - 1, dtype=torch.int32,
+                                    device=device),
+                out=torch.empty(t, TOPK, dtype=torch.int32, device=device), next_n=next_n)
+
+
+def prefill_inputs(device, tokens, cand, heads=HEADS, fp8=True, seed=1):
+    """One request's last ``tokens`` tokens of a ``cand * RATIO``-token prompt over its
+    ``cand`` keys (dense, as the prefill op takes them)."""
+    g = _gen(seed)
+    rows = torch.randn(cand, fmt.DIM, generator=g)
+    if fp8:
+        from sparse_mla.ops.indexer.reference import quantize_fp8
+        vals, scales = quantize_fp8(rows)
+        k, k_scale = vals.view(torch.float8_e4m3fn).to(device), scales.to(device)
+    else:
+        k, k_scale = rows.to(torch.bfloat16).to(device), None
+    start = cand * RATIO - tokens
+    return dict(q=torch.randn(tokens, heads, fmt.DIM, generator=g).to(torch.bfloat16).to(device),
+                weights=(torch.randn(tokens, heads, generator=g) * (heads * fmt.DIM) ** -0.5
+                         ).to(device),
+                k=k, k_scale=k_scale,
+                cu_seqlens_q=torch.tensor([0, tokens], device=device),
+                cu_seqlens_k=torch.tensor([0, cand], device=device),
+                positions=torch.arange(start, start + tokens, device=device),
+                out=torch.empty(tokens, TOPK, dtype=torch.int32, device=device),
+                max_seqlen_k=cand)
+
+
+def decode_bytes(x, cand):
+    t = x["q"].shape[0]
+    return (t // x["next_n"]) * cand * fmt.FP8.bytes_per_token + x["q"].numel() * 2 \
+        + x["weights"].numel() * 4 + x["out"].numel() * 4
+
+
+def pairs(x):
+    """(token, candidate) pairs a prefill scores: sum over tokens of min(C, (p + 1) // 4)."""
+    c = x["max_seqlen_k"]
+    return int(torch.clamp((x["positions"].long() + 1) // RATIO, max=c).sum())
+
+
+def cases(device: str, small: bool) -> list:
+    out = []
+    insert_n = 64 if small else 1 << 16
+
+    def make_insert(n=insert_n):
+        per = -(-n // BLOCK)
+        return dict(k=torch.randn(n, fmt.DIM, device=device).to(torch.bfloat16),
+                    k_cache=fmt.alloc_cache(per, BLOCK, device=device, fill=0),
+                    slots=torch.randperm(per * BLOCK, device=device)[:n])
+
+    def run_insert(x, impl):
+        ops.indexer_k_insert(x["k"], x["k_cache"], x["slots"], impl=impl)
+        return (x["k_cache"],)
+
+    out.append(BenchCase("indexer_k_insert", f"N={insert_n} fp8", make_insert, run_insert,
+                         bytes=insert_n * (fmt.DIM * 2 + fmt.FP8.bytes_per_token + 8),
+                         compare=lambda a, b: float((a[0].cpu() != b[0].cpu()).sum()),
+                         error_unit="bytes differ"))
+
+    batch, cand = (2, 40) if small else (64, 16384)
+    heads = 4 if small else HEADS
+    for next_n in (1, 2):
+        def make_decode(next_n=next_n):
+            return decode_inputs(device, batch, next_n, cand, heads=heads)
+
+        def run_decode(x, impl):
+            ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                    x["block_table"], x["out"], RATIO, x["next_n"], impl=impl)
+            return (x["out"],)
+        t = batch * next_n
+        probe = dict(q=torch.empty(t, heads, fmt.DIM), weights=torch.empty(t, heads),
+                     out=torch.empty(t, TOPK), next_n=next_n)
+        out.append(BenchCase(
+            "indexer_topk_decode", f"B={batch} s_q={next_n} C={cand} H={heads} fp8",
+            make_decode, run_decode, bytes=decode_bytes(probe, cand),
+            flops=t * cand * heads * fmt.DIM * 2, compare=_mismatch_fraction,
+            error_unit="ids off the reference's top-k (fraction)", tolerance=0.01))
+
+    tokens, cand = (24, 40) if small else (8192, 16384)
+
+    def make_prefill():
+        return prefill_inputs(device, tokens, cand, heads=heads)
+
+    def run_prefill(x, impl):
+        if impl == "reference" and not small:
+            raise ImplementationUnavailable(
+                "the float64 reference", "the float64 reference takes hours at this size")
+        ops.indexer_topk_prefill(x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
+                                 x["cu_seqlens_k"], x["positions"], x["out"], RATIO, 0,
+                                 x["max_seqlen_k"], impl=impl)
+        return (x["out"],)
+    probe = dict(positions=torch.arange(cand * RATIO - tokens, cand * RATIO), max_seqlen_k=cand)
+    out.append(BenchCase(
+        "indexer_topk_prefill", f"T={tokens} C={cand} H={heads} fp8", make_prefill, run_prefill,
+        bytes=tokens * heads * (fmt.DIM * 2 + 4) + cand * fmt.FP8.bytes_per_token
+        + tokens * TOPK * 4, flops=pairs(probe) * heads * fmt.DIM * 2,
+        compare=_mismatch_fraction, error_unit="ids off the reference's top-k (fraction)",
+        tolerance=0.01, reference=small))     # the float64 reference: hours at 8192 x 16k
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the comparison (CUDA)
+
+def hf_eager_topk(q, weights, keys, positions, topk=TOPK, ratio=RATIO):
+    """HF transformers' indexer math (modeling_deepseek_v4: ``DeepseekV4IndexerScorer``, then
+    ``DeepseekV4Indexer``'s causal mask and top-k) for one request, model scales already in
+    ``weights``: every [tokens, heads, candidates] score materialized in fp32."""
+    scores = torch.matmul(q.float().unsqueeze(0), keys.float().T.unsqueeze(0).unsqueeze(1))
+    scores = torch.relu(scores)
+    logits = (scores * weights.float().unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]
+    threshold = (positions + 1) // ratio
+    future = torch.arange(keys.shape[0], device=q.device).unsqueeze(0) >= threshold.unsqueeze(1)
+    logits = logits.masked_fill(future, float("-inf"))
+    ids = logits.topk(min(topk, keys.shape[0]), dim=-1).indices
+    return torch.where(ids >= threshold.unsqueeze(1), -1, ids)
+
+
+def _time(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=50) * 1e-3
+
+
+def _peak(fn):
+    """(seconds, peak bytes allocated above what was allocated before) of ``fn``, or
+    (None, "OOM") where it runs out of memory."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        return _time(fn), peak
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None, "OOM"
+
+
+def _dense_bf16(x):
+    """The prefill keys as bf16 (e4m3 * a power of two: exact)."""
+    if x["k_scale"] is None:
+        return x["k"]
+    return (x["k"].float() * x["k_scale"].unsqueeze(1)).to(torch.bfloat16)
+
+
+def _roofline(device):
+    """(device copy bytes read + written per second, bf16 8192^3 matmul FLOP/s), measured
+    as tools/harness.py measures them for the main job."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return 2 * n / _time(lambda: dst.copy_(src)), 2 * 8192 ** 3 / _time(lambda: a @ a)
+
+
+def compare(device="cuda", tokens=8192, cand=16384, batch=64):
+    from sparse_mla.ops.indexer import triton_impl
+    rows = []
+    copy_bw, mm = _roofline(device)
+    print(f"measured: copy {copy_bw / 1e9:,.0f} GB/s (read + write), bf16 matmul "
+          f"{mm / 1e12:,.0f} TFLOP/s", flush=True)
+
+    for next_n in (1, 2):
+        x = decode_inputs(device, batch, next_n, cand)
+        width = fmt.decode_width(x["block_table"], BLOCK, None)
+        moved = decode_bytes(x, cand)
+
+        def scores(x=x, width=width):
+            triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                    x["block_table"], RATIO, x["next_n"], BLOCK, width)
+
+        def whole(x=x):
+            ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                    x["block_table"], x["out"], RATIO, x["next_n"])
+        shape = f"decode B={batch} s_q={next_n} C={cand}"
+        for what, fn in (("scores kernel", scores), ("op (scores + top-k)", whole)):
+            t, peak = _peak(fn)
+            rows.append((shape, what, t, peak, f"{100 * moved / t / copy_bw:.0f}% copy"))
+        keys = _paged_dense(x, cand)
+        pos = x["seq_lens"].long().repeat_interleave(next_n) - next_n + \
+            torch.arange(next_n, device=device).repeat(batch)
+
+        def hf(x=x, keys=keys, pos=pos, next_n=next_n):
+            for b in range(batch):
+                r = slice(b * next_n, (b + 1) * next_n)
+                hf_eager_topk(x["q"][r], x["weights"][r], keys[b], pos[r])
+        t, peak = _peak(hf)
+        rows.append((shape, "HF eager indexer math (loop over requests)", t, peak, "-"))
+        del x, keys
+        torch.cuda.empty_cache()
+
+    for fp8 in (True, False):
+        x = prefill_inputs(device, tokens, cand, fp8=fp8)
+        flops = pairs(x) * HEADS * fmt.DIM * 2
+        req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                                 x["positions"], RATIO, tokens)
+        keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+
+        def scores(x=x, req=req, nc=nc, keys=keys):
+            triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"],
+                                     x["cu_seqlens_k"], req, nc, 0, keys)
+
+        def whole(x=x):
+            ops.indexer_topk_prefill(x["q"], x["weights"], x["k"], x["k_scale"],
+                                     x["cu_seqlens_q"], x["cu_seqlens_k"], x["positions"],
+                                     x["out"], RATIO, 0, x["max_seqlen_k"])
+        shape = f"prefill T={tokens} C={cand} {'fp8' if fp8 else 'bf16'} keys"
+        t, peak = _peak(scores)
+        rows.append((shape, "scores kernel", t, peak, f"{100 * flops / t / mm:.0f}% mm"))
+        del keys
+        t, peak = _peak(whole)
+        rows.append((shape, "op (scores + top-k)", t, peak, f"{100 * flops / t / mm:.0f}% mm"))
+        dense = _dense_bf16(x)
+        got = {}
+
+        def hf(x=x, dense=dense, got=got):
+            got["ids"] = hf_eager_topk(x["q"], x["weights"], dense, x["positions"])
+        t, peak = _peak(hf)
+        agree = "-" if "ids" not in got else \
+            f"{_mismatch_fraction((got['ids'],), (x['out'],)):.4f} of ids differ"
+        rows.append((shape, "HF eager indexer math", t, peak, agree))
+        del x, dense
+        torch.cuda.empty_cache()
+    _print(rows)
+
+
+PREFILL_SHAPES = ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),
+                  (128, 64, 8, 2), (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3))
+DECODE_SHAPES = ((32, 4), (64, 4), (64, 8), (128, 8))
+
+
+def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
+    """The scores kernels' time under other launch shapes (triton_impl.CONFIG keys), to pick
+    CONFIG from one GPU run: prefill (BT, BN, warps, stages), decode (BN, warps)."""
+    from sparse_mla.ops.indexer import triton_impl
+    saved = dict(triton_impl.CONFIG)
+    try:
+        rows = _sweep_prefill(device, tokens, cand) + _sweep_decode(device, batch, cand)
+    finally:
+        triton_impl.CONFIG.clear()
+        triton_impl.CONFIG.update(saved)
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _sweep_prefill(device, tokens, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    x = prefill_inputs(device, tokens, cand)
+    flops = pairs(x) * HEADS * fmt.DIM * 2
+    req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                             x["positions"], RATIO, tokens)
+    keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+    rows = []
+    for bt, bn, warps, stages in PREFILL_SHAPES:
+        triton_impl.CONFIG.update(prefill_bt=bt, prefill_bn=bn, prefill_warps=warps,
+                                  prefill_stages=stages)
+        shape = f"BT={bt} BN={bn} warps={warps} stages={stages}"
+        try:
+            t = _time(lambda: triton_impl.prefill_keys(x["q"], x["weights"], x["k"],
+                                                       x["k_scale"], x["cu_seqlens_k"], req,
+                                                       nc, 0, keys))
+            rows.append(("prefill scores", shape,
+                         f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"))
+        except Exception as exc:      # a shape that does not compile or fit: say which
+            rows.append(("prefill scores", shape, f"failed: {type(exc).__name__}"))
+    return rows
+
+
+def _sweep_decode(device, batch, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    x = decode_inputs(device, batch, 1, cand)
+    width = fmt.decode_width(x["block_table"], BLOCK, None)
+    moved = decode_bytes(x, cand)
+    rows = []
+    for bn, warps in DECODE_SHAPES:
+        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps)
+        t = _time(lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
+                                                  x["seq_lens"], x["block_table"], RATIO, 1,
+                                                  BLOCK, width))
+        rows.append(("decode scores", f"BN={bn} warps={warps}",
+                     f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"))
+    return rows
+
+
+def _paged_dense(x, cand):
+    """Each request's cache entries as bf16 [cand, 128] (what HF keeps per request)."""
+    from sparse_mla.ops.indexer.reference import paged_keys
+    out = []
+    cache = x["k_cache"].cpu()
+    for b in range(x["block_table"].shape[0]):
+        keys, _ = paged_keys(cache, x["block_table"][b].cpu(), BLOCK, cand)
+        out.append(keys.to(torch.bfloat16).to(x["q"].device))
+    return out
+
+
+def _print(rows):
+    head = ("case", "route", "ms", "peak MiB", "% roofline")
+    body = [(c, r, "-" if t is None else f"{t * 1e3:,.3f}",
+             p if isinstance(p, str) else f"{p / 2 ** 20:,.0f}", pct)
+            for c, r, t, p, pct in rows]
+    widths = [max(len(str(v[i])) for v in body + [head]) for i in range(len(head))]
+    for r in [head, tuple("-" * w for w in widths)] + body:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--candidates", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the scores kernels under other launch shapes first")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the comparison needs a CUDA GPU")
+    if a.sweep:
+        sweep("cuda", a.tokens, a.candidates, a.batch)
+    compare("cuda", a.tokens, a.candidates, a.batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The indexer ops' Triton implementations: launchers of triton_kernels.py with the ops'
+signatures. ops.py validates the arguments before these run.
+
+The scores kernels write selection keys (triton_kernels.py); the top-k itself is
+``torch.topk`` over those int64 keys, one chunk of tokens at a time: exact by construction,
+free of host syncs, on every GPU. No Triton top-k was written; the benchmark
+(``bench.py``) times the scores kernel alone next to the whole op, which shows what the
+selection costs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from sparse_mla.ops.common import checks
+from sparse_mla.ops.common.dispatch import triton_interpreting
+from sparse_mla.ops.common.triton_utils import soft_fp8
+from sparse_mla.ops.indexer import format as fmt
+from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_kernel,
+                                                   k_insert_kernel, prefill_keys_kernel)
+
+_LAUNCH = dict(enable_fp_fusion=False)
+
+# prefill: BT tokens x BN entries per program; decode: BN entries of one request per program.
+# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less
+# (chosen without a GPU: ``python3 -m sparse_mla.ops.indexer.bench --sweep`` times others).
+CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 8, "prefill_stages": 2,
+          "decode_bn": 64, "decode_warps": 4, "insert_tokens": 4, "insert_warps": 1}
+INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
+
+
+def _config(device):
+    if device.type == "cpu":        # the interpreter: small tiles keep it quick
+        return {**CONFIG, **INTERPRET_CONFIG}
+    return CONFIG
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _cache_args(k_cache, block_size):
+    """(fp8?, the cache as the kernels take it, bytes or rows between blocks, between
+    entries): fp8 pages as bytes addressed through ``stride(0)``, bf16 rows as they are."""
+    if k_cache.dtype == torch.bfloat16:
+        return False, k_cache, k_cache.stride(0), k_cache.stride(1)
+    cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
+    return True, cache, checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
+
+
+def select_from_keys(keys: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` [n, K] <- the columns of the K largest keys of each row, in key order, -1 where
+    the key says "not a candidate" and for columns beyond the keys' width."""
+    k = min(out.shape[1], keys.shape[1])
+    if k:
+        vals, ids = torch.topk(keys, k, dim=1, largest=True, sorted=True)
+        out[:, :k] = torch.where(vals == NOT_A_CANDIDATE, -1, ids).to(out.dtype)
+    if k < out.shape[1]:
+        out[:, k:] = -1
+
+
+def k_insert(k, k_cache, slot_mapping, block_size):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    fp8, cache, s0, s1 = _cache_args(k_cache, block_size)
+    tpp = CONFIG["insert_tokens"]
+    k_insert_kernel[(triton.cdiv(n, tpp),)](
+        k, k.stride(0), cache, s0, s1, slot_mapping, n, k_cache.shape[0] * block_size,
+        block_size, FP8=fp8, TPP=tpp, SOFT=soft_fp8(k.device),
+        num_warps=CONFIG["insert_warps"], **_LAUNCH)
+
+
+def prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n_tokens):
+    """Per token: its request (-1 outside every request) and how many of the request's
+    entries it may select, min(C_r, (p + 1) // ratio), on the device, without a sync."""
+    dev = positions.device
+    t = torch.arange(n_tokens, device=dev)
+    r_count = cu_seqlens_q.shape[0] - 1
+    req = torch.searchsorted(cu_seqlens_q.long(), t, right=True) - 1
+    inside = (req >= 0) & (req < r_count) & (t < cu_seqlens_q[-1])
+    req = torch.where(inside, req, -1)
+    safe = req.clamp(0, max(r_count - 1, 0))
+    c_r = (cu_seqlens_k.long()[safe + 1] - cu_seqlens_k.long()[safe]) if r_count else \
+        torch.zeros_like(t)
+    nc = torch.minimum(c_r, torch.div(positions[:n_tokens].long() + 1, ratio,
+                                      rounding_mode="floor").clamp_min(0))
+    return req.to(torch.int32), torch.where(inside, nc, 0).to(torch.int32)
+
+
+def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, ratio, out,
+                 chunk, max_seqlen_k):
+    n = q.shape[0]
+    if n == 0:
+        return
+    width = max_seqlen_k
+    if width is None:        # one host sync; pass max_seqlen_k to avoid it
+        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        width = int(lens.max()) if lens.numel() else 0
+    if width == 0:
+        out.fill_(-1)
+        return
+    req, nc = prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n)
+    rows = min(chunk or fmt.auto_chunk(width), n)
+    keys = torch.empty(rows, width, dtype=torch.int64, device=q.device)
+    for s in range(0, n, rows):
+        part = keys[:min(rows, n - s)]
+        prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, s, part)
+        select_from_keys(part, out[s:s + part.shape[0]])
+
+
+def prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, start, keys):
+    """Selection keys of tokens ``start..start + keys.shape[0]`` into ``keys`` [m, width]
+    (``req`` / ``nc`` from ``prefill_candidates``): the scores half of a prefill chunk."""
+    m, width = keys.shape
+    cfg = _config(q.device)
+    kfp8 = k.dtype != torch.bfloat16
+    bt, bn = cfg["prefill_bt"], cfg["prefill_bn"]
+    prefill_keys_kernel[(triton.cdiv(m, bt), triton.cdiv(width, bn))](
+        _bytes(q)[start:], q.stride(0), q.stride(1), weights[start:], weights.stride(0),
+        _bytes(k), k.stride(0), k_scale if kfp8 else weights, req[start:], nc[start:],
+        cu_seqlens_k, keys, keys.stride(0), m, q.shape[1], width, BT=bt, BN=bn,
+        QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8, SOFT=soft_fp8(q.device),
+        DOT_F32=triton_interpreting(), num_warps=cfg["prefill_warps"],
+        num_stages=cfg["prefill_stages"], **_LAUNCH)
+
+
+def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width):
+    """Selection keys [B * next_n, width] of a decode step (the scores half of the op)."""
+    keys = torch.empty(q.shape[0], width, dtype=torch.int64, device=q.device)
+    batch = q.shape[0] // next_n
+    if batch == 0 or width == 0:
+        return keys
+    cfg = _config(q.device)
+    kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
+    hp = max(16, triton.next_power_of_2(q.shape[1]))
+    bn = cfg["decode_bn"]
+    decode_keys_kernel[(batch, triton.cdiv(width, bn))](
+        _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
+        k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
+        keys, keys.stride(0), q.shape[1], width, ratio, block_size, next_n, HP=hp, BN=bn,
+        QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8, SOFT=soft_fp8(q.device),
+        DOT_F32=triton_interpreting(), num_warps=cfg["decode_warps"], **_LAUNCH)
+    return keys
+
+
+def topk_decode(q, weights, k_cache, seq_lens, block_table, ratio, next_n, out, block_size,
+                max_candidates):
+    width = fmt.decode_width(block_table, block_size, max_candidates)
+    keys = decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size,
+                       width)
+    select_from_keys(keys, out)

@@ -1,0 +1,186 @@
+"""Triton kernels of the indexer family. Their launchers are in triton_impl.py.
+
+The scores kernels do not write fp32 logits: they write each (token, entry) pair's *selection
+key*, an int64 whose order is the top-k order of docs/semantics.md §11.4 (larger score first,
+equal scores by lower id), so one ``torch.topk`` over int64 selects exactly and
+deterministically, with no tie left to the sort:
+* high 32 bits: the fp32 score's bits mapped to a signed integer of the same order
+  (-0.0 taken as +0.0, so the sign of a zero sum cannot decide a tie);
+* low 32 bits: ``2^32 - 1 - id``, so among equal scores the lower id is larger;
+* ``NOT_A_CANDIDATE`` (int64 min) for entries the token may not select.
+
+Dot products run on bf16 operands with fp32 accumulation: bf16 and e4m3 values are exact in
+bf16, so only the accumulation order differs from the float64 reference. An fp8 key's scale (a
+positive power of two) is applied after the head sum: relu(s * x) = s * relu(x).
+
+Reads are masked to the entries a program may select, so unwritten (NaN-poisoned) cache rows
+and rows of negative or out-of-range blocks are never read.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_mla.ops.common.triton_utils import e4m3_decode, e4m3_sat, exp2_int, to_bf16
+from sparse_mla.ops.indexer import format as fmt
+
+D = tl.constexpr(fmt.DIM)
+NOT_A_CANDIDATE = -(2 ** 63)
+MIN_KEY = tl.constexpr(NOT_A_CANDIDATE)
+
+
+@triton.jit
+def _operand(x, FP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """A dot operand: e4m3 bytes decoded (exact in bf16), or the bf16 values; as fp32 where
+    ``DOT_F32`` (the interpreter's bf16 dot is wrong; the values are the same)."""
+    if FP8:
+        y = e4m3_decode(x, SOFT).to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    if DOT_F32:
+        return y
+    else:
+        return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _keys(score, j, cand):
+    """Selection keys (module docstring) of fp32 ``score`` [..., BN] at ids ``j``."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True).to(tl.int64)
+    ordered = tl.where(bits >= 0, bits, -1 - (bits & 0x7FFFFFFF))
+    key = (ordered << 32) | (0xFFFFFFFF - j.to(tl.int64))
+    return tl.where(cand, key, MIN_KEY)
+
+
+@triton.jit
+def _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_k_ptr, r, t64, rows,
+                    j, H, BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
+                    KFP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Scores [BT, BN] of token rows ``t64`` (those in ``rows``; others 0) against request
+    ``r``'s entries ``j`` (dense key rows cu_k[r] + j; 0 past its last)."""
+    d = tl.arange(0, D)
+    k0 = tl.load(cu_k_ptr + r).to(tl.int64)
+    k1 = tl.load(cu_k_ptr + r + 1).to(tl.int64)
+    kmask = j < k1 - k0
+    kt = tl.load(k_ptr + (k0 + j)[None, :] * k_s0 + d[:, None], mask=kmask[None, :], other=0)
+    kt = _operand(kt, KFP8, SOFT, DOT_F32)
+    s = tl.zeros((BT, BN), tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + t64[:, None] * q_s0 + h * q_s1 + d[None, :], mask=rows[:, None],
+                     other=0)
+        dot = tl.dot(_operand(qh, QFP8, SOFT, DOT_F32), kt)
+        wh = tl.load(w_ptr + t64 * w_s0 + h, mask=rows, other=0.0).to(tl.float32)
+        s += wh[:, None] * tl.maximum(dot, 0.0)
+    if KFP8:
+        s = s * tl.load(ks_ptr + k0 + j, mask=kmask, other=0.0)[None, :]
+    return s
+
+
+@triton.jit
+def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, req_ptr, nc_ptr,
+                        cu_k_ptr, key_ptr, key_s0, n_rows, H, width,
+                        BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
+                        KFP8: tl.constexpr, SOFT: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    """Keys of rows [pid0*BT, +BT) x ids [pid1*BN, +BN). Row t belongs to request req[t] and
+    may select ids < nc[t]; request r's keys are rows cu_k[r].. of ``k``. A tile whose rows
+    span several requests computes each request's dot in turn (rare: at request edges)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    live = t < n_rows
+    nc = tl.load(nc_ptr + t, mask=live, other=0)
+    req = tl.load(req_ptr + t, mask=live, other=-1)
+    t64 = t.to(tl.int64)
+    score = tl.zeros((BT, BN), tl.float32)
+    if tl.program_id(1) * BN < tl.max(nc, axis=0):
+        r_lo = tl.min(tl.where(live & (nc > 0), req, 2147483647), axis=0)
+        r_hi = tl.max(tl.where(nc > 0, req, -1), axis=0)
+        if r_lo == r_hi:        # the usual tile: one request, one accumulator
+            score = _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr,
+                                    cu_k_ptr, r_lo, t64, live, j, H, BT, BN, QFP8, KFP8, SOFT,
+                                    DOT_F32)
+        else:                   # rows of several requests: each request's keys in turn
+            for r in range(r_lo, r_hi + 1):
+                s_r = _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr,
+                                      cu_k_ptr, r, t64, live & (req == r), j, H, BT, BN, QFP8,
+                                      KFP8, SOFT, DOT_F32)
+                score = tl.where((req == r)[:, None], s_r, score)
+    key = _keys(score, j[None, :], j[None, :] < nc[:, None])
+    tl.store(key_ptr + t64[:, None] * key_s0 + j[None, :], key,
+             mask=live[:, None] & (j < width)[None, :])
+
+
+@triton.jit
+def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
+                       bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, H, width, ratio, BS,
+                       NEXT_N, HP: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
+                       KFP8: tl.constexpr, SOFT: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    """Keys of request pid0's NEXT_N tokens x ids [pid1*BN, +BN) over the paged cache. Token
+    i sits at position seq - NEXT_N + i and may select ids < (position + 1) // ratio whose
+    block is in [0, num_blocks); all heads of one token are one [HP, 128] x [128, BN] dot."""
+    b = tl.program_id(0)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    last = tl.where(seq > 0, seq // ratio, 0)         # what the last token may select
+    col = j // BS
+    ok = (j < width) & (j < last) & (col < bt_cols)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
+    ok &= (blk >= 0) & (blk < num_blocks)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    if tl.program_id(1) * BN < last:
+        off = j % BS
+        base = cache_ptr + blk * c_s0
+        if KFP8:
+            kt = tl.load(base[None, :] + (off * D)[None, :] + d[:, None], mask=ok[None, :],
+                         other=0)
+            scale = tl.load((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)),
+                            mask=ok, other=0.0)
+        else:
+            kt = tl.load(base[None, :] + (off * c_s1)[None, :] + d[:, None], mask=ok[None, :],
+                         other=0)
+        kt = _operand(kt, KFP8, SOFT, DOT_F32)
+        for i in range(NEXT_N):
+            t = (b * NEXT_N + i).to(tl.int64)
+            q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :],
+                        mask=(h < H)[:, None], other=0)
+            dot = tl.dot(_operand(q, QFP8, SOFT, DOT_F32), kt)
+            w = tl.load(w_ptr + t * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
+            score = tl.sum(tl.maximum(dot, 0.0) * w[:, None], axis=0)
+            if KFP8:
+                score = score * scale
+            pos1 = seq - NEXT_N + i + 1
+            nc = tl.where(pos1 > 0, pos1 // ratio, 0)
+            tl.store(key_ptr + t * key_s0 + j, _keys(score, j, ok & (j < nc)), mask=j < width)
+    else:
+        for i in range(NEXT_N):
+            t = (b * NEXT_N + i).to(tl.int64)
+            tl.store(key_ptr + t * key_s0 + j,
+                     tl.full((BN,), MIN_KEY, tl.int64), mask=j < width)
+
+
+@triton.jit
+def k_insert_kernel(k_ptr, k_s0, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity, BS,
+                    FP8: tl.constexpr, TPP: tl.constexpr, SOFT: tl.constexpr):
+    """Rows -> the indexer cache (docs/semantics.md §11.1): bf16 first; fp8 as 128 e4m3 of
+    x / 2^e with e = ceil(log2(max(amax, 1e-4) / 448)) exactly (from the fp32 bits: amax =
+    m * 2^E, 448 = 1.75 * 2^8), and the fp32 2^e in the block's tail."""
+    d = tl.arange(0, D)
+    for i in tl.static_range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < capacity):
+            x = tl.load(k_ptr + tok.to(tl.int64) * k_s0 + d).to(tl.float32)
+            x = to_bf16(x, SOFT).to(tl.float32)
+            blk = slot // BS
+            off = slot % BS
+            if FP8:
+                amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
+                abits = amax.to(tl.int32, bitcast=True)
+                e = ((abits >> 23) & 0xFF) - 135 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
+                base = cache_ptr + blk * c_s0
+                tl.store(base + off * D + d, e4m3_sat(x * exp2_int(-e), SOFT))
+                tl.store((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)), exp2_int(e))
+            else:
+                tl.store(cache_ptr + blk * c_s0 + off * c_s1 + d, x.to(tl.bfloat16))

@@ -1,0 +1,127 @@
+"""The indexer op against HF transformers' own DeepSeek-V4 indexer (``DeepseekV4Indexer``:
+its compressor, RoPE, ``DeepseekV4IndexerScorer`` and top-k) on a tiny random config at the
+real index_head_dim 128: the scorer's inputs are recorded, the model's scales folded into the
+weights as docs/semantics.md §11.2 says, and the op's top-k must select what HF's does (up
+to swaps among scores that tie within rounding; HF orders equal scores arbitrarily)."""
+import pytest
+import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
+
+from sparse_mla.integration.transformers import models
+from sparse_mla.ops.indexer import lightning_indexer_prefill
+from sparse_mla.tests.helpers import CUDA
+from sparse_mla.tests.ops.indexer import cases
+
+ROUTES = [("reference", "cpu")] + ([("triton", "cuda")] if CUDA else [])
+
+
+def _hf_indexer(seed, topk):
+    config = models.tiny_config(index_head_dim=128, index_n_heads=16, index_topk=topk)
+    torch.manual_seed(seed)
+    indexer = dsv4.DeepseekV4Indexer(config)
+    for p in indexer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return config, indexer.to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("impl,device", ROUTES)
+@pytest.mark.parametrize("seed,length,topk", [(0, 50, 4), (1, 61, 8), (2, 9, 8)])
+def test_selects_what_hf_selects(impl, device, seed, length, topk):
+    config, indexer = _hf_indexer(seed, topk)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, length, config.hidden_size, generator=g).to(torch.bfloat16)
+    q_res = torch.randn(1, length, config.q_lora_rank, generator=g).to(torch.bfloat16)
+    pos = torch.arange(length).unsqueeze(0)
+    seen = {}
+    hook = indexer.scorer.register_forward_hook(
+        lambda mod, args, out: seen.update(args=args, out=out))
+    with torch.no_grad():
+        hf = indexer(hidden, q_res, pos, None, 0)[0]
+        hook.remove()
+        q, keys, h = seen["args"]
+        scorer = indexer.scorer
+        w = scorer.weights_proj(h).float()[0] * scorer.weights_scaling * scorer.softmax_scale
+    q, keys = q[0], keys[0]
+    assert q.dtype == keys.dtype == torch.bfloat16 and q.shape[-1] == 128
+    c = keys.shape[0]
+    got = lightning_indexer_prefill(
+        q.to(device), w.to(device), keys.to(device), None, torch.tensor([0, length]).to(device),
+        torch.tensor([0, c]).to(device), pos[0].to(device), topk=topk,
+        ratio=config.compress_rates["compressed_sparse_attention"], impl=impl).cpu()
+    want = torch.full((length, topk), -1, dtype=torch.int32)
+    if c:
+        # HF's rows: the top min(topk, c) with past-the-threshold picks as -1; ours are a
+        # left-aligned prefix, so compare its valid ids in HF's (score) order
+        valid = [[j for j in row.tolist() if j >= 0] for row in hf]
+        want = torch.tensor([v + [-1] * (topk - len(v)) for v in valid], dtype=torch.int32)
+    score_rows = [cases.scores(q[t], w[t], keys.double()) for t in range(length)]
+    allowed = [torch.arange(c) < (t + 1) // 4 for t in range(length)]
+    cases.assert_selection(got, want, score_rows, allowed, 1e-4)
+    assert (got >= 0).sum() > 0 or c == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook (integration/transformers/indexer.py)
+
+def _module_run(indexer, config, impl_name, hidden, q_res, pos):
+    config._attn_implementation = impl_name
+    with torch.no_grad():
+        return indexer(hidden, q_res, pos, None, 0)
+
+
+@pytest.mark.parametrize("seed,length,topk", [(3, 57, 4), (4, 7, 8)])
+def test_hooked_indexer_selects_what_eager_selects(seed, length, topk):
+    """The same module under "sparse_mla" (the op) and "eager" (HF's code): the same
+    selected sets per token (HF's order among equal scores is its own), batch of 2 rows."""
+    import sparse_mla.integration.transformers  # noqa: F401  (installs the hook)
+    from sparse_mla.ops.common.dispatch import last_choice
+    config, indexer = _hf_indexer(seed, topk)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, length, config.hidden_size, generator=g).to(torch.bfloat16)
+    q_res = torch.randn(2, length, config.q_lora_rank, generator=g).to(torch.bfloat16)
+    pos = torch.arange(length).unsqueeze(0)
+    eager = _module_run(indexer, config, "eager", hidden, q_res, pos)
+    before = last_choice("indexer_topk_prefill")
+    ours = _module_run(indexer, config, "sparse_mla", hidden, q_res, pos)
+    assert last_choice("indexer_topk_prefill") is not before, "the op did not run"
+    assert ours.shape == eager.shape and ours.dtype == eager.dtype
+    for b in range(2):
+        for t in range(length):
+            assert sorted(x for x in ours[b, t].tolist() if x >= 0) == \
+                sorted(x for x in eager[b, t].tolist() if x >= 0), (b, t)
+
+
+def test_hook_leaves_models_it_cannot_serve_to_hf():
+    """An index_head_dim the op does not take (the tiny config's 64): HF's own forward runs
+    under "sparse_mla" too, with its own result."""
+    import sparse_mla.integration.transformers  # noqa: F401
+    config = models.tiny_config(index_topk=4)
+    torch.manual_seed(0)
+    indexer = dsv4.DeepseekV4Indexer(config).to(torch.bfloat16).eval()
+    for p in indexer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 33, config.hidden_size, generator=g).to(torch.bfloat16)
+    q_res = torch.randn(1, 33, config.q_lora_rank, generator=g).to(torch.bfloat16)
+    pos = torch.arange(33).unsqueeze(0)
+    eager = _module_run(indexer, config, "eager", hidden, q_res, pos)
+    ours = _module_run(indexer, config, "sparse_mla", hidden, q_res, pos)
+    assert torch.equal(ours, eager)
+
+
+def test_bf16_greedy_tokens_with_the_hooked_indexer():
+    """A tiny bf16 model at index_head_dim 128 whose indexer keeps every entry (top-16, as
+    models.greedy_config): the op runs in every CSA layer and the greedy tokens equal eager's
+    up to near-ties (test_attention's criterion)."""
+    from sparse_mla.ops.common.dispatch import last_choice
+    model = models.random_model(models.greedy_config(index_head_dim=128), torch.bfloat16,
+                                seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    before = last_choice("indexer_topk_prefill")
+    eager, ours, divergences = models.compare_greedy(model, ids, mask)
+    assert last_choice("indexer_topk_prefill") is not before, "the op did not run"
+    assert ours.shape == eager.shape
+    for row, step, margin in divergences:
+        assert margin < models.NEAR_TIE, (row, step, margin)
