@@ -96,7 +96,10 @@ class Simulator:
             raise ValueError("padded requests only in decode-only steps")
         n_real = sum(qlens)
         T = n_real + pad_tokens
-        q = (torch.randn(T, H, D, generator=g) * 2).to(torch.bfloat16)
+        # V4's write RMS-norms q; a q that arrives normed (DeepSeek-V4.1) is drawn at the
+        # scale the norm gives (unit RMS), the regime cases.py's row bounds are set for.
+        q = (torch.randn(T, H, D, generator=g) * (2 if cfg.apply_q_norm else 1)
+             ).to(torch.bfloat16)
         kv = torch.randn(T, D, generator=g).to(torch.bfloat16)
         positions = torch.zeros(T, dtype=torch.int64)
         swa_slot = torch.full((T,), -1, dtype=torch.int64)
