@@ -12,9 +12,9 @@ RMS-normed, 32-token SWA pages, and a layer may read a compressed cache another 
 it, and does not list it among the caches it owns (``cache_specs``; ``read_specs`` lists
 every cache a step reads).
 
-Records: each cache's is a config value (bytes per token). Today every route reads the
-584 B record (the one vLLM writes for V4.1 on SM90 / SM120); 528 B / 288 B need their
-formats in ``ops.common.formats`` and the reads and inserts that go with them.
+Records: each cache's is a config value (bytes per token). Today the backend writes and
+reads the 584 B record (the one vLLM writes for V4.1 on SM90 / SM120); 528 B / 288 B are
+refused by name (``WIRED_RECORDS``) until their inserts, gathers and decode reads are wired.
 """
 from __future__ import annotations
 
@@ -26,17 +26,21 @@ from sparse_mla.backends.v41.config import V41LayerConfig
 from sparse_mla.ops.common import formats
 
 
+# Records this backend writes and reads today (SWA insert, compressed insert, prefill gather,
+# decode). The 528 B / 288 B records join when the ops for all four exist (issue 52 item 3).
+WIRED_RECORDS = (584,)
+
+
 def record_format(record: int, cache: str) -> formats.PagedFormat:
-    """The ``formats`` paged record of ``record`` bytes per token (DeepSeek-V4's family:
-    V3.2's 656 B record is not one of them)."""
+    """The ``formats`` paged record of ``record`` bytes per token that this backend runs."""
+    if record not in WIRED_RECORDS:
+        raise ValueError(f"{cache}_record={record}: the {record} B record is not wired into "
+                         f"this backend yet (it runs {list(WIRED_RECORDS)} B; the 528 B / "
+                         f"288 B records need their inserts, gathers and decode reads)")
     for fmt in formats.PAGED_FORMATS.values():
         if fmt.bytes_per_token == record and fmt.out_dim == formats.HEAD_DIM:
             return fmt
-    have = sorted(f.bytes_per_token for f in formats.PAGED_FORMATS.values()
-                  if f.out_dim == formats.HEAD_DIM)
-    raise ValueError(f"{cache}_record={record}: this build has no {record} B record in "
-                     f"ops.common.formats (it has {have}); the 528 B / 288 B records come "
-                     f"with their reads and inserts")
+    raise ValueError(f"{cache}_record={record}: ops.common.formats has no {record} B record")
 
 
 class V41FlashMLABackend(FlashMLABackend):

@@ -23,7 +23,6 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind
 from sparse_mla.integration.vllm import mapping, plugin, v41
 from sparse_mla.ops import cache_insert as ci
-from sparse_mla.ops.common import formats
 from sparse_mla.tests.backends.cases import check_rows
 from sparse_mla.tests.backends.test_step import SCRIPT
 from sparse_mla.tests.backends.v41.cases import Harness
@@ -239,13 +238,12 @@ def test_forward_mqa_matches_oracle(ratio, monkeypatch):
 
 
 def test_records_are_per_cache_values():
-    """528 / 288 B records are accepted by the config and named when the build lacks them."""
-    have = {f.bytes_per_token for f in formats.PAGED_FORMATS.values()}
+    """528 / 288 B records pass through the layer's config and are refused by the backend by
+    name until it writes and reads them."""
     for kw, rec in ((dict(swa_record=528, compressed_record=528), 528),
                     (dict(compressed_record=288), 288)):
         cfg = _layer_config(2, **kw)
-        if rec in have:
+        assert (cfg.swa_record, cfg.compressed_record) == (kw.get("swa_record", 584),
+                                                           kw["compressed_record"])
+        with pytest.raises(ValueError, match=f"the {rec} B record is not wired"):
             V41FlashMLABackend(cfg)
-        else:
-            with pytest.raises(ValueError, match=f"no {rec} B record"):
-                V41FlashMLABackend(cfg)
