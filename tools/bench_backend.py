@@ -68,10 +68,10 @@ def _batch(cfg, lens, device, g):
         comp_slot = torch.where((pos + 1) % r == 0,
                                 comp_table[req, e // cbs].long() * cbs + e % cbs,
                                 torch.full_like(pos, -1))
-    if kind is LayerKind.C4A:
+    if kind.uses_topk:      # C4A; DeepSeek-V4.1's C1A / C2A (tools/dev/gpu_v41be.sh)
         # the indexer's output: min(entries, top-k) distinct ids, left-aligned, -1 after
         topk = torch.full((len(pos), cfg.topk), -1, dtype=torch.int32)
-        for t, a in enumerate(((pos + 1) // 4).tolist()):
+        for t, a in enumerate(((pos + 1) // kind.ratio).tolist()):
             ids = torch.randperm(a, generator=g)[:cfg.topk]
             topk[t, :len(ids)] = ids.to(torch.int32)
     n_dec = sum(1 for _, n in lens if n <= 2)

@@ -65,7 +65,13 @@ class Backend:
 
     # -- caches ---------------------------------------------------------------------------
     def cache_specs(self) -> Dict[str, CacheSpec]:
+        """The caches this layer owns (what an engine allocates for it)."""
         raise NotImplementedError
+
+    def read_specs(self) -> Dict[str, CacheSpec]:
+        """Every cache a step takes: the owned ones, and any it reads from another layer
+        (DeepSeek-V4.1's shared compressed caches)."""
+        return self.cache_specs()
 
     def allocate_caches(self, num_blocks: Dict[str, int], fill: Optional[int] = None):
         """One cache per spec name (``{"swa": n, "compressed": m}``), on this backend's device."""
@@ -77,7 +83,7 @@ class Backend:
                 for name, spec in specs.items()}
 
     def _check_caches(self, caches) -> None:
-        specs = self.cache_specs()
+        specs = self.read_specs()
         for name, spec in specs.items():
             if name not in caches:
                 raise ValueError(f"caches must hold {sorted(specs)}, missing {name!r}")

@@ -30,6 +30,11 @@ class LayerKind(enum.Enum):
     def compressed(self) -> bool:
         return self is not LayerKind.SWA_ONLY
 
+    @property
+    def uses_topk(self) -> bool:
+        """Its compressed list is the indexer's top-k (DeepSeek-V4.1's kinds: V41Kind)."""
+        return self is LayerKind.C4A
+
     @classmethod
     def from_ratio(cls, ratio: int) -> "LayerKind":
         if ratio in (0, 1):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 from sparse_mla.backends.common.batch import LayerKind
 from sparse_mla.ops.common import formats
@@ -34,9 +34,11 @@ class LayerConfig:
     prefill_workspace_rows: Optional[int] = None
     apply_q_norm: bool = True
 
+    KINDS: ClassVar[type] = LayerKind     # the model's layer kinds (V4.1: backends/v41)
+
     def __post_init__(self):
-        if not isinstance(self.kind, LayerKind):
-            raise TypeError(f"kind must be a LayerKind, got {self.kind!r}")
+        if not isinstance(self.kind, self.KINDS):
+            raise TypeError(f"kind must be a {self.KINDS.__name__}, got {self.kind!r}")
         for name in ("num_heads", "max_num_tokens", "max_num_reqs", "max_model_len", "window",
                      "swa_block_size"):
             v = getattr(self, name)
@@ -44,10 +46,11 @@ class LayerConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.num_heads > MAX_HEADS:
             raise ValueError(f"num_heads must be 1..{MAX_HEADS}, got {self.num_heads}")
-        if self.kind is LayerKind.C4A and (not isinstance(self.topk, int) or self.topk < 1):
-            raise ValueError(f"topk must be a positive int for a C4A layer, got {self.topk!r}")
+        if self.kind.uses_topk and (not isinstance(self.topk, int) or self.topk < 1):
+            raise ValueError(f"topk must be a positive int for a {self.kind.name} layer, got "
+                             f"{self.topk!r}")
         if self.compressed_block_size is None and self.kind.compressed:
-            object.__setattr__(self, "compressed_block_size", max(256 // self.kind.ratio, 1))
+            object.__setattr__(self, "compressed_block_size", self.default_compressed_block())
         if self.prefill_workspace_rows is None:
             object.__setattr__(self, "prefill_workspace_rows", self.request_rows(
                 self.max_model_len, self.max_num_tokens))
@@ -55,10 +58,14 @@ class LayerConfig:
             raise ValueError(f"prefill_workspace_rows must be >= window ({self.window}), got "
                              f"{self.prefill_workspace_rows}")
 
+    def default_compressed_block(self) -> int:
+        """Compressed entries per block when not given: vLLM's 256 // ratio."""
+        return max(256 // self.kind.ratio, 1)
+
     @property
     def compressed_width(self) -> int:
         """Columns of a token's compressed list: top-k (C4A), every entry (C128A), none."""
-        if self.kind is LayerKind.C4A:
+        if self.kind.uses_topk:
             return self.topk
         if self.kind is LayerKind.C128A:
             return c128a_width(self.max_model_len, self.kind.ratio)

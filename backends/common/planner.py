@@ -186,7 +186,7 @@ class IndexPlanner(StepPlanner):
     def c4a_decode(self, batch: BatchDescription) -> None:
         """C4A decode rows: this layer's indexer top-k as global slots (per layer)."""
         cfg, Td = self.cfg, batch.num_decode_tokens
-        if cfg.kind is LayerKind.C4A and Td:
+        if cfg.kind.uses_topk and Td:
             ic.global_topk_indices_and_lens(
                 batch.topk_indices[:Td], self.token_to_req, batch.compressed_block_table,
                 self.is_valid[:Td], self.compressed_indices[:Td], self.compressed_lens[:Td],
@@ -205,7 +205,7 @@ class IndexPlanner(StepPlanner):
     def prefill_topk(self, batch: BatchDescription, t0: int, t1: int) -> Tensor:
         """Request-local compressed ids of prefill rows ``[t0, t1)`` (batch rows)."""
         kind, Td = self.cfg.kind, batch.num_decode_tokens
-        if kind is LayerKind.C4A:
+        if kind.uses_topk:
             return batch.topk_indices[t0:t1]
         if kind is LayerKind.C128A:
             return self.c128a_prefill[t0 - Td:t1 - Td]

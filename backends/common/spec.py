@@ -27,7 +27,11 @@ class CacheSpec:
 
     @classmethod
     def paged_v4(cls, name: str, block_size: int) -> "CacheSpec":
-        fmt = formats.V4
+        return cls.paged_format(name, formats.V4, block_size)
+
+    @classmethod
+    def paged_format(cls, name: str, fmt: formats.PagedFormat, block_size: int) -> "CacheSpec":
+        """A cache of any ``formats`` paged record (DeepSeek-V4.1: 584, 528 or 288 B)."""
         return cls(name, fmt.name, block_size, torch.uint8, fmt.bytes_per_token,
                    fmt.page_bytes(block_size), fmt.block_alignment)
 

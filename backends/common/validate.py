@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.backends.common.batch import BatchDescription, LayerKind
+from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.backends.common.config import LayerConfig
 from sparse_mla.ops.common import checks, formats
 
@@ -106,8 +106,8 @@ def _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention):
                             checks.INDEX_DTYPES)
         checks.expect_shape("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
                             (compressed_kv.shape[0],))
-    if kind is LayerKind.C4A and attention:
-        check_topk(batch, cfg.topk, Td + Tp, "a C4A layer")
+    if kind.uses_topk and attention:
+        check_topk(batch, cfg.topk, Td + Tp, f"a {kind.name} layer")
     checks.expect_same_device(
         q=q, kv=kv, compressed_kv=compressed_kv, query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens, positions=batch.positions, swa_block_table=batch.swa_block_table,
@@ -170,7 +170,7 @@ def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
     if batch.compressed_slot_mapping is not None:
         check_slots("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
                     compressed_blocks * cfg.compressed_block_size)
-    if cfg.kind is LayerKind.C4A and attention and tok.numel():
+    if cfg.kind.uses_topk and attention and tok.numel():
         tk = batch.topk_indices.long().cpu()[tok]
         avail = ((want + 1) // cfg.kind.ratio).unsqueeze(1)
         bad = ((tk < -1) | (tk >= avail)).nonzero()

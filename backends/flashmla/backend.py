@@ -31,6 +31,7 @@ class FlashMLABackend(V4Backend):
 
     def __init__(self, config, device="cpu", impl="auto", attention_impl=None, planner=None):
         super().__init__(config, device, impl, attention_impl, planner)
+        self.records = self._records()
         T, H = config.max_num_tokens, config.num_heads
         dev = self.device
         self.q_rot = torch.zeros(T, H, D, dtype=torch.bfloat16, device=dev)
@@ -43,11 +44,17 @@ class FlashMLABackend(V4Backend):
         self.workspace = torch.empty(config.prefill_workspace_rows, D, dtype=torch.bfloat16,
                                      device=dev)
 
+    def _records(self) -> Dict[str, formats.PagedFormat]:
+        """Each cache's packed record ("swa", "compressed"): the 584 B one (DeepSeek-V4.1's
+        backend picks per cache)."""
+        return {"swa": formats.V4, "compressed": formats.V4}
+
     def cache_specs(self) -> Dict[str, CacheSpec]:
-        cfg = self.config
-        specs = {"swa": CacheSpec.paged_v4("swa", cfg.swa_block_size)}
+        cfg, rec = self.config, self.records
+        specs = {"swa": CacheSpec.paged_format("swa", rec["swa"], cfg.swa_block_size)}
         if cfg.kind.compressed:
-            specs["compressed"] = CacheSpec.paged_v4("compressed", cfg.compressed_block_size)
+            specs["compressed"] = CacheSpec.paged_format("compressed", rec["compressed"],
+                                                         cfg.compressed_block_size)
         return specs
 
     def _validate_batch(self, batch):
@@ -83,8 +90,9 @@ class FlashMLABackend(V4Backend):
         fd.flashmla_sparse_decode(
             q_rot[:Td].unsqueeze(1), caches["swa"], p.swa_indices[:Td].unsqueeze(1),
             out[:Td].unsqueeze(1), self.decode_lse[:Td], topk_length=p.swa_lens[:Td],
-            attn_sink=attn_sink, softmax_scale=cfg.softmax_scale, kv_format="v4",
-            block_size=cfg.swa_block_size, impl=self.attention_impl, **extra)
+            attn_sink=attn_sink, softmax_scale=cfg.softmax_scale,
+            kv_format=self.records["swa"].name, block_size=cfg.swa_block_size,
+            impl=self.attention_impl, **extra)
 
     def _prefill(self, q_rot, caches, batch, attn_sink, out):
         cfg, p, Rd = self.config, self.planner, batch.num_decodes
@@ -95,10 +103,10 @@ class FlashMLABackend(V4Backend):
             if cfg.kind.compressed:
                 ci.gather_dequant(kv, caches["compressed"], p.entries[a:b], None,
                                   batch.compressed_block_table[a:b], cfg.compressed_block_size,
-                                  0, "v4", self.impl)
+                                  0, self.records["compressed"].name, self.impl)
             ci.gather_dequant(kv, caches["swa"], batch.seq_lens[a:b], p.gather_lens[a:b],
-                              batch.swa_block_table[a:b], cfg.swa_block_size, ch.N, "v4",
-                              self.impl)
+                              batch.swa_block_table[a:b], cfg.swa_block_size, ch.N,
+                              self.records["swa"].name, self.impl)
             n = ch.t1 - ch.t0
             idx, lens = self.combined[:n], self.combined_lens[:n]
             ic.combine_topk_swa_indices(p.prefill_topk(batch, ch.t0, ch.t1),

@@ -60,10 +60,11 @@ def _max_query_lens(qsl_cpu: torch.Tensor, num_decodes: int, num_reqs: int):
 
 
 def batch_description(swa, compressed, positions: torch.Tensor, num_tokens: int,
-                      kind: LayerKind, topk_indices_buffer: Optional[torch.Tensor] = None,
+                      kind, topk_indices_buffer: Optional[torch.Tensor] = None,
                       write_only: bool = False) -> BatchDescription:
     """One step of one layer. ``swa``: the layer's ``DeepseekSparseSWAMetadata``;
     ``compressed``: its ``DeepseekV4FlashMLAMetadata`` (compressed layers, else None);
+    ``kind``: a ``LayerKind`` (DeepSeek-V4) or ``V41Kind`` (DeepSeek-V4.1, ``v41.py``);
     ``num_tokens``: rows of q this step (vLLM may pad them past the real tokens).
     ``write_only``: the batch feeds only the backend's ``write``, which reads no top-k, so a
     C4A layer needs none."""
@@ -87,9 +88,9 @@ def batch_description(swa, compressed, positions: torch.Tensor, num_tokens: int,
         if compressed is None:
             raise ValueError(f"a {kind.name} layer needs its DeepseekV4FlashMLAMetadata")
         batch.compressed_block_table = compressed.block_table[:R]
-    if kind is LayerKind.C4A and not write_only:
+    if kind.uses_topk and not write_only:
         if topk_indices_buffer is None:
-            raise ValueError("a C4A layer needs the model's topk_indices_buffer")
+            raise ValueError(f"a {kind.name} layer needs the model's topk_indices_buffer")
         batch.topk_indices = topk_indices_buffer[:num_tokens]
     return batch
 

@@ -13,6 +13,9 @@
    ``vllm.models.deepseek_v4.cpu.model.DeepseekV4CPUAttention``; vLLM 0.33.0 (CUDA) from
    ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls(vllm_config)``.
    Any other backend name, and every other model, is untouched.
+4. DeepSeek-V4.1's layer choice, the same way: ``SPARSE_MLA`` wraps
+   ``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` (both routes import
+   that module; ``v41.py``).
 """
 from __future__ import annotations
 
@@ -113,20 +116,35 @@ def _patch_cpu() -> None:
 def _patch_cuda() -> None:
     from vllm.models.deepseek_v4.nvidia import model as cuda_model
 
-    original = cuda_model._select_dsv4_attn_cls
+    from sparse_mla.integration.vllm import cuda_layer
+
+    _wrap_selector(cuda_model, cuda_layer.layer_class)
+
+
+def _patch_v41() -> None:
+    from vllm.models.deepseek_v41.nvidia import model as v41_model
+
+    from sparse_mla.integration.vllm import v41
+
+    _wrap_selector(v41_model, v41.layer_class)
+
+
+def _wrap_selector(model_module, layer_class) -> None:
+    """Wraps ``model_module._select_dsv4_attn_cls`` (once): ``layer_class(name)`` for our
+    names, vLLM's choice for any other."""
+    original = model_module._select_dsv4_attn_cls
     if getattr(original, "_sparse_mla_selector", False):
         return
-    from sparse_mla.integration.vllm import cuda_layer
 
     def _select_dsv4_attn_cls(vllm_config):
         which = _selected_name(vllm_config)
         if which is None:
             return original(vllm_config)
-        return cuda_layer.layer_class(which)
+        return layer_class(which)
 
     _select_dsv4_attn_cls._sparse_mla_selector = True
     _select_dsv4_attn_cls.wrapped = original
-    cuda_model._select_dsv4_attn_cls = _select_dsv4_attn_cls
+    model_module._select_dsv4_attn_cls = _select_dsv4_attn_cls
 
 
 def register() -> None:
@@ -166,12 +184,23 @@ def register() -> None:
                          "vLLM %s; --attention-backend %s is not registered", version,
                          names.V32)
         _state["v32"] = False
+    # V4.1 likewise: without its module, V4 and V3.2 keep theirs.
+    try:
+        from sparse_mla.integration.vllm import v41  # noqa: F401
+        _state["v41"] = True
+    except Exception:
+        logger.exception("sparse_mla vLLM plugin: cannot import its DeepSeek-V4.1 layer for "
+                         "vLLM %s; DeepSeek-V4.1 keeps vLLM's attention", version)
+        _state["v41"] = False
     _register_names()
     if route == "cpu":
         _patch_cpu()
     else:
         _patch_cuda()
+    if _state["v41"]:
+        _patch_v41()
     _state["route"] = route
     logger.info("sparse_mla vLLM plugin: vLLM %s (%s); --attention-backend %s select "
-                "sparse_mla for DeepSeek-V4%s", version, route, " / ".join(names.ALL),
+                "sparse_mla for DeepSeek-V4%s%s", version, route, " / ".join(names.ALL),
+                f" ({names.SPARSE_MLA.name}: also DeepSeek-V4.1)" if _state["v41"] else "",
                 f", {names.V32} for DeepSeek-V3.2" if _state["v32"] else "")

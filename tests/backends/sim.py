@@ -48,14 +48,20 @@ class Step:
 
 class Simulator:
     def __init__(self, cfg: LayerConfig, device, storage: oracle.Storage, seed: int = 0,
-                 swa_blocks: int = 64, comp_blocks: int = 64, table_width: int = 32):
+                 swa_blocks: int = 64, comp_blocks: int = 64, table_width: int = 32,
+                 theta: float = 10000.0, comp_seed: Optional[int] = None):
+        """``theta``: the layer's RoPE base (layers of one model may differ). ``comp_seed``:
+        draw the compressor's rows, the compressed blocks and the top-k from their own
+        stream, so two layers given the same ``comp_seed`` see the same compressed entries
+        and top-k (DeepSeek-V4.1's layers sharing a source layer's cache and indexer)."""
         self.cfg, self.device, self.storage = cfg, torch.device(device), storage
         self.g = torch.Generator().manual_seed(seed)
-        self.cos_sin = cos_sin_table(cfg.max_model_len + 8)
+        self.gc = self.g if comp_seed is None else torch.Generator().manual_seed(comp_seed)
+        self.cos_sin = cos_sin_table(cfg.max_model_len + 8, theta)
         self.sink = torch.randn(cfg.num_heads, generator=self.g)
         self.requests: Dict[int, Request] = {}
         self.free_swa = torch.randperm(swa_blocks, generator=self.g).tolist()
-        self.free_comp = torch.randperm(comp_blocks, generator=self.g).tolist()
+        self.free_comp = torch.randperm(comp_blocks, generator=self.gc).tolist()
         self.table_width = table_width
         self.num_blocks = {"swa": swa_blocks, "compressed": comp_blocks}
 
@@ -90,13 +96,16 @@ class Simulator:
             raise ValueError("padded requests only in decode-only steps")
         n_real = sum(qlens)
         T = n_real + pad_tokens
-        q = (torch.randn(T, H, D, generator=g) * 2).to(torch.bfloat16)
+        # V4's write RMS-norms q; a q that arrives normed (DeepSeek-V4.1) is drawn at the
+        # scale the norm gives (unit RMS), the regime cases.py's row bounds are set for.
+        q = (torch.randn(T, H, D, generator=g) * (2 if cfg.apply_q_norm else 1)
+             ).to(torch.bfloat16)
         kv = torch.randn(T, D, generator=g).to(torch.bfloat16)
         positions = torch.zeros(T, dtype=torch.int64)
         swa_slot = torch.full((T,), -1, dtype=torch.int64)
-        comp_rows = torch.randn(T, D, generator=g).to(torch.bfloat16) * 1.5
+        comp_rows = torch.randn(T, D, generator=self.gc).to(torch.bfloat16) * 1.5
         comp_slot = torch.full((T,), -1, dtype=torch.int64)
-        topk = torch.full((T, cfg.topk if kind is LayerKind.C4A else 0), -1, dtype=torch.int32)
+        topk = torch.full((T, cfg.topk if kind.uses_topk else 0), -1, dtype=torch.int32)
         tok_req = []
         t = 0
         swa_slots, comp_slots = [], []
@@ -114,10 +123,10 @@ class Simulator:
                     comp_slot[t] = cs
                     comp_slots.append(cs)
                     r.entries[c] = -1 - t  # replaced by the stored key below
-                if kind is LayerKind.C4A:
+                if kind.uses_topk:
                     avail = (p + 1) // ratio
                     m = min(avail, cfg.topk)
-                    ids = torch.randperm(avail, generator=g)[:m]
+                    ids = torch.randperm(avail, generator=self.gc)[:m]
                     topk[t, :m] = ids.to(torch.int32)
                 tok_req.append((r, p, t))
                 t += 1
@@ -137,10 +146,13 @@ class Simulator:
         exp = torch.zeros(T, H, D, dtype=torch.float64)
         scale = cfg.softmax_scale
         for r, p, t in tok_req:
-            q_rot = oracle.rope(oracle.rms_norm(q[t].double(), cfg.eps), self.cos_sin[p])
+            q_in = q[t].float()             # DeepSeek-V4.1: q arrives normed
+            if cfg.apply_q_norm:
+                q_in = oracle.rms_norm(q[t].double(), cfg.eps)
+            q_rot = oracle.rope(q_in, self.cos_sin[p])
             qq = self.storage.query(q_rot)
             keys = [r.rows[i] for i in range(max(p - W + 1, 0), p + 1)]
-            if kind is LayerKind.C4A:
+            if kind.uses_topk:
                 keys += [r.entries[int(c)] for c in topk[t] if c >= 0]
             elif kind is LayerKind.C128A:
                 n = min((p + 1) // ratio, cfg.compressed_width)
@@ -168,7 +180,7 @@ class Simulator:
             compressed_block_table=(self._table(reqs, "comp_blocks").to(dev)
                                     if kind.compressed else None),
             compressed_slot_mapping=comp_slot.to(dev) if kind.compressed else None,
-            topk_indices=topk.to(dev) if kind is LayerKind.C4A else None,
+            topk_indices=topk.to(dev) if kind.uses_topk else None,
             max_decode_query_len=max([n for _, n in decodes], default=1),
             max_prefill_query_len=max([n for _, n in prefills], default=0),
             query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),

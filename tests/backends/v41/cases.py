@@ -1,0 +1,68 @@
+"""Test plumbing for DeepSeek-V4.1 layers: configs, a harness per layer (the V4 harness over
+``V41FlashMLABackend``), and a layer that reads another layer's compressed cache.
+
+The oracle is V4's (``tests/backends/oracle.py``, ``sim.py``): float64 attention from the
+history of rows each request wrote, never from the caches. V4.1 changes what it is fed: q
+is not RMS-normed, both compressed kinds select entries by the indexer's top-k, and each
+layer's RoPE table is its own (``theta``), as the model's per-layer YaRN makes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
+from sparse_mla.tests.backends import cases, oracle
+from sparse_mla.tests.backends.sim import Simulator
+
+KINDS = (V41Kind.SWA_ONLY, V41Kind.C1A, V41Kind.C2A)
+# Different RoPE bases per layer kind: vLLM builds SWA-only layers' RoPE from rope_theta and
+# compressed layers' from compress_rope_theta (models/deepseek_v41/common/rope.py).
+THETA = {V41Kind.SWA_ONLY: 10000.0, V41Kind.C1A: 160000.0, V41Kind.C2A: 160000.0}
+COMP_SEED = 77      # the compressed entries and top-k a source layer and its readers share
+
+
+def config(kind, heads=8, max_num_tokens=640, max_model_len=1024, topk=64, **kw):
+    return V41LayerConfig(num_heads=heads, kind=kind, max_num_tokens=max_num_tokens,
+                          max_num_reqs=8, max_model_len=max_model_len, topk=topk, **kw)
+
+
+class Harness(cases.Harness):
+    """A V4.1 layer, its poisoned caches and its simulator. ``source``: the harness of the
+    layer whose compressed cache this one reads (its config has ``owns_compressed=False``);
+    the two simulators draw the same compressed entries and top-k (``COMP_SEED``)."""
+
+    def __init__(self, cfg, device, seed=0, impl="auto", attention_impl=None, planner=None,
+                 source=None, swa_blocks=64, comp_blocks=64):
+        self.name, self.cfg, self.device = "v41_flashmla", cfg, torch.device(device)
+        self.backend = V41FlashMLABackend(cfg, device, impl, attention_impl, planner)
+        comp_seed = COMP_SEED if cfg.kind.compressed else None
+        self.sim = Simulator(cfg, device, oracle.Storage("v4"), seed=seed,
+                             swa_blocks=swa_blocks, comp_blocks=comp_blocks,
+                             theta=THETA[cfg.kind], comp_seed=comp_seed)
+        self.caches = self.backend.allocate_caches(self.sim.num_blocks, fill=0xFF)
+        self.source = source
+        if source is not None:
+            self.caches["compressed"] = source.caches["compressed"]
+        self.fmt = "v4"
+        self.written = {"swa": set(), "compressed": set()}
+        self.cos_sin = self.sim.cos_sin.to(device)
+        self.sink = self.sim.sink.to(device)
+
+    def run(self, step, out=None, batch=None, planned=False):
+        if self.source is not None:
+            # A reader layer: the source's step wrote the entries; this one gets none.
+            step.compressed_kv, step.comp_slots = None, []
+            step.batch.compressed_slot_mapping = None
+        return super().run(step, out, batch, planned)
+
+    def check_untouched(self):
+        """As V4's, over the caches this layer owns (a reader's compressed cache is the
+        source's, checked there)."""
+        if self.source is None:
+            return super().check_untouched()
+        own = dict(self.caches)
+        self.caches = {"swa": own["swa"]}
+        try:
+            super().check_untouched()
+        finally:
+            self.caches = own

@@ -1,0 +1,42 @@
+"""DeepSeek-V4.1 requests through their whole life (two prefill chunks, then 30 decode
+steps while the batch's membership changes, MTP decodes included), with a source layer and
+a layer reading its compressed cache: every step of both equals the oracle, and the shared
+cache holds only what the source wrote."""
+from __future__ import annotations
+
+import pytest
+
+from sparse_mla.backends.v41 import V41Kind
+from sparse_mla.tests.backends.test_lifecycle import schedule
+from sparse_mla.tests.backends.v41.cases import Harness, config
+from sparse_mla.tests.helpers import CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def _live(*layers):
+    """The schedule through ``layers`` in order (a source before its readers); returns the
+    number of steps, each checked against the oracle."""
+    steps = 0
+    for decodes, prefills, done in schedule():
+        for h in layers:
+            out, st = h.step(decodes, prefills)
+            h.check(out, st, f"step {steps}")
+            for r in done:
+                h.sim.finish(r)
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
+def test_lifecycle_source_and_reader(device, kind):
+    source = Harness(config(kind), device, seed=11)
+    reader = Harness(config(kind, owns_compressed=False), device, seed=12, source=source)
+    assert _live(source, reader) == 32
+    assert not reader.written["compressed"] and source.written["compressed"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lifecycle_swa_only(device):
+    assert _live(Harness(config(V41Kind.SWA_ONLY), device, seed=11)) == 32

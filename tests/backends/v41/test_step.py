@@ -1,0 +1,128 @@
+"""One DeepSeek-V4.1 attention step against the dense step oracle: its three layer kinds
+(SWA only, C1A, C2A with the indexer's top-k), 32-token SWA pages, 64-token compressed
+blocks, q without RMSNorm, the layer's own RoPE table, V4.1-Flash's top-k 512 (prefill index
+width 640) and head counts, and layers reading another layer's compressed cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_mla.backends.common import LayerKind
+from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind
+from sparse_mla.tests.backends import cases as v4_cases
+from sparse_mla.tests.backends.sim import Simulator
+from sparse_mla.tests.backends.test_step import SCRIPT, stable_seed
+from sparse_mla.tests.backends.v41.cases import KINDS, Harness, config
+from sparse_mla.tests.helpers import CUDA, storage_bytes
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+COMPRESSED = (V41Kind.C1A, V41Kind.C2A)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_mixed_steps_match_oracle(device, kind):
+    h = Harness(config(kind), device, seed=stable_seed("v41", kind.name))
+    assert h.backend.cache_specs()["swa"].block_size == 32
+    v4_cases.run_script(h, SCRIPT)
+
+
+def test_block_sizes_are_v41s():
+    """32-token SWA pages; compressed blocks of 64 tokens (SM90): 64 entries for C1A, 32 for
+    C2A; no compressed cache on SWA-only layers."""
+    sizes = {k: {n: s.block_size for n, s in V41FlashMLABackend(config(k)).cache_specs().items()}
+             for k in KINDS}
+    assert sizes == {V41Kind.SWA_ONLY: {"swa": 32},
+                     V41Kind.C1A: {"swa": 32, "compressed": 64},
+                     V41Kind.C2A: {"swa": 32, "compressed": 32}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", COMPRESSED, ids=lambda k: k.name)
+def test_topk_512_with_prefill_width_640(device, kind):
+    """V4.1-Flash's top-k: 512 of more than 512 entries (C1A: an entry per token), through
+    the 640-wide prefill index lists and the decode's extra list."""
+    cfg = config(kind, heads=4, topk=512, max_model_len=2048, max_num_tokens=1200)
+    h = Harness(cfg, device, seed=13, swa_blocks=96, comp_blocks=48)
+    assert h.backend.combined.shape[1] == 640
+    h.sim.table_width = 48
+    out, st = h.step([], [(0, 1100)])
+    assert int((st.batch.topk_indices >= 0).sum(-1).max()) == 512
+    h.check(out, st, "prefill")
+    out, st = h.step([(0, 2)], [])
+    h.check(out, st, "decode")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", (1, 64, 128))
+def test_head_counts(device, heads):
+    # V4.1-Flash: 64 heads (local heads 64 / TP); 128 the kernels' widest.
+    script = (dict(decodes=[], prefills=[(0, 140)]),
+              dict(decodes=[(0, 2)], prefills=[(1, 40)], pad_tokens=1))
+    v4_cases.run_script(Harness(config(V41Kind.C2A, heads=heads), device, seed=heads), script)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", COMPRESSED, ids=lambda k: k.name)
+def test_layer_reads_a_source_layers_compressed_cache(device, kind):
+    """A consumer layer (not in kv_source_layer_ids) attends over the source layer's
+    compressed cache with its own SWA cache, q and RoPE table, and never writes the shared
+    cache: its bytes are the same before and after each of the reader's steps."""
+    source = Harness(config(kind), device, seed=31)
+    reader = Harness(config(kind, owns_compressed=False), device, seed=32, source=source)
+    assert set(reader.backend.cache_specs()) == {"swa"}
+    assert set(reader.backend.read_specs()) == {"swa", "compressed"}
+    assert reader.caches["compressed"] is source.caches["compressed"]
+    for i, kw in enumerate(SCRIPT):
+        out, st = source.step(**kw)
+        source.check(out, st, f"source step {i}")
+        before = storage_bytes(source.caches["compressed"]).cpu()
+        out, st = reader.step(**kw)
+        reader.check(out, st, f"reader step {i}")
+        assert torch.equal(storage_bytes(source.caches["compressed"]).cpu(), before), (
+            f"step {i}: the reader wrote the source's compressed cache")
+        source.check_untouched()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_check_catches_another_layers_rope(kind):
+    """The write rotates with the table the caller gives (per layer): the oracle of the
+    same inputs rotated with another layer kind's base is rejected."""
+    h = Harness(config(kind), "cpu", seed=9)
+    other = 10000.0 if kind.compressed else 160000.0
+    wrong = Simulator(h.cfg, "cpu", h.sim.storage, seed=9, theta=other,
+                      comp_seed=h.sim.gc.initial_seed() if kind.compressed else None)
+    st = h.sim.step(**SCRIPT[0])
+    out = h.run(st)
+    h.check(out, st)
+    alt = wrong.step(**SCRIPT[0])
+    assert torch.equal(alt.q.cpu(), st.q.cpu())
+    with pytest.raises(AssertionError, match="relative L2 error"):
+        h.check(out, alt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_of_a_kind_share_one_step_plan(device):
+    cfg = config(V41Kind.C1A)
+    first = Harness(cfg, device, seed=4)
+    second = Harness(cfg, device, seed=4, planner=first.backend.planner)
+    for kw in SCRIPT:
+        a, b = first.sim.step(**kw), second.sim.step(**kw)
+        first.backend.plan(a.batch, a.q.shape[0])
+        first.check(first.run(a, planned=True), a, "first layer")
+        second.check(second.run(b, batch=a.batch, planned=True), b, "second layer")
+    with pytest.raises(ValueError, match="cannot be shared"):
+        V41FlashMLABackend(config(V41Kind.C2A), planner=first.backend.planner)
+    with pytest.raises(ValueError, match="cannot be shared"):
+        FlashMLABackend(v4_cases.config(LayerKind.C4A), planner=first.backend.planner)
+
+
+def test_explain_names_the_ops_of_the_last_step():
+    h = Harness(config(V41Kind.C2A), "cpu")
+    h.step([], [(0, 20)])
+    h.step([(0, 1)], [])
+    ran = {op: c.impl for op, c in h.backend.explain().items()}
+    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4",
+                        "swa_indices_and_lens", "global_topk_indices_and_lens",
+                        "flashmla_sparse_decode"}
