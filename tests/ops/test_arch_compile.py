@@ -49,7 +49,11 @@ ARCHS = tuple(SHARED_LIMIT)
 # differently from sm_86's.
 SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "split_plain_fp8_f16": 8192, "split_v32": 10240, "split_v4": 12288,
-               "tiny_v4_fp8_q": 2048, "gather_dequant_v32": 64}
+               "tiny_v4_fp8_q": 2048, "gather_dequant_v32": 64,
+               # the indexer's scores kernels at their untuned launch shapes (BT 64 x BN 128)
+               "indexer_prefill_q8_k8": 3300, "indexer_prefill_qbf16_k8": 2400,
+               "indexer_prefill_qbf16_kbf16": 3000, "indexer_decode_q8_k8": 32,
+               "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
