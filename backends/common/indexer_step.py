@@ -148,7 +148,28 @@ class IndexerStep:
         if checks.value_checks_enabled(slots, table):
             checks.expect_slots_in_range("indexer.slot_mapping", slots,
                                          ix.k_cache.shape[0] * self.block_size)
+            self._check_prefill_blocks(batch, table, ix.k_cache.shape[0])
         return slots, table
+
+    def _check_prefill_blocks(self, batch, table, num_blocks):
+        """The blocks a prefill request's entries are gathered from exist (decode rows need
+        no check: the op skips entries on missing blocks)."""
+        nd, npf = batch.num_decodes, batch.num_prefills
+        if not npf:
+            return
+        entries = batch.seq_lens[nd:nd + npf].long().cpu() // self.config.kind.ratio
+        need = (entries + self.block_size - 1) // self.block_size
+        rows = table[nd:nd + npf].long().cpu()
+        for i in range(npf):
+            n = int(need[i])
+            if n > rows.shape[1]:
+                raise ValueError(f"indexer.block_table row {nd + i} has {rows.shape[1]} "
+                                 f"blocks; the request's {int(entries[i])} entries need {n}")
+            bad = ((rows[i, :n] < 0) | (rows[i, :n] >= num_blocks)).nonzero()
+            if bad.numel():
+                j = int(bad[0])
+                raise ValueError(f"indexer.block_table[{nd + i}, {j}] = {int(rows[i, j])} is "
+                                 f"not a block of indexer.k_cache (0..{num_blocks - 1})")
 
     # -- decode: the paged op over a uniform [requests + 1, next_n] grid --------------------
     def _decode(self, ix, batch, table, out):
@@ -189,7 +210,7 @@ class IndexerStep:
 
     # -- prefill: the requests' entries gathered densely, then the chunked op ---------------
     def _prefill(self, ix, batch, table, out):
-        nd, npf, ndt = batch.num_decodes, batch.num_prefills, batch.num_decode_tokens
+        nd, npf = batch.num_decodes, batch.num_prefills
         qsl = batch.query_start_loc_cpu
         seq = batch.seq_lens_cpu
         if qsl is None or seq is None:        # the planner copies these too (prefill only)
@@ -203,7 +224,7 @@ class IndexerStep:
         lo, hi = int(qsl[0]), int(qsl[-1])
         indexer_topk_prefill(ix.q[lo:hi], ix.weights[lo:hi], k, k_scale,
                              (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
-                             batch.positions[ndt:ndt + hi - lo], out,
+                             batch.positions[lo:hi], out,
                              ratio=self.config.kind.ratio, max_seqlen_k=max(entries, default=0),
                              impl=self.impl)
 

@@ -267,6 +267,8 @@ def _setup():
     (lambda ix, b: (ix, dataclasses.replace(b, topk_indices=torch.zeros(1, 1, dtype=torch.int32))),
      "topk_indices must be None"),
     (lambda ix, b: (dataclasses.replace(ix, k_cache=ix.k_cache[:, :8]), b), "indexer.k_cache"),
+    (lambda ix, b: (dataclasses.replace(ix, block_table=torch.full_like(
+        b.compressed_block_table, -1)), b), r"indexer.block_table\[0, 0\] = -1"),
 ])
 def test_bad_input_raises_before_any_write(bad, match):
     ih, st, batch, ix, out = _setup()
