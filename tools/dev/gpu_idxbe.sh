@@ -6,7 +6,7 @@
 # batch of B decode requests (s_q 1 and 2) over a long context. Logs under
 # ${OUT:-/tmp/gpu_idxbe}; the table prints last.
 #   bash tools/dev/gpu_idxbe.sh            (a few minutes)
-#   SMOKE=1 bash tools/dev/gpu_idxbe.sh    the table's code on CPU, tiny shapes (no tests)
+#   bash tools/dev/gpu_idxbe.sh --smoke    the table's code on CPU, tiny shapes (no tests)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
@@ -14,7 +14,9 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_idxbe}
 mkdir -p "$out"
 rc_tests=0
-if [ -z "${SMOKE:-}" ]; then
+smoke=0
+[ "${1:-}" = "--smoke" ] && smoke=1
+if [ $smoke = 0 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$out/gpu.txt"
@@ -22,16 +24,16 @@ if [ -z "${SMOKE:-}" ]; then
     2>&1 | tee "$out/pytest.log" | tail -15
   rc_tests=${PIPESTATUS[0]}
 fi
-python3 - <<'PY' 2>"$out/bench.err" | tee "$out/bench.txt"
-import os
+python3 - $smoke <<'PY' 2>"$out/bench.err" | tee "$out/bench.txt"
 import dataclasses
+import sys
 import torch
 from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
 from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
 from sparse_mla.backends.flashmla import FlashMLABackend
 from sparse_mla.ops.indexer import indexer_topk_decode
 
-smoke = bool(os.environ.get("SMOKE"))
+smoke = sys.argv[1] == "1"
 dev = "cpu" if smoke else "cuda"
 B, CTX, HEADS, IDX_HEADS, TOPK = (2, 256, 2, 4, 16) if smoke else (64, 65536, 64, 64, 512)
 g = torch.Generator().manual_seed(0)
