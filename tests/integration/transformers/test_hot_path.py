@@ -1,0 +1,159 @@
+"""The attention function's per-call work: the op runs (validates, dispatches) on the first
+call of a kind only, later calls take the kept route with the same result, state kept across
+calls follows what it was made from, and no call reads a device value on the host."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+from sparse_mla.integration.transformers import attention, models, op_route
+from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
+from sparse_mla.ops.common import checks
+from sparse_mla.ops.common.dispatch import ENV_VAR, last_choice
+from sparse_mla.tests.helpers import CUDA
+from sparse_mla.tests.integration.transformers.recording import record
+
+DEVICES = ["cpu"] + ([pytest.param("cuda", id="cuda")] if CUDA else [])
+
+
+def _calls(device, heads=4, new_tokens=3):
+    model = models.random_model(models.tiny_config(num_attention_heads=heads), torch.bfloat16,
+                                device=device, seed=5)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, model.config.vocab_size, (1, 20), generator=g).to(device)
+    return record(model, lambda: models.greedy(model, ids, new_tokens=new_tokens))
+
+
+def _run(c):
+    with torch.no_grad():
+        return sparse_mla_attention_forward(c.module, c.query, c.key, c.value, c.mask,
+                                            **c.kwargs)[0]
+
+
+class _OpCalls:
+    """Counts the op wrapper's calls by the attention function."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = op_route.flash_mla_sparse_fwd
+
+        def counting(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+        monkeypatch.setattr(op_route, "flash_mla_sparse_fwd", counting)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_op_runs_once_per_kind_of_call(device, monkeypatch):
+    calls = _calls(device)
+    decode = [c for c in calls if c.query.shape[2] == 1]
+    prefill = [c for c in calls if c.query.shape[2] > 1]
+    op_route.forget()
+    ops = _OpCalls(monkeypatch)
+    first = _run(decode[0])
+    assert ops.n == 1
+    want_impl = last_choice("flashmla_sparse_prefill").impl
+    again = _run(decode[0])
+    assert ops.n == 1                                  # the kept route, not the op
+    assert last_choice("flashmla_sparse_prefill").impl == want_impl
+    assert torch.equal(first, again)
+    # every decode call of this model is one kind (the key count and width may differ)
+    for c in decode[1:]:
+        _run(c)
+    assert ops.n == 1
+    _run(prefill[0])                                   # a new kind: the op again
+    assert ops.n == 2
+    monkeypatch.setenv(ENV_VAR, "reference")           # the environment is part of the kind
+    forced = _run(decode[0])
+    assert ops.n == 3 and last_choice("flashmla_sparse_prefill").impl == "reference"
+    if device == "cpu":
+        assert torch.equal(forced, first)
+
+
+# 64 heads: FlashMLA's own head count, where a GPU with its wheel calls it directly
+HEADS = [(d, 4) for d in DEVICES] + ([pytest.param("cuda", 64, id="cuda-h64")] if CUDA else [])
+
+
+@pytest.mark.parametrize("device,heads", HEADS)
+def test_kept_route_matches_the_op_on_every_call(device, heads):
+    """Each recorded call (prefill and decode, every layer type) through a kept route gives
+    the op's answer bit for bit: same implementation, same lists (FlashMLA's at its width:
+    the padding is -1, which it skips, as the op's FlashMLA route pads them)."""
+    calls = _calls(device, heads)
+    for c in calls:
+        op_route.forget()
+        via_op = _run(c)
+        kept = _run(c)
+        assert torch.equal(via_op.isnan(), kept.isnan())
+        assert torch.equal(via_op.nan_to_num(), kept.nan_to_num())
+
+
+def test_sinks_kept_follow_in_place_updates():
+    c = next(c for c in _calls("cpu") if c.kwargs.get("s_aux") is not None)
+    sink = c.kwargs["s_aux"]
+    before = _run(c)
+    with torch.no_grad():
+        sink.add_(2.0)
+    after = _run(c)
+    fresh = _run(type(c)(c.module, c.query, c.key, c.value, c.mask,
+                         dict(c.kwargs, s_aux=sink.detach().clone())))
+    assert not torch.equal(before, after)
+    assert torch.equal(after, fresh)
+
+
+class _NoHostReads(TorchFunctionMode):
+    """Fails on every way torch code reads a tensor's value on the host (each a device sync
+    for a CUDA tensor)."""
+    READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero",
+             "numpy", "cpu"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            raise AssertionError(f"host read of a tensor value: {name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_calls_read_no_tensor_value_on_the_host(monkeypatch):
+    """CPU stand-in for the GPU's sync count: with value checks off (as on a GPU without
+    SPARSE_MLA_CHECK_VALUES), neither a first call of a kind nor a later one reads a tensor
+    value on the host. The op's CPU implementation is stubbed: it is not what runs on a GPU."""
+    calls = _calls("cpu")
+    monkeypatch.setattr(checks, "value_checks_enabled", lambda *t: False)
+
+    def stub(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+        out.zero_()
+    route = op_route.dispatch.dispatcher(op_route.OP)
+    monkeypatch.setitem(route._impls, "reference", (stub, None, None))
+    op_route.forget()
+    for c in calls + calls:
+        with _NoHostReads():
+            _run(c)
+    # and the check itself catches a read
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+        bool(calls[0].query.any())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_no_host_sync_in_any_call_on_cuda():
+    calls = _calls("cuda")
+    op_route.forget()
+    for c in calls:
+        _run(c)                        # first calls of each kind: the op, Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        op_route.forget()
+        for c in calls + calls:        # first calls of each kind (the op), then kept routes
+            _run(c)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_sinks_cache_drops_dead_tensors():
+    sink = torch.randn(4)
+    attention._sinks(sink, 4, sink.device)
+    key = id(sink)
+    assert key in attention._SINKS
+    del sink
+    assert key not in attention._SINKS
