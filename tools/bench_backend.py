@@ -238,6 +238,9 @@ def _vendor_available():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="b 64 only, no prefill")
+    ap.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 64 "
+                    "256; --quick: 64)")
+    ap.add_argument("--no-prefill", action="store_true", help="no prefill rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_backend needs a CUDA GPU")
@@ -245,7 +248,7 @@ def main(argv=None):
     vendor = _vendor_available()
     print(f"# {harness.device_name(dev)}; FlashMLA wheel: {'yes' if vendor else 'no'}")
     rows = []
-    batches = (64,) if args.quick else (1, 64, 256)
+    batches = args.batches or ((64,) if args.quick else (1, 64, 256))
     for kind in (LayerKind.C4A, LayerKind.C128A):
         for h in (64, 128):
             for b in batches:
@@ -253,7 +256,7 @@ def main(argv=None):
                     r = _case(kind, h, [(CTX, s_q)] * b, dev, vendor)
                     rows.append((f"{kind.name} h{h} b{b} s_q{s_q}", r))
                     _print_row(*rows[-1])
-    if not args.quick:
+    if not (args.quick or args.no_prefill):
         for kind in (LayerKind.C4A, LayerKind.C128A):
             r = _case(kind, 64, [(CTX, 8192)], dev, vendor)
             rows.append((f"{kind.name} h64 prefill 8192 after {CTX}", r))
