@@ -57,6 +57,7 @@ def main(argv=None):
     model = models.random_model(config, torch.bfloat16, device="cuda")
     ids = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
     stores = {"synced": collections.defaultdict(list), "host": collections.defaultdict(list)}
+    step_ms = {}
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
     eager_fn = mod.eager_attention_forward
     sparse_fn = AttentionInterface._global_mapping["sparse_mla"]
@@ -85,6 +86,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         gen = time.perf_counter() - t0
         per_step = (gen - pre) / max(1, args.decode - 1)
+        step_ms[impl] = per_step * 1e3
         print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
               f"{args.decode}: {gen * 1e3:.2f} ms ({per_step * 1e3:.2f} ms/decode step)",
               flush=True)
@@ -133,6 +135,12 @@ def main(argv=None):
     for key in sorted(synced):
         print(f"  {key[0]:<10} {key[1]:<30} q={key[2]:<6} {med(synced[key]):8.3f} "
               f"{med(host[key]) if host.get(key) else float('nan'):8.3f}  n={len(synced[key])}")
+    # one generate filled each store: its decode steps' attention calls, all layers
+    steps = max(1, args.decode - 1)
+    for impl, ms in step_ms.items():
+        attn = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1) * 1e3 / steps
+        print(f"decode step, {impl}: {ms:.2f} ms; its attention calls' host time {attn:.3f} ms "
+              f"({100 * attn / ms:.1f} %)")
     return 0
 
 
