@@ -77,7 +77,7 @@ grep -h "flash_mla importable" "$out/env.txt"
 echo "-- tests: $(tail -1 "$out/tests.log")"
 echo "-- attention function per call, decode after 4096 (median ms: synced, host), profile_hf:"
 grep -E "^  (eager|sparse_mla) .* q=1 " "$out/profile.log" || echo "   (none: see profile.log)"
-grep -E "host syncs" "$out/profile.log" | sed 's/: {.*//'
+grep -E "host syncs|^decode step," "$out/profile.log" | sed 's/: {.*//'
 echo "-- prefill (bench_hf):"
 grep -E "^(prompt|[0-9]+ )" "$out/prefill.log" || echo "   (none: see prefill.log)"
 for f in $(ls "$out"/decode_*.log "$out"/compiled.log 2>/dev/null); do
