@@ -10,12 +10,13 @@ lists; "layer" = the same with the step's shared plan (token → request, window
 already built, what each further layer of the kind pays (``forward(planned=True)``); "glue" =
 step or layer - attn (the target: <= 10 µs at b 256). "FlashMLA" runs the same step / layer
 with FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
-imports, timed the way vLLM runs it: its step (the first layer of a kind) plans FlashMLA's
-scheduler metadata, and its layer reuses the step's metadata (vLLM's FlashMLA backends build
-one ``get_mla_metadata()`` per step and hand it to every layer; FlashMLA plans it at the first
-call). "layer ratio" = that FlashMLA layer µs / ours: the fair one. "planner/call" is the
-second column: the FlashMLA layer with fresh metadata on every call, as the op's stateless
-vendor route gives it (its planner runs in every layer: what a vLLM user would not pay).
+imports, its layer timed the way vLLM runs it: vLLM's FlashMLA backends build one
+``get_mla_metadata()`` per step and hand it to every layer (FlashMLA plans it at the first
+call: the step column, the first layer of a kind, includes that planner), and hand FlashMLA
+their index lists as they are (``_as_vllm_runs_it``). "layer ratio" = that FlashMLA layer
+µs / ours: the fair one. "planner/call" is the second column: the FlashMLA layer as the op's
+stateless vendor route runs it, fresh metadata (its planner) and the lists' sanitising
+launches on every call: what a vLLM user would not pay.
 "max|diff|" = their outputs apart. Prefill row: one 8,192-token chunk after 8,192 tokens of
 context (FlashMLA's prefill has no scheduler metadata: one column).
 """
@@ -174,7 +175,7 @@ def _case(kind, h, lens, device, vendor):
         theirs = FlashMLABackend(cfg, device, attention_impl="vendor")
         res["vendor_step"] = harness.time_graph(step(theirs))
         theirs.plan(batch, T)
-        with _step_metadata():
+        with _as_vllm_runs_it():
             res["vendor_layer"] = harness.time_graph(layer(theirs))
         res["vendor_layer_planner"] = harness.time_graph(layer(theirs)) if Td else None
         theirs.forward(q, kv, caches, batch, cos_sin, sink, out, comp)
@@ -207,24 +208,48 @@ def _prefill_parts(be, caches, batch):
 
 
 @contextlib.contextmanager
-def _step_metadata():
-    """FlashMLA's ``get_mla_metadata()`` giving one object for the whole block, as vLLM's
-    metadata builder gives every layer of a step the one it built. FlashMLA plans it at its
-    first decode call (the capture's warm-up call: the graph then holds the layer's kernels
-    without the planner, as every layer after a step's first one runs)."""
+def _as_vllm_runs_it():
+    """The op's FlashMLA route as vLLM's FlashMLA backend calls FlashMLA, for the block:
+
+    * ``get_mla_metadata()`` gives one object, as vLLM's metadata builder gives every layer
+      of a step the one it built. FlashMLA plans it at its first decode call (the capture's
+      warm-up call: the graph then holds the layer's kernels without the planner, as every
+      layer after a step's first one runs);
+    * the index lists and lengths reach FlashMLA as the planner wrote them, as vLLM hands
+      its own over: the route's sanitising launches (ids outside the cache to -1, lengths
+      clamped to the width: what a stateless op owes arbitrary input) are skipped for an
+      argument once the warm-up call, outside the capture, has checked that they change
+      nothing for it."""
     import flash_mla
-    real = flash_mla.get_mla_metadata
-    made = []
+
+    from sparse_mla.ops.flashmla_decode import vendor
+    real_meta, real_ids, real_lens = (flash_mla.get_mla_metadata, vendor._usable_ids,
+                                      vendor._usable_lengths)
+    made, clean = [], set()
 
     def once(*args, **kwargs):
         if not made:
-            made.append(real(*args, **kwargs))
+            made.append(real_meta(*args, **kwargs))
         return made[0]
+
+    def as_given(real, t, *args):
+        key = (real.__name__, t.data_ptr(), tuple(t.shape), t.stride(), args)
+        if key in clean:
+            return t
+        fixed = real(t, *args)
+        if (not torch.cuda.is_current_stream_capturing() and t.is_contiguous()
+                and fixed.shape == t.shape and torch.equal(fixed, t)):
+            clean.add(key)
+        return fixed
     flash_mla.get_mla_metadata = once
+    vendor._usable_ids = lambda idx, *a: as_given(real_ids, idx, *a)
+    vendor._usable_lengths = lambda lens, *a: None if lens is None else as_given(real_lens,
+                                                                                 lens, *a)
     try:
         yield
     finally:
-        flash_mla.get_mla_metadata = real
+        flash_mla.get_mla_metadata = real_meta
+        vendor._usable_ids, vendor._usable_lengths = real_ids, real_lens
 
 
 def _vendor_available():
