@@ -9,7 +9,13 @@ columns become an index list and sparse attention runs over exactly those keys w
 (softmax denominator + exp(sink)), so the result is eager's up to rounding.
 
 Routes: bf16 models run ``sparse_mla::flashmla_sparse_prefill`` (reference on CPU, Triton or
-FlashMLA on a GPU, chosen by the op's dispatcher). That op is bf16 by contract, so fp32
+FlashMLA on a GPU, chosen by the op's dispatcher): the op itself on the first call of a kind
+(shapes but the key count, device, sink, ``SPARSE_MLA_IMPL``), its choice directly on the
+later ones (op_route.py: HF calls this function per layer per decode step, and the op's
+wrapper, validation and dispatch cost more host time than the step's kernels). Per call stay
+the checks of this function's own arguments, one launch for the index lists (into buffers
+kept per shape at decode sizes) and the attention kernel; no host sync. That op is bf16 by
+contract, so fp32
 models run ``attend_fp32`` instead: the same index lists, keys gathered and attended in fp32
 — serving them through the bf16 op would round q, k and the output to bf16 and lose the fp32
 model's precision relative to its own eager attention.
@@ -142,13 +148,14 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
         # strides but the last)
         q = query[0].transpose(0, 1) if b == 1 else query.transpose(1, 2).reshape(b * s, h, d)
         kv = keys.reshape(b * n, 1, d)
-        kind = op_route.call_kind(q, kv, width, sink)
+        # while torch.compile traces: no kind here (the graph's op finds it when it runs)
+        kind = None if op_route.tracing() else op_route.call_kind(q, kv, width, sink)
         route = op_route.route_for(kind)
         width = op_route.list_width(route, width)
     # bf16: one flat batch, each list offset into its own batch's keys
     indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width, flat=bf16,
                                                 reuse=not op_route.tracing())
-    checkable = checks.value_checks_enabled(attention_mask) and not op_route.tracing()
+    checkable = not op_route.tracing() and checks.value_checks_enabled(attention_mask)
     if checkable and bool(bad.any()):
         row = bad.nonzero()[0].tolist()
         raise ValueError(
@@ -159,8 +166,9 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     if not bf16:
         out = attend_fp32(query, keys, indices, sink, scale)
     else:
-        out = op_route.attend(kind, route, q, kv, indices.view(b * s, 1, width),
-                              lengths.view(b * s), sink, scale).view(b, s, h, d)
+        args = (q, kv, indices.view(b * s, 1, width), lengths.view(b * s), sink, scale)
+        out = (op_route.attend_traced(*args) if kind is None
+               else op_route.attend(kind, route, *args)).view(b, s, h, d)
     if not checkable:
         # rows the lists cannot reproduce become NaN: loud, and no host sync to find them
         out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))
