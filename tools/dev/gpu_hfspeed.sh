@@ -51,25 +51,25 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD, log $out/NAME.log, rc kept
   rc[$name]=$?
   echo "   rc=${rc[$name]} in $((SECONDS - t0)) s (log $out/$name.log)"
 }
-step tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/integration/transformers \
+step tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/integration/transformers \
   -k "cuda or not cpu"
 tail -3 "$out/tests.log"
-step profile 75 python3 -m sparse_mla.tools.dev.profile_hf --prompt 4096 --decode 8 --no-tables
+step profile 70 python3 -m sparse_mla.tools.dev.profile_hf --prompt 4096 --decode 8 --no-tables
 if [ $quick = 1 ]; then
   lengths="1024 4096"; tokens=16; decode_prompts="4096"; backend_args="--quick"
 else
   lengths="1024 4096 16384"; tokens=32; decode_prompts="4096 16384"
   backend_args="--batches 64 256 --no-prefill"
 fi
-step prefill 75 python3 -m sparse_mla.tools.bench_hf --lengths $lengths --decode-prompt 1024 \
+step prefill 70 python3 -m sparse_mla.tools.bench_hf --lengths $lengths --decode-prompt 1024 \
   --decode-tokens 2 --reps 3
 for n in $decode_prompts; do
-  step decode_$n $((n > 8192 ? 70 : 50)) python3 -m sparse_mla.tools.bench_hf --decode-only --decode-prompt "$n" \
+  step decode_$n $((n > 8192 ? 65 : 45)) python3 -m sparse_mla.tools.bench_hf --decode-only --decode-prompt "$n" \
     --decode-tokens $tokens --reps 3
 done
-step compiled 90 python3 -m sparse_mla.tools.bench_hf --decode-only --compile \
+step compiled 150 python3 -m sparse_mla.tools.bench_hf --decode-only --compile \
   --decode-prompt 4096 --decode-tokens $tokens --reps 2
-step backend 90 python3 -m sparse_mla.tools.bench_backend $backend_args
+step backend 80 python3 -m sparse_mla.tools.bench_backend $backend_args
 
 echo
 echo "================ summary ($(head -1 "$out/env.txt"))"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
-from sparse_mla.integration.transformers import models
+from sparse_mla.integration.transformers import models, op_route
 from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
 from sparse_mla.tests.helpers import CUDA
 from sparse_mla.tests.integration.transformers.recording import record
@@ -46,6 +46,7 @@ def test_generate_with_compiled_forward_gives_the_same_tokens(device):
     model.set_attn_implementation("sparse_mla")
     want = models.greedy(model, ids, new_tokens=3)
     torch._dynamo.reset()
+    op_route.forget()
     forward = model.forward
     model.forward = torch.compile(forward, backend="aot_eager", dynamic=True)
     try:
@@ -53,3 +54,5 @@ def test_generate_with_compiled_forward_gives_the_same_tokens(device):
     finally:
         model.forward = forward
     assert torch.equal(got, want)
+    # the graph's sparse_mla_hf::attend kept routes as it ran (the op once per kind)
+    assert op_route._ROUTES
