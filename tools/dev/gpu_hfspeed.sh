@@ -64,8 +64,8 @@ fi
 step prefill 70 python3 -m sparse_mla.tools.bench_hf --lengths $lengths --decode-prompt 1024 \
   --decode-tokens 2 --reps 3
 for n in $decode_prompts; do
-  step decode_$n $((n > 8192 ? 65 : 45)) python3 -m sparse_mla.tools.bench_hf --decode-only --decode-prompt "$n" \
-    --decode-tokens $tokens --reps 3
+  step decode_$n $((n > 8192 ? 65 : 45)) python3 -m sparse_mla.tools.bench_hf --decode-only \
+    --decode-prompt "$n" --decode-tokens $tokens --reps 3
 done
 step compiled 150 python3 -m sparse_mla.tools.bench_hf --decode-only --compile \
   --decode-prompt 4096 --decode-tokens $tokens --reps 2
