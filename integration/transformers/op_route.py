@@ -6,9 +6,9 @@ flashmla_sparse_prefill`` every time pays the custom-op wrapper, the op's valida
 dispatcher's choice on every call, and the FlashMLA route then pads the index lists and copies
 its three outputs into the op's buffers. So:
 
-* the first call of a kind (``CallKind``: device, stream-independent shapes and strides, the
-  sink's presence, ``SPARSE_MLA_IMPL``) runs the op itself: full validation and dispatch;
-  the implementation it chose is kept for that kind;
+* the first call of a kind (``CallKind``: device, shapes and strides, the sink's presence,
+  ``SPARSE_MLA_IMPL`` and ``SPARSE_MLA_SOFT_FP8``) runs the op itself: full validation and
+  dispatch; the implementation it chose is kept for that kind;
 * later calls of the kind run the kept choice directly: FlashMLA's own prefill on lists
   already built at its width (a multiple of 128, -1 past each row's length) with 64 or 128
   heads, its output used as it is (no padding, no copies); any other implementation through
@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from sparse_mla.ops.common import dispatch
+from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
 
 OP = "flashmla_sparse_prefill"
@@ -48,7 +49,7 @@ class CallKind:
     kv_last_stride: int
     has_sink: bool
     has_keys: bool
-    env: str
+    env: tuple          # the variables the dispatcher's choice reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,8 @@ _ROUTES: dict = {}
 
 def call_kind(q, kv, width, sink) -> CallKind:
     return CallKind(q.device, tuple(q.shape), tuple(q.stride()), kv.stride(-1),
-                    sink is not None, width > 0, os.environ.get(dispatch.ENV_VAR, ""))
+                    sink is not None, width > 0,
+                    (os.environ.get(dispatch.ENV_VAR, ""), os.environ.get(SOFT_FP8_ENV, "")))
 
 
 def tracing() -> bool:

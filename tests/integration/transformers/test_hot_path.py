@@ -10,6 +10,7 @@ from sparse_mla.integration.transformers import attention, models, op_route
 from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
 from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import ENV_VAR, last_choice
+from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV
 from sparse_mla.tests.helpers import CUDA
 from sparse_mla.tests.integration.transformers.recording import record
 
@@ -68,6 +69,9 @@ def test_the_op_runs_once_per_kind_of_call(device, monkeypatch):
     assert ops.n == 3 and last_choice("flashmla_sparse_prefill").impl == "reference"
     if device == "cpu":
         assert torch.equal(forced, first)
+    monkeypatch.setenv(SOFT_FP8_ENV, "1")               # read by the automatic choice too
+    _run(decode[0])
+    assert ops.n == 4
 
 
 # 64 heads: FlashMLA's own head count, where a GPU with its wheel calls it directly
