@@ -113,8 +113,8 @@ def attend(kind: Optional[CallKind], route: Optional[Route], q, kv, indices, len
     out = torch.empty(s_q, h, 512, dtype=torch.bfloat16, device=q.device)
     max_logits = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
     lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    route.dispatcher.run(route.choice, q, kv, indices, out, max_logits, lse, lengths,
-                                sink, scale)
+    route.dispatcher.run(route.choice, q, kv, indices, out, max_logits, lse, lengths, sink,
+                         scale)
     return out
 
 
