@@ -106,7 +106,10 @@ def attend(kind: Optional[CallKind], route: Optional[Route], q, kv, indices, len
                       and _flash_mla() is not None)
             _ROUTES[kind] = Route(choice, direct, dispatch.dispatcher(OP))
         return out
-    if route.direct_flash_mla and indices.shape[-1] % FLASH_MLA_WIDTH == 0:
+    if route.direct_flash_mla:
+        pad = -indices.shape[-1] % FLASH_MLA_WIDTH
+        if pad:      # lists a compiled graph built at the plain width (eager builds them wide)
+            indices = torch.nn.functional.pad(indices, (0, pad), value=-1)
         dispatch.record_choice(route.choice)
         return _flash_mla().flash_mla_sparse_fwd(q, kv, indices, scale, 512, sink, lengths,
                                                  use_legacy=True)[0]
@@ -122,8 +125,8 @@ def attend(kind: Optional[CallKind], route: Optional[Route], q, kv, indices, len
 def attend_traced(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                   lengths: torch.Tensor, sink: Optional[torch.Tensor],
                   scale: float) -> torch.Tensor:
-    """``attend`` for a torch.compile graph: the kind's route found when it runs (lists at
-    the width the graph built them: FlashMLA's own multiple or not, both routes take them)."""
+    """``attend`` for a torch.compile graph: the kind's route found when it runs (on lists at
+    the plain width: the graph cannot know the route when it builds them)."""
     kind = call_kind(q, kv, indices.shape[-1], sink)
     return attend(kind, route_for(kind), q, kv, indices, lengths, sink, scale)
 

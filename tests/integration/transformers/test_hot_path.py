@@ -183,3 +183,49 @@ def test_reused_list_buffers_give_fresh_lists_each_call():
             assert torch.equal(a, b)
         got.append(lists)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(*got))
+
+
+class _FakeFlashMLA:
+    """FlashMLA's prefill signature, computed by the op's reference; records what it got."""
+
+    def __init__(self):
+        self.widths = []
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, scale, d_v, sink, lengths, use_legacy):
+        assert d_v == 512 and use_legacy
+        assert indices.is_contiguous() and lengths.is_contiguous()
+        assert (lengths <= indices.shape[-1]).all()
+        cols = torch.arange(indices.shape[-1])
+        assert (indices[:, 0][cols >= lengths[:, None]] == -1).all()   # -1 past each length
+        self.widths.append(indices.shape[-1])
+        return op_route.flash_mla_sparse_fwd(q, kv, indices, scale, attn_sink=sink,
+                                             topk_length=lengths, impl="reference")
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "graph-built lists"])
+def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, traced):
+    """The FlashMLA route as a kind keeps it on a GPU (faked here by the reference): lists
+    built 128 wide (or padded to it, for lists a compiled graph built), -1 past each row's
+    length, and the op's answer."""
+    fake = _FakeFlashMLA()
+    monkeypatch.setattr(op_route, "_flash_mla", lambda: fake)
+    for c in _calls("cpu"):
+        op_route.forget()
+        want = _run(c)                                 # the op: the kind's first call
+        kind, route = next(iter(op_route._ROUTES.items()))
+        op_route._ROUTES[kind] = op_route.Route(route.choice, True, route.dispatcher)
+        calls_before = len(fake.widths)
+        if traced:
+            b, h, s, d = c.query.shape
+            q = c.query[0].transpose(0, 1)
+            kv = c.key[:, 0].reshape(-1, 1, d)
+            idx, lens, _ = attention.visible_index_lists(
+                c.mask[:, 0], attention.list_width(c.module, c.key.shape[2], s), flat=True)
+            got = op_route.attend_traced(q, kv, idx.view(s, 1, -1), lens.view(s),
+                                         attention._sinks(c.kwargs.get("s_aux"), h, q.device),
+                                         c.kwargs["scaling"]).view(b, s, h, d)
+        else:
+            got = _run(c)
+        assert len(fake.widths) == calls_before + 1     # the kept route ran FlashMLA
+        assert fake.widths[-1] % op_route.FLASH_MLA_WIDTH == 0
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
