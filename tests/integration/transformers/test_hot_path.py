@@ -202,8 +202,16 @@ class _FakeFlashMLA:
                                              topk_length=lengths, impl="reference")
 
 
+@pytest.fixture
+def routes_dropped_after():
+    """For a test that keeps routes no real call would choose: later tests must not get them."""
+    yield
+    op_route.forget()
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "graph-built lists"])
-def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, traced):
+def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, routes_dropped_after,
+                                                        traced):
     """The FlashMLA route as a kind keeps it on a GPU (faked here by the reference): lists
     built 128 wide (or padded to it, for lists a compiled graph built), -1 past each row's
     length, and the op's answer."""
