@@ -15,6 +15,12 @@ the issue's baseline; taking turns in the same way), and the tokens/s of the dec
 alone (generate time minus the prefill time measured above). Also printed: whether both
 generated the same tokens.
 ``--tiny``: the tests' tiny model and short lengths (a CPU smoke run).
+``--compile [BACKEND]``: the same tables with ``model.forward`` under ``torch.compile``
+(``BACKEND``, default inductor; dynamic shapes) for both implementations: HF's DeepSeek-V4
+cannot use a static cache (``_can_compile_fullgraph = False``), so generate does not compile
+by itself, and the compiled forward keeps HF's graph breaks; the compile happens in the
+warm-ups. ``--decode-only``: skip the prefill table (the decode rate still needs the decode
+prompt's prefill time).
 """
 import argparse
 import statistics
@@ -107,6 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--tiny", action="store_true", help="tiny model, short lengths (CPU smoke)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="model.forward under torch.compile(backend=BACKEND, dynamic=True) for "
+                        "both implementations")
+    p.add_argument("--decode-only", action="store_true", help="no prefill table")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
@@ -117,12 +127,20 @@ def main(argv=None) -> int:
     else:
         config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device=device)
+    if args.decode_only:
+        args.lengths = []
+    if args.compile:
+        # one graph per implementation and per prefill / decode shape class: room for both
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        model.forward = torch.compile(model.forward, backend=args.compile, dynamic=True)
     print(f"device: {harness.device_name(device)}   torch {torch.__version__}   transformers "
           f"{sparse_mla.integration.transformers.registration.installed_version()}", flush=True)
     print(f"model: {config.num_hidden_layers} layers {config.layer_types}, "
           f"{config.num_attention_heads} heads x {config.head_dim}, window "
           f"{config.sliding_window}, ratios {config.compress_rates}, top-k {config.index_topk}, "
-          f"hidden {config.hidden_size}, bf16", flush=True)
+          f"hidden {config.hidden_size}, bf16"
+          + (f"; model.forward under torch.compile({args.compile}, dynamic)" if args.compile
+             else ""), flush=True)
     g = torch.Generator().manual_seed(0)
     rows, prefill_s = [], {}
     for n in sorted(set(args.lengths) | {args.decode_prompt}):
@@ -139,7 +157,8 @@ def main(argv=None) -> int:
         rows.append((n, fmt(e), mem(e), fmt(s), mem(s), speed))
         print(f"  prefill {n} done", file=sys.stderr, flush=True)
     head = ("prompt", "eager", "eager peak", "sparse_mla", "sparse_mla peak", "speed-up")
-    _table(head, rows)
+    if rows:
+        _table(head, rows)
 
     ids = torch.randint(3, config.vocab_size, (1, args.decode_prompt), generator=g).to(device)
     out, rows, runs = {}, [], {}
@@ -159,8 +178,9 @@ def main(argv=None) -> int:
         rate = f"{steps / (t - pre):,.1f}" if pre and t > pre else "-"
         rows.append((impl, f"{t * 1e3:,.1f} ms", f"{args.decode_tokens / t:,.1f}", rate))
     print()
-    _table((f"generate {args.decode_tokens} after {args.decode_prompt}", "total",
-            "tokens/s (with prefill)", "decode tokens/s"), rows)
+    _table((f"generate {args.decode_tokens} after {args.decode_prompt}"
+            + (" (compiled)" if args.compile else ""), "total", "tokens/s (with prefill)",
+            "decode tokens/s"), rows)
     if len(out) == 2:
         same = torch.equal(out["eager"], out["sparse_mla"])
         print(f"same greedy tokens: {same}")

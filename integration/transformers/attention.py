@@ -9,18 +9,26 @@ columns become an index list and sparse attention runs over exactly those keys w
 (softmax denominator + exp(sink)), so the result is eager's up to rounding.
 
 Routes: bf16 models run ``sparse_mla::flashmla_sparse_prefill`` (reference on CPU, Triton or
-FlashMLA on a GPU, chosen by the op's dispatcher). That op is bf16 by contract, so fp32
+FlashMLA on a GPU, chosen by the op's dispatcher): the op itself on the first call of a kind
+(shapes but the key count, device, sink, ``SPARSE_MLA_IMPL``), its choice directly on the
+later ones (op_route.py: HF calls this function per layer per decode step, and the op's
+wrapper, validation and dispatch cost more host time than the step's kernels). Per call stay
+the checks of this function's own arguments, one launch for the index lists (into buffers
+kept per shape at decode sizes) and the attention kernel; no host sync. That op is bf16 by
+contract, so fp32
 models run ``attend_fp32`` instead: the same index lists, keys gathered and attended in fp32
 — serving them through the bf16 op would round q, k and the output to bf16 and lose the fp32
 model's precision relative to its own eager attention.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from sparse_mla.integration.transformers import op_route
 from sparse_mla.integration.transformers.index_lists import visible_index_lists
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
 
 HEAD_DIM = 512
 MAX_HEADS = 128
@@ -76,13 +84,28 @@ def _check_inputs(module, query, key, value, attention_mask, dropout):
         raise ValueError(f"query has {h} heads; sparse_mla attention takes 1..{MAX_HEADS}")
 
 
+# id(s_aux) -> (a weak reference to it, its version, device, the fp32 sinks): a bf16
+# model's sinks would otherwise be converted (a launch) by every call; an in-place update
+# bumps the version and is seen. (Keyed by id: tensors compare elementwise.)
+_SINKS: dict = {}
+
+
 def _sinks(s_aux, heads, device):
     if s_aux is None:
         return None
-    sink = s_aux.detach().float().reshape(-1)
-    if sink.shape[0] != heads:
+    if s_aux.numel() != heads:
         raise ValueError(f"s_aux must have one sink per head ({heads}), got {list(s_aux.shape)}")
-    return sink.to(device)
+    if op_route.tracing():
+        return s_aux.detach().float().reshape(-1).to(device)
+    key = id(s_aux)
+    kept = _SINKS.get(key)
+    if (kept is not None and kept[0]() is s_aux and kept[1] == s_aux._version
+            and kept[2] == device):
+        return kept[3]
+    sink = s_aux.detach().float().reshape(-1).to(device).contiguous()
+    ref = weakref.ref(s_aux, lambda _, key=key: _SINKS.pop(key, None))
+    _SINKS[key] = (ref, s_aux._version, device, sink)
+    return sink
 
 
 def attend_fp32(query, key, indices, sink, scale):
@@ -118,9 +141,21 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     scale = float(HEAD_DIM ** -0.5 if scaling is None else scaling)
     width = list_width(module, n, s)
     bf16 = query.dtype != torch.float32
+    sink = _sinks(s_aux, h, query.device)
+    keys = key[:, 0]                                                   # [B, N, D]
+    if bf16:
+        # query rows b*S.., keys b*N..; one batch needs no copy of q (the op takes any
+        # strides but the last)
+        q = query[0].transpose(0, 1) if b == 1 else query.transpose(1, 2).reshape(b * s, h, d)
+        kv = keys.reshape(b * n, 1, d)
+        # while torch.compile traces: no kind here (the graph's op finds it when it runs)
+        kind = None if op_route.tracing() else op_route.call_kind(q, kv, width, sink)
+        route = op_route.route_for(kind)
+        width = op_route.list_width(route, width)
     # bf16: one flat batch, each list offset into its own batch's keys
-    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width, flat=bf16)
-    checkable = checks.value_checks_enabled(attention_mask)
+    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width, flat=bf16,
+                                                reuse=not op_route.tracing())
+    checkable = not op_route.tracing() and checks.value_checks_enabled(attention_mask)
     if checkable and bool(bad.any()):
         row = bad.nonzero()[0].tolist()
         raise ValueError(
@@ -128,18 +163,12 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
             f"{getattr(module, 'layer_idx', '?')} has more than {width} visible keys or a "
             "finite nonzero bias; sparse_mla attention takes masks of 0 / -inf entries with "
             "DeepSeek-V4's sliding-window + compressed structure only")
-    sink = _sinks(s_aux, h, query.device)
-    keys = key[:, 0]                                                   # [B, N, D]
     if not bf16:
         out = attend_fp32(query, keys, indices, sink, scale)
     else:
-        # query rows b*S.., keys b*N..; one batch needs no copy of q (the op takes any
-        # strides but the last)
-        q = query[0].transpose(0, 1) if b == 1 else query.transpose(1, 2).reshape(b * s, h, d)
-        out, _, _ = flash_mla_sparse_fwd(q, keys.reshape(b * n, 1, d),
-                                         indices.view(b * s, 1, width), scale, attn_sink=sink,
-                                         topk_length=lengths.view(b * s))
-        out = out.view(b, s, h, d)
+        args = (q, kv, indices.view(b * s, 1, width), lengths.view(b * s), sink, scale)
+        out = (op_route.attend_traced(*args) if kind is None
+               else op_route.attend(kind, route, *args)).view(b, s, h, d)
     if not checkable:
         # rows the lists cannot reproduce become NaN: loud, and no host sync to find them
         out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))

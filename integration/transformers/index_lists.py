@@ -28,7 +28,8 @@ def is_masked(mask: torch.Tensor) -> torch.Tensor:
     return mask <= torch.finfo(mask.dtype).min / 2
 
 
-def visible_index_lists(mask: torch.Tensor, width: int, flat: bool = False):
+def visible_index_lists(mask: torch.Tensor, width: int, flat: bool = False,
+                        reuse: bool = False):
     """``(indices, lengths, bad)`` for an additive mask ``[B, S_q, N]``.
 
     indices: ``[B, S_q, width]`` int32, row r's visible columns in increasing order, then -1;
@@ -40,6 +41,9 @@ def visible_index_lists(mask: torch.Tensor, width: int, flat: bool = False):
 
     On a GPU one Triton launch builds all three (the torch form below is a dozen launches
     per call, which HF's per-layer decode steps pay in host time); elsewhere torch ops.
+    ``reuse``: on a GPU, small lists (decode steps) are written into buffers kept per
+    device, stream and shape, overwritten by the next such call: for a caller that is done
+    with them (in stream order) before it calls again, as the attention function is.
     """
     if mask.dim() != 3:
         raise ValueError(f"mask must have shape [batch, queries, keys], got {list(mask.shape)}")
@@ -48,7 +52,7 @@ def visible_index_lists(mask: torch.Tensor, width: int, flat: bool = False):
     if width < 0:
         raise ValueError(f"width must be >= 0, got {width}")
     if mask.is_cuda:
-        return _lists_triton(mask, width, flat)
+        return _lists_triton(mask, width, flat, reuse)
     indices, lengths, bad = _lists_torch(mask, width)
     if flat:
         offset = torch.arange(mask.shape[0], dtype=torch.int32).view(-1, 1, 1) * mask.shape[2]
@@ -104,11 +108,30 @@ def _lists_kernel(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride
     tl.store(bad_ptr + row, ((count > W) | (biased > 0)).to(tl.int8))
 
 
-def _lists_triton(mask, width, flat):
+# Largest list (elements) kept for reuse, and how many shapes are kept: decode steps' lists
+# are a few thousand entries; a long prefill's would pin tens of MiB.
+_REUSE_ELEMENTS = 1 << 20
+_REUSE_SHAPES = 16
+_BUFFERS: dict = {}
+
+
+def _buffers(device, b, s, width, reuse):
+    if reuse and b * s * width <= _REUSE_ELEMENTS:
+        key = (device, torch.cuda.current_stream(device).cuda_stream, b, s, width)
+        bufs = _BUFFERS.get(key)
+        if bufs is None:
+            if len(_BUFFERS) >= _REUSE_SHAPES:
+                _BUFFERS.pop(next(iter(_BUFFERS)))
+            bufs = _BUFFERS[key] = _buffers(device, b, s, width, False)
+        return bufs
+    return (torch.empty((b, s, width), dtype=torch.int32, device=device),
+            torch.empty((b, s), dtype=torch.int32, device=device),
+            torch.empty((b, s), dtype=torch.int8, device=device))
+
+
+def _lists_triton(mask, width, flat, reuse=False):
     b, s, n = mask.shape
-    indices = torch.empty((b, s, width), dtype=torch.int32, device=mask.device)
-    lengths = torch.empty((b, s), dtype=torch.int32, device=mask.device)
-    bad = torch.empty((b, s), dtype=torch.int8, device=mask.device)
+    indices, lengths, bad = _buffers(mask.device, b, s, width, reuse)
     if b * s:
         # is_masked's threshold, as a float the kernel compares the fp32-widened mask with
         hidden_at_most = float(torch.finfo(mask.dtype).min) / 2

@@ -65,7 +65,9 @@ def select(indexer, q, keys, hidden_states, position_ids):
 def _hooked(original):
     @functools.wraps(original)
     def forward(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx):
-        if not _active(self):
+        # while torch.compile traces, HF's own indexer runs: the hook swaps the scorer's
+        # forward and escapes by an exception, neither of which dynamo can trace
+        if not _active(self) or torch.compiler.is_compiling():
             return original(self, hidden_states, q_residual, position_ids, past_key_values,
                             layer_idx)
         scorer_forward = self.scorer.forward

@@ -189,10 +189,13 @@ class Dispatcher:
         raise ImplementationUnavailable(f"{self.op}: no implementation can run: {rejected}")
 
     def __call__(self, *args, impl: Optional[str] = None, **kwargs):
-        choice = self.choose(impl, *args, **kwargs)
-        if not hasattr(_LAST, "choices"):
-            _LAST.choices = {}
-        _LAST.choices[self.op] = choice
+        return self.run(self.choose(impl, *args, **kwargs), *args, **kwargs)
+
+    def run(self, choice: Choice, *args, **kwargs):
+        """Run the implementation ``choice`` names (from :meth:`choose` on arguments of the
+        same kind: a caller that chose once per shape skips choosing on every call) and
+        record it for ``last_choice``."""
+        record_choice(choice)
         fn = self._impls[choice.impl][0]
         _LAST.plan = None
         dev = cuda_device_of(args, kwargs)
@@ -247,6 +250,14 @@ def last_choice(op: str) -> Optional[Choice]:
     for the attention ops' Triton implementation also the kernel route and launch plan
     (``Choice.route`` / ``Choice.plan``)."""
     return getattr(_LAST, "choices", {}).get(_op_name(op))
+
+
+def record_choice(choice: Choice) -> None:
+    """Record ``choice`` as its op's ``last_choice`` on this thread: for a caller that ran
+    the chosen implementation's kernel itself (the HF integration's FlashMLA route)."""
+    if not hasattr(_LAST, "choices"):
+        _LAST.choices = {}
+    _LAST.choices[choice.op] = choice
 
 
 def record_plan(plan) -> None:

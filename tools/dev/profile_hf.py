@@ -3,10 +3,13 @@
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.dev.profile_hf
       [--prompt 1024] [--decode 8] [--rows 25]
 
-For each implementation: the attention function alone (host-timed with a sync around each
-call, per layer, prefill and one decode step), then a torch profile of one prefill forward
-and of ``--decode`` decode steps, top ops by self CPU time and by device time. The model is
-``models.bench_config()``, the benchmark's (tools/bench_hf.py).
+For each implementation: the attention function alone per call, per layer type and query
+count (prefill and decode steps): "synced" with a device sync on each side (host time plus
+its kernels' GPU time: the issue's measure), and "host" without syncs (the Python and launch
+time the call adds to HF's host-bound step); the host syncs of one generate; then (unless
+``--no-tables``) a torch profile of one prefill forward and of ``--decode`` decode steps, top
+ops by self CPU time and by device time. The model is ``models.bench_config()``, the
+benchmark's (tools/bench_hf.py).
 """
 import argparse
 import collections
@@ -24,14 +27,16 @@ import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla
 from sparse_mla.integration.transformers import models
 
 
-def _synced(fn, key, store):
-    """``fn`` recording its host time with a device sync on each side, per layer type and
-    query count."""
+def _timed(fn, key, store, synced):
+    """``fn`` recording its time per layer type and query count: with a device sync on each
+    side (``synced``), or the host time of the call alone."""
     def timed(module, *a, **k):
-        torch.cuda.synchronize()
+        if synced:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = fn(module, *a, **k)
-        torch.cuda.synchronize()
+        if synced:
+            torch.cuda.synchronize()
         store[(key, module.layer_type, a[0].shape[2])].append(time.perf_counter() - t0)
         return out
     return timed
@@ -42,6 +47,8 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--no-tables", action="store_true",
+                   help="skip the torch profiler tables (per-call times and syncs only)")
     p.add_argument("--cprofile", action="store_true",
                    help="also a Python profile of sparse_mla's decode steps "
                         "(host time by function)")
@@ -49,7 +56,8 @@ def main(argv=None):
     config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device="cuda")
     ids = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
-    store = collections.defaultdict(list)
+    stores = {"synced": collections.defaultdict(list), "host": collections.defaultdict(list)}
+    step_ms = {}
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
     eager_fn = mod.eager_attention_forward
     sparse_fn = AttentionInterface._global_mapping["sparse_mla"]
@@ -58,12 +66,15 @@ def main(argv=None):
         model.set_attn_implementation(impl)
         for _ in range(2):                                # warm-up: compiles
             models.greedy(model, ids, new_tokens=args.decode)
-        # synced per-call attention timings
-        mod.eager_attention_forward = _synced(eager_fn, "eager", store)
-        AttentionInterface._global_mapping["sparse_mla"] = _synced(sparse_fn, "sparse_mla", store)
-        models.greedy(model, ids, new_tokens=args.decode)
-        mod.eager_attention_forward = eager_fn
-        AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
+        # per-call attention timings, synced and host only
+        for how, store in stores.items():
+            synced = how == "synced"
+            mod.eager_attention_forward = _timed(eager_fn, "eager", store, synced)
+            AttentionInterface._global_mapping["sparse_mla"] = _timed(sparse_fn, "sparse_mla",
+                                                                      store, synced)
+            models.greedy(model, ids, new_tokens=args.decode)
+            mod.eager_attention_forward = eager_fn
+            AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -75,6 +86,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         gen = time.perf_counter() - t0
         per_step = (gen - pre) / max(1, args.decode - 1)
+        step_ms[impl] = per_step * 1e3
         print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
               f"{args.decode}: {gen * 1e3:.2f} ms ({per_step * 1e3:.2f} ms/decode step)",
               flush=True)
@@ -88,6 +100,8 @@ def main(argv=None):
                                     if "synchroniz" in str(w.message))
         print(f"-- {impl} generate {args.decode}: {sum(syncs.values())} host syncs: "
               f"{dict(syncs.most_common(8))}")
+        if args.no_tables:
+            continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with torch.no_grad():
                 model(ids)
@@ -114,10 +128,19 @@ def main(argv=None):
         print("-- the same, by cumulative time, sparse_mla's functions")
         stats.sort_stats("cumulative").print_stats("sparse_mla|attention|index_lists|dispatch|"
                                                     "checks|opdef|triton", args.rows * 2)
-    print("\nattention function, synced per call (median ms): impl, layer type, queries, calls")
-    for key in sorted(store):
-        v = sorted(store[key])
-        print(f"  {key[0]:<10} {key[1]:<30} q={key[2]:<6} {v[len(v) // 2] * 1e3:8.3f}  n={len(v)}")
+    print("\nattention function per call (median ms): impl, layer type, queries, synced, "
+          "host, calls")
+    med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
+    synced, host = stores["synced"], stores["host"]
+    for key in sorted(synced):
+        print(f"  {key[0]:<10} {key[1]:<30} q={key[2]:<6} {med(synced[key]):8.3f} "
+              f"{med(host[key]) if host.get(key) else float('nan'):8.3f}  n={len(synced[key])}")
+    # one generate filled each store: its decode steps' attention calls, all layers
+    steps = max(1, args.decode - 1)
+    for impl, ms in step_ms.items():
+        attn = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1) * 1e3 / steps
+        print(f"decode step, {impl}: {ms:.2f} ms; its attention calls' host time {attn:.3f} ms "
+              f"({100 * attn / ms:.1f} %)")
     return 0
 
 

@@ -1,0 +1,58 @@
+"""sparse_mla attention under torch.compile: the attention function traces as one graph (the op
+through its fake implementation, no host reads), and ``model.generate`` with a compiled
+``model.forward`` (HF's DeepSeek-V4 cannot compile generate itself: no static cache) gives the
+tokens of the uncompiled model. aot_eager on CPU (no C++ toolchain needed); the GPU run
+compiles with inductor (tools/bench_hf.py --compile)."""
+import pytest
+import torch
+
+import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+from sparse_mla.integration.transformers import models, op_route
+from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
+from sparse_mla.tests.helpers import CUDA
+from sparse_mla.tests.integration.transformers.recording import record
+
+DEVICES = ["cpu"] + ([pytest.param("cuda", id="cuda")] if CUDA else [])
+
+
+def _model(device):
+    return models.random_model(models.greedy_config(), torch.bfloat16, device=device, seed=7)
+
+
+def _ids(model, device, length=16):
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(3, model.config.vocab_size, (1, length), generator=g).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_function_compiles_as_one_graph(device):
+    model = _model(device)
+    ids = _ids(model, device)
+    calls = record(model, lambda: models.greedy(model, ids, new_tokens=2))
+    torch._dynamo.reset()
+    compiled = torch.compile(sparse_mla_attention_forward, fullgraph=True, backend="aot_eager")
+    for c in calls[:len(calls) // 2 + 1]:     # the prefill's layers and a decode step's
+        with torch.no_grad():
+            want = sparse_mla_attention_forward(c.module, c.query, c.key, c.value, c.mask,
+                                                **c.kwargs)[0]
+            got = compiled(c.module, c.query, c.key, c.value, c.mask, **c.kwargs)[0]
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_with_compiled_forward_gives_the_same_tokens(device):
+    model = _model(device)
+    ids = _ids(model, device)
+    model.set_attn_implementation("sparse_mla")
+    want = models.greedy(model, ids, new_tokens=3)
+    torch._dynamo.reset()
+    op_route.forget()
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="aot_eager", dynamic=True)
+    try:
+        got = models.greedy(model, ids, new_tokens=3)
+    finally:
+        model.forward = forward
+    assert torch.equal(got, want)
+    # the graph's sparse_mla_hf::attend kept routes as it ran (the op once per kind)
+    assert op_route._ROUTES
