@@ -145,11 +145,26 @@ def _family_variants(arch):
                  qo_ptr="*u8" if mode == ik.MODE_PLAIN_FP8 else "*bf16",
                  kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
             {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
-    for v4 in (True, False):
-        out[f"gather_dequant_{'v4' if v4 else 'v32'}"] = (
+    for fmt in ("v4", "v32", "v41", "v41_fp4"):
+        out[f"gather_dequant_{fmt}"] = (
             INSERT, "gather_dequant_kernel",
-            dict(V4=v4, HAS_GLEN=True, TB=insert.CONFIG["gather_tokens"], SOFT=soft),
+            dict(MODE=insert.MODES.get(fmt, -1), HAS_GLEN=True,
+                 TB=insert.CONFIG["gather_tokens"], SOFT=soft),
             {"out_ptr": "*bf16", "cache_ptr": "*u8"}, set(), dict(num_warps=4, **fuse))
+    out["fused_insert_v41"] = (
+        INSERT, "fused_insert_kernel",
+        dict(HB=insert.CONFIG["heads_per_program"], MODE=ik.MODE_V41, APPLY_NORM=False,
+             SOFT=soft),
+        dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8", pos_ptr="*i64",
+             cs_ptr="*fp32", qo_ptr="*bf16", kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
+        {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
+    for fmt, mode in insert.MODES.items():
+        out[f"compressed_insert_{fmt}"] = (
+            INSERT, "compressed_insert_kernel", dict(MODE=mode, TPP=tpp, SOFT=soft),
+            dict(slots, k_ptr="*bf16", cache_ptr="*bf16" if fmt == "plain_bf16" else "*u8",
+                 pos_ptr="*i64", cs_ptr="*fp32",
+                 kv_scale_ptr="*fp32" if fmt == "plain_fp8" else "*i64"),
+            set(), dict(num_warps=iw, **fuse))
     block = index._block(2048)
     for name, cx in (("global_topk_kernel", dict(BLOCK=block)),
                      ("convert_kernel", dict(HAS_PREFILL=True, COUNT=True, BLOCK=block)),
