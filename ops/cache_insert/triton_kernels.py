@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_decode, e4m3_sat, exp2_int,
-                                                to_bf16, ue8m0_scale)
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e2m1_value, e4m3_decode, e4m3_sat,
+                                                exp2_int, to_bf16, ue8m0_scale)
 
 MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
@@ -112,16 +112,6 @@ def _e2m1_code(v):
            + (a > 5.0).to(tl.int32))
     sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
     return mag | sign
-
-
-@triton.jit
-def e2m1_value(code):
-    """fp32 values of e2m1 codes (int32, low 4 bits; bit 3 the sign): magnitude codes 0-3 are
-    code / 2, codes 4-7 are 2, 3, 4, 6."""
-    m = code & 7
-    big = (4 + 2 * (m & 1)).to(tl.float32) * tl.where(m >= 6, 1.0, 0.5)
-    v = tl.where(m < 4, m.to(tl.float32) * 0.5, big)
-    return tl.where((code & 8) != 0, -v, v)
 
 
 @triton.jit

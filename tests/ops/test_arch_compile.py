@@ -77,7 +77,7 @@ def _attention_variants(arch):
            "part_o": "*bf16", "part_ml": "*fp32", "scale_ptr": "*fp32"}
     out = {}
 
-    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False):
+    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False, fmt1=None):
         g = cfg
         code = launch.FMT_CODES[fmt]
         if fmt == "plain_bf16" and g["tiled_bf16"]:
@@ -86,7 +86,8 @@ def _attention_variants(arch):
         cx = dict(FMT=code, HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=q_fp8, HB=hb,
                   BN=g["block_n"], D576=d576, TRACK_MAX=True, PREFETCH=g["prefetch"],
                   DV=g["dv"], N_UNITS=2 * g["dv"], SCALE64=fmt == "v4", SCALE_T=False,
-                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"])
+                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"],
+                  FMT1=-1 if fmt1 is None else launch.FMT_CODES[fmt1])
         stages = g["num_stages_v32"] if fmt == "v32" else g["num_stages"]
         out[name] = (PORTABLE, "_split_kernel", cx,
                      dict(ptr, q_ptr=q, c0_ptr=cache, c1_ptr=cache), {"scale2"},
@@ -100,6 +101,12 @@ def _attention_variants(arch):
     # e4m3 q over plain e4m3 rows: converted to fp16 by the launcher, fp16 dots
     split("split_plain_fp8_f16", "plain_fp8", gen, p["hb"], q="*fp16",
           f16=launch.FP16_FOR_E4M3)
+    # V4.1 records (docs/semantics.md §12): 528 B rows, and 528 B main + 288 B extra rows
+    split("split_v41", "v41", gen, p["hb"])
+    split("split_v41_v41fp4", "v41", plan.record_config(gen, ("v41", "v41_fp4"), p["shared"]),
+          p["hb"], fmt1="v41_fp4")
+    split("tiny_v41_v41fp4", "v41", plan.record_config(tiny, ("v41", "v41_fp4"), p["shared"]),
+          p["hb_tiny"], fmt1="v41_fp4")
     # tiny launches decode an e4m3 q in the kernel
     split("tiny_v4_fp8_q", "v4", tiny, p["hb_tiny"], q="*u8", q_fp8=True)
     for part, warps in (("*i16", 2), ("*fp32", 4)):
