@@ -123,8 +123,8 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            attn_sink: Optional[Tensor] = None,
                            softmax_scale: Optional[float] = None, kv_format: str = "v4",
                            block_size: Optional[int] = None,
-                           extra_block_size: Optional[int] = None, impl: str = "auto",
-                           extra_kv_format: Optional[str] = None) -> None:
+                           extra_block_size: Optional[int] = None,
+                           extra_kv_format: Optional[str] = None, impl: str = "auto") -> None:
     """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
     ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
     among "v4", "v41", "v41_fp4": docs/semantics.md §12)."""
@@ -140,7 +140,7 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
 @flashmla_sparse_decode.register_fake
 def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
       extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
-      block_size=None, extra_block_size=None, impl="auto", extra_kv_format=None):
+      block_size=None, extra_block_size=None, extra_kv_format=None, impl="auto"):
     _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
                      extra_kv_format)
@@ -149,8 +149,8 @@ def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra
 def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=None,
                            extra_k_cache=None, extra_indices_in_kvcache=None,
                            extra_topk_length=None, softmax_scale=None, kv_format="v4",
-                           block_size=None, extra_block_size=None, out=None, lse=None,
-                           impl="auto", extra_kv_format=None):
+                           block_size=None, extra_block_size=None, extra_kv_format=None,
+                           out=None, lse=None, impl="auto"):
     """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
     Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs).
 
@@ -165,7 +165,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
         lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
-                           kv_format, block_size, extra_block_size, impl, extra_kv_format)
+                           kv_format, block_size, extra_block_size, extra_kv_format, impl)
     return out, lse
 
 
