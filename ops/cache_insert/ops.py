@@ -176,6 +176,17 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps=1e-6, b
                        block_size)
 
 
+def _q_out_buffer(q, q_head_padded, out):
+    """``out``, or a new bf16 ``[N, q_head_padded (default H), 512]`` q_out buffer."""
+    if out is None:
+        hp = q.shape[1] if q_head_padded is None else q_head_padded
+        return torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
+                           device=q.device)
+    if q_head_padded is not None and out.shape[1] != q_head_padded:
+        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    return out
+
+
 def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, *,
                             q_head_padded=None, eps=1e-6, block_size=None, apply_q_norm=True,
                             out=None, impl="auto"):
@@ -184,12 +195,7 @@ def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cac
 
     Pass ``out`` (a persistent buffer) to avoid the allocation, e.g. under CUDA graphs.
     """
-    if out is None:
-        hp = q.shape[1] if q_head_padded is None else q_head_padded
-        out = torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
-                          device=q.device)
-    elif q_head_padded is not None and out.shape[1] != q_head_padded:
-        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    out = _q_out_buffer(q, q_head_padded, out)
     fused_qnorm_rope_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, out,
                                eps, block_size, apply_q_norm, impl)
     return out
@@ -407,12 +413,7 @@ def rope_kv_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, *
                        impl="auto"):
     """``fused_rope_insert_v41`` returning q_out ``[N, q_head_padded, 512]`` bf16 (allocated
     unless ``out``, a persistent buffer, is given)."""
-    if out is None:
-        hp = q.shape[1] if q_head_padded is None else q_head_padded
-        out = torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
-                          device=q.device)
-    elif q_head_padded is not None and out.shape[1] != q_head_padded:
-        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    out = _q_out_buffer(q, q_head_padded, out)
     fused_rope_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, out,
                           block_size, cache_format, impl)
     return out

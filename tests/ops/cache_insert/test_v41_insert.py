@@ -10,6 +10,9 @@ from sparse_mla.ops.cache_insert import (compressed_insert_v41, gather_dequant, 
 from sparse_mla.ops.common import formats, quant
 from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, seeded, storage_bytes,
                                       triton_params)
+from sparse_mla.tests.ops.cache_insert.test_triton import _cos_sin
+from sparse_mla.tests.ops.cache_insert.test_triton import _n_tokens as _n
+from sparse_mla.tests.ops.cache_insert.test_triton import _rand, _slots
 
 DEVICES = triton_params()
 POISON = 0xFF
@@ -165,27 +168,6 @@ def test_gather_dequant_v41_reference(fmt):
 
 # ---------------------------------------------------------------------------------------------
 # Triton vs reference
-
-
-def _n(device, gpu_n):
-    return 5 if device == "cpu" else gpu_n
-
-
-def _rand(shape, g, scale=1.0):
-    x = torch.randn(shape, generator=g) * scale
-    x = x * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
-    return x.to(torch.bfloat16)
-
-
-def _cos_sin(max_pos, g):
-    ang = torch.rand(max_pos, 32, generator=g) * 6.283
-    return torch.cat([ang.cos(), ang.sin()], dim=1)
-
-
-def _slots(n, capacity, g, n_skip=2):
-    slots = torch.randperm(capacity, generator=g)[:n]
-    slots[torch.randperm(n, generator=g)[:min(n_skip, n)]] = -1
-    return slots
 
 
 @pytest.mark.parametrize("device", DEVICES)
