@@ -243,8 +243,10 @@ def compressed_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n
                 if MODE == 1:
                     tl.store(dst, to_bf16(y, SOFT))
                 else:
-                    yb = to_bf16(y, SOFT).to(tl.float32)
-                    tl.store(dst, e4m3_sat(yb * (1.0 / tl.load(kv_scale_ptr)), SOFT))
+                    # the reciprocal correctly rounded, as the reference's torch.reciprocal
+                    # (a compiled fp32 `/` may be the approximate div.full)
+                    inv = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.load(kv_scale_ptr))
+                    tl.store(dst, e4m3_sat(to_bf16(y, SOFT).to(tl.float32) * inv, SOFT))
 
 
 @triton.jit

@@ -15,9 +15,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$out/gpu.txt"
 par=()
 python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist loadfile)
-python3 -m pytest -q -rs -p no:cacheprovider "${par[@]}" \
+python3 -m pytest -q -rfEs -p no:cacheprovider "${par[@]}" \
   tests/ops/cache_insert tests/ops/flashmla_decode tests/ops/attention \
-  tests/ops/test_arch_compile.py 2>&1 | tee "$out/pytest.log" | tail -15
+  tests/ops/test_arch_compile.py 2>&1 | tee "$out/pytest.log" | grep -E '^(FAILED|ERROR)|passed|failed' | tail -40
 rc_tests=${PIPESTATUS[0]}
 python3 - "$@" <<'PY' 2>"$out/bench.err" | tee "$out/bench.txt"
 import sys
