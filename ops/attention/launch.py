@@ -33,7 +33,13 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
-FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3}
+FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_fp4": 6}
+# Records of 512-wide rows with their scales in a per-block tail (V4 584 B, V4.1 528 B and
+# 288 B): a launch's two sources may mix these (a V4.1 layer's 528 B SWA cache and its 288 B
+# compressed cache); the portable kernel then decodes each source's tiles in its own format
+TAIL_FORMATS = ("v4", "v41", "v41_fp4")
+# The records only the portable kernel decodes (the sm_90 kernel does not: ``plan.gluon_route``)
+V41_FORMATS = ("v41", "v41_fp4")
 # The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
 # ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
 FMT_PLAIN_BF16_TILED = 4
@@ -110,7 +116,7 @@ def scales_aligned(fmt, blocks):
 
 def _source_args(src):
     """(pointer tensor, stride0, stride1) for a source's cache, strides in its element unit."""
-    if src.fmt in ("v4", "v32"):
+    if src.fmt in ("v4", "v32") + V41_FORMATS:
         fmt = formats.get_format(src.fmt)
         raw = src.cache.view(torch.uint8) if src.cache.dtype != torch.uint8 else src.cache
         return raw, checks.block_stride(src.cache, fmt, src.block_size), 0
@@ -129,8 +135,12 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
     k1 = src1.indices.shape[1] if src1 is not None else 0
-    if src1 is not None and src1.fmt != src0.fmt:
-        raise ValueError(f"sources must share one cache format, got {src0.fmt} and {src1.fmt}")
+    if src1 is not None and src1.fmt != src0.fmt and not (
+            src0.fmt in TAIL_FORMATS and src1.fmt in TAIL_FORMATS):
+        raise ValueError(f"sources must share one cache format (or both be one of "
+                         f"{TAIL_FORMATS}), got {src0.fmt} and {src1.fmt}")
+    # the second source's format code where it differs from the first's (-1: the same)
+    fmt1 = FMT_CODES[src1.fmt] if src1 is not None and src1.fmt != src0.fmt else -1
     c0, c0s0, c0s1 = _source_args(src0)
     if src1 is not None:
         c1, c1s0, c1s1 = _source_args(src1)
@@ -139,7 +149,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
     scale64 = scales_aligned(src0.fmt, blocks)
     d576 = head_dims(sources) == 576
-    launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H)
+    launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H,
+                                      extra_fmt=src1.fmt if src1 is not None else None)
     staged = launch.staged
     cluster = launch.route == "sm90_cluster"
     bn = cfg["block_n"]
@@ -204,7 +215,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
         i1.stride(0), k1, *_length_args(src1, dummy),
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
         FMT=(FMT_PLAIN_BF16_TILED if src0.fmt == "plain_bf16" and cfg["tiled_bf16"]
-             else FMT_CODES[src0.fmt]),
+             else FMT_CODES[src0.fmt]), FMT1=fmt1,
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
         Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,

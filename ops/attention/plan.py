@@ -311,7 +311,26 @@ def soft_e4m3(q, fmt) -> str:
     return soft_fp8_reason(q.device) or ""
 
 
-def gluon_route(q, fmt, blocks):
+# Key tile of the portable kernel's general shape over 288 B rows where a block has less than
+# ``FULL_SHARED``: their decoded tiles take twice the shared memory of the other records' (an
+# sm_86 block ran out at 64- and 32-key tiles: tests/ops/test_arch_compile.py)
+FP4_LOW_SHARED_BLOCK_N = 16
+
+
+def record_config(cfg, fmts, shared):
+    """``cfg`` (``launch_config``'s) adjusted for the records ``fmts`` the launch reads:
+    ``FP4_LOW_SHARED_BLOCK_N`` for 288 B rows in the general shape below ``FULL_SHARED``."""
+    if "v41_fp4" in fmts and not cfg["tiny"] and shared is not None and shared < FULL_SHARED:
+        cfg = dict(cfg, block_n=min(cfg["block_n"], FP4_LOW_SHARED_BLOCK_N))
+    return cfg
+
+
+# The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12), which the sm_90 kernel's
+# producer warps do not decode: launches reading them run the portable kernel on every GPU
+PORTABLE_ONLY_FORMATS = ("v41", "v41_fp4")
+
+
+def gluon_route(q, fmt, blocks, extra_fmt=None):
     """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
     kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
     blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the V3.2
@@ -323,6 +342,12 @@ def gluon_route(q, fmt, blocks):
     reason = gluon_disabled_reason()
     if reason is not None:
         return None, reason
+    v41 = [f for f in (fmt, extra_fmt) if f in PORTABLE_ONLY_FORMATS]
+    if v41:
+        return None, (f"{' + '.join(dict.fromkeys(v41))} rows (V4.1 records): the sm_90 kernel "
+                      "does not decode them, the portable kernel does")
+    if extra_fmt is not None and extra_fmt != fmt:
+        return None, f"{fmt} + {extra_fmt} sources: the sm_90 kernel takes one format"
     if q.device.type != "cuda":
         return None, f"tensors on {q.device.type}, the sm_90 kernel needs CUDA"
     cap = torch.cuda.get_device_capability(q.device)
@@ -338,15 +363,17 @@ def gluon_route(q, fmt, blocks):
     return kernel, None
 
 
-def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads):
+def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
     """The route, launch shape and split plan of one call: ``T`` tokens of ``heads`` heads
     (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
-    (``blocks``: each source's (cache, block stride)). Returns (LaunchPlan, launch config,
-    the Gluon kernel module or None); ``run`` launches it."""
+    (``blocks``: each source's (cache, block stride); ``extra_fmt``: the second source's
+    format where there is one). Returns (LaunchPlan, launch config, the Gluon kernel module or
+    None); ``run`` launches it."""
     soft = soft_e4m3(q, fmt)
-    g, why_not = gluon_route(q, fmt, blocks)
-    cfg = launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None,
-                        shared=shared_budget(q.device))
+    g, why_not = gluon_route(q, fmt, blocks, extra_fmt)
+    shared = shared_budget(q.device)
+    cfg = record_config(launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None,
+                                      shared=shared), (fmt, extra_fmt), shared)
     units = T * n_hb
     if g is not None and cfg["dv"] != 1:
         g = None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.common.triton_utils import (e4m3_decode, grid_launch_dependents, grid_wait,
-                                                to_bf16, ue8m0_scale)
+from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
+                                                grid_wait, to_bf16, ue8m0_scale)
 
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 LOG2E_C = tl.constexpr(1.4426950408889634)
@@ -108,6 +108,25 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
                               DOT_F32)
+    elif FMT == 5:
+        # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims in the block's
+        # tail (two per tile); e4m3 × 2^k is exact in bf16
+        base = cache_ptr + blk * s0
+        x = _load_values(base + off * 512 + TILE * 64 + c, v, True, SOFT)
+        sb = tl.load(base + BS * 512 + off * 16 + TILE * 2 + c // 32, mask=v,
+                     other=127).to(tl.int32)
+        k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
+    elif FMT == 6:
+        # V4.1 288 B: e2m1 pairs (the even dim in the low nibble), then per row 32 e4m3
+        # scales of 16 dims in the block's tail; e2m1 × e4m3 is exact in bf16
+        # (the tile's 32 bytes loaded once and their nibbles interleaved: a load of each
+        # byte per dim took three times the shared memory, more than sm_86 / sm_89 allow)
+        base = cache_ptr + blk * s0
+        j = tl.arange(0, 32)[None, :]
+        b = tl.load(base + off * 256 + TILE * 32 + j, mask=v, other=0).to(tl.int32)
+        sc = _load_values(base + BS * 256 + off * 32 + TILE * 4 + j // 8, v, True, SOFT)
+        k = _dot_operand(tl.interleave(e2m1_value(b & 0xF) * sc, e2m1_value(b >> 4) * sc),
+                         DOT_F32)
     else:
         k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32,
                           F16, SOFT)
@@ -331,6 +350,27 @@ def _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv, scale2, acc,
 
 
 @triton.jit
+def _mixed_step(first, cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv, scale2, acc, m_i,
+                l_i, mx, FMT: tl.constexpr, FMT1: tl.constexpr, DV: tl.constexpr,
+                D576: tl.constexpr, TRACK_MAX: tl.constexpr, SCALE64: tl.constexpr,
+                DOT_F32: tl.constexpr, F16: tl.constexpr, SOFT: tl.constexpr):
+    """``_tile_step`` where the two sources hold different records (``FMT1``: source 1's, e.g.
+    a V4.1 layer's 528 B SWA rows and 288 B compressed rows; 512-wide rows, no ``D576``): the
+    tile's rows are decoded as both records with the other source's rows masked off (masked
+    loads read nothing; a masked row decodes to zeros), and the sum feeds one set of dots.
+    Branching on the source instead kept both branches' key tiles in shared memory at once:
+    more than an sm_86 / sm_89 / sm_120 block may use."""
+    none = tl.full(idx.shape, -1, idx.dtype)
+    va, blk, off, a_lo, a_hi = _tile_keys(cache, s0, s1, bs, cap, tl.where(first, idx, none),
+                                          FMT, DV, SCALE64, DOT_F32, F16, SOFT)
+    vb, blk, off, b_lo, b_hi = _tile_keys(cache, s0, s1, bs, cap, tl.where(first, none, idx),
+                                          FMT1, DV, False, DOT_F32, F16, SOFT)
+    return _tile_update(q_lo, q_hi, q_rope, a_lo + b_lo, a_hi + b_hi, va | vb, cache, s0, s1,
+                        bs, blk, off, dv, scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
+                        DOT_F32, F16, SOFT)
+
+
+@triton.jit
 def _split_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
@@ -341,7 +381,7 @@ def _split_kernel(
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
-        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False):
+        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -378,9 +418,14 @@ def _split_kernel(
         # first dot, and q's loads and the gather's are in flight together (sm_90 SASS)
         cache, s0, s1, bs, cap = tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
-                                       scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
-                                       SCALE64, DOT_F32, F16, SOFT)
+        if FMT1 < 0:
+            acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
+                                           scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
+                                           SCALE64, DOT_F32, F16, SOFT)
+        else:
+            acc, m_i, l_i, mx = _mixed_step(lo < n0p, cache, s0, s1, bs, cap, idx, q_lo, q_hi,
+                                            q_rope, dv, scale2, acc, m_i, l_i, mx, FMT, FMT1,
+                                            DV, D576, TRACK_MAX, SCALE64, DOT_F32, F16, SOFT)
     else:
         # the next tile's slot ids are loaded one iteration ahead: the gather of a tile waits
         # on its ids, and that load's latency is otherwise paid in full every iteration
@@ -392,9 +437,14 @@ def _split_kernel(
                                        i1_s0, BN)
             else:
                 idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-            acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
-                                           scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
-                                           SCALE64, DOT_F32, F16, SOFT)
+            if FMT1 < 0:
+                acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope,
+                                               dv, scale2, acc, m_i, l_i, mx, FMT, DV, D576,
+                                               TRACK_MAX, SCALE64, DOT_F32, F16, SOFT)
+            else:
+                acc, m_i, l_i, mx = _mixed_step(c < n0p, cache, s0, s1, bs, cap, idx, q_lo, q_hi,
+                                                q_rope, dv, scale2, acc, m_i, l_i, mx, FMT, FMT1,
+                                                DV, D576, TRACK_MAX, SCALE64, DOT_F32, F16, SOFT)
             if PREFETCH:
                 idx = idx_next
     # partials: o = acc / l (0 when empty), lse2 = m + log2(l) (-inf when empty), max logit

@@ -176,6 +176,17 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps=1e-6, b
                        block_size)
 
 
+def _q_out_buffer(q, q_head_padded, out):
+    """``out``, or a new bf16 ``[N, q_head_padded (default H), 512]`` q_out buffer."""
+    if out is None:
+        hp = q.shape[1] if q_head_padded is None else q_head_padded
+        return torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
+                           device=q.device)
+    if q_head_padded is not None and out.shape[1] != q_head_padded:
+        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    return out
+
+
 def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, *,
                             q_head_padded=None, eps=1e-6, block_size=None, apply_q_norm=True,
                             out=None, impl="auto"):
@@ -184,12 +195,7 @@ def qnorm_rope_kv_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cac
 
     Pass ``out`` (a persistent buffer) to avoid the allocation, e.g. under CUDA graphs.
     """
-    if out is None:
-        hp = q.shape[1] if q_head_padded is None else q_head_padded
-        out = torch.empty(q.shape[0], hp, formats.HEAD_DIM, dtype=torch.bfloat16,
-                          device=q.device)
-    elif q_head_padded is not None and out.shape[1] != q_head_padded:
-        raise ValueError(f"out has {out.shape[1]} heads but q_head_padded={q_head_padded}")
+    out = _q_out_buffer(q, q_head_padded, out)
     fused_qnorm_rope_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, out,
                                eps, block_size, apply_q_norm, impl)
     return out
@@ -306,8 +312,8 @@ def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_siz
                      cache_format):
     fmt = formats.get_format(cache_format)
     if not isinstance(fmt, formats.PagedFormat):
-        raise ValueError(f"cache_format must be a quantized paged format ('v4' or 'v32'), "
-                         f"got {cache_format!r}")
+        raise ValueError(f"cache_format must be a quantized paged format "
+                         f"{tuple(formats.PAGED_FORMATS)}, got {cache_format!r}")
     bs = checks.paged_cache_block_size("k_cache", k_cache, fmt, block_size)
     checks.expect_dtype("out", out, torch.bfloat16)
     if out.dim() != 3 or out.shape[2] != fmt.out_dim:
@@ -353,3 +359,129 @@ def _(out, k_cache, seq_lens, gather_lens, block_table, block_size=None, offset=
       cache_format="v4", impl="auto"):
     _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                      cache_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4.1 writers (docs/semantics.md §12): the SWA insert (q RoPE + head padding, no q
+# norm) and the compressed-entry insert, for the 528 B / 288 B records and the 584 B one
+
+_FUSED_V41 = implementations("fused_rope_insert_v41", vendor=vendor.ROUTE,
+                             triton=triton_impl.fused_insert_v41,
+                             reference=reference.fused_insert_v41)
+
+
+def _validate_fused_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                        block_size, cache_format):
+    if cache_format not in formats.V41_SWA_FORMATS:
+        raise ValueError(f"cache_format must be one of {formats.V41_SWA_FORMATS} for a V4.1 "
+                         f"SWA cache, got {cache_format!r}")
+    n, h = _check_rope_inputs(q, kv, positions, cos_sin_cache)
+    _check_q_out(q_out, n, h, torch.bfloat16)
+    bs = checks.paged_cache_block_size("k_cache", k_cache, formats.get_format(cache_format),
+                                       block_size)
+    _check_slots(slot_mapping, n, k_cache.shape[0] * bs, q)
+    checks.expect_same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos_sin_cache=cos_sin_cache, q_out=q_out)
+    return bs
+
+
+@custom_op("sparse_mla::fused_rope_insert_v41", mutates_args=("k_cache", "q_out"))
+def fused_rope_insert_v41(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
+                          positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
+                          block_size: Optional[int] = None, cache_format: str = "v41",
+                          impl: str = "auto") -> None:
+    """The V4.1 SWA insert (docs/semantics.md §12): ``q`` ``[N, H, 512]`` gets GPT-J RoPE on
+    dims 448..511 at ``positions[t]`` (no RMSNorm) into ``q_out`` ``[N, Hp >= H, 512]`` bf16
+    (heads ``H..Hp`` zero); ``kv`` ``[N, 512]`` gets the same RoPE in fp32 and goes to
+    ``k_cache`` at ``slot_mapping[t]`` (-1 skips) as the 528 B record (``cache_format="v41"``,
+    quantized from the fp32 rotated row) or the 584 B one (``"v4"``). One launch."""
+    bs = _validate_fused_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                             block_size, cache_format)
+    _FUSED_V41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, bs, cache_format,
+               impl=impl)
+
+
+@fused_rope_insert_v41.register_fake
+def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, block_size=None,
+      cache_format="v41", impl="auto"):
+    _validate_fused_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                        block_size, cache_format)
+
+
+def rope_kv_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, *,
+                       q_head_padded=None, block_size=None, cache_format="v41", out=None,
+                       impl="auto"):
+    """``fused_rope_insert_v41`` returning q_out ``[N, q_head_padded, 512]`` bf16 (allocated
+    unless ``out``, a persistent buffer, is given)."""
+    out = _q_out_buffer(q, q_head_padded, out)
+    fused_rope_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, out,
+                          block_size, cache_format, impl)
+    return out
+
+
+_COMPRESSED_V41 = implementations("compressed_insert_v41", vendor=vendor.ROUTE,
+                                  triton=triton_impl.compressed_insert_v41,
+                                  reference=reference.compressed_insert_v41)
+COMPRESSED_FORMATS = formats.V41_COMPRESSED_FORMATS + ("plain_bf16", "plain_fp8")
+
+
+def _validate_compressed_v41(k, k_cache, slot_mapping, positions, cos_sin_cache,
+                             compress_ratio, block_size, cache_format, kv_scale):
+    if cache_format not in COMPRESSED_FORMATS:
+        raise ValueError(f"cache_format must be one of {COMPRESSED_FORMATS}, got "
+                         f"{cache_format!r}")
+    checks.expect_int("compress_ratio", compress_ratio, 1)
+    n = k.shape[0] if k.dim() == 2 else -1
+    checks.expect_tensor("k", k, FLOAT_IN, (n, formats.HEAD_DIM))
+    checks.expect_dtype("positions", positions, checks.INDEX_DTYPES)
+    checks.expect_shape("positions", positions, (n,))
+    checks.expect_dtype("cos_sin_cache", cos_sin_cache, torch.float32)
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != formats.ROPE_DIM \
+            or cos_sin_cache.shape[0] == 0:
+        raise ValueError(f"cos_sin_cache must have shape [max_position >= 1, 64] (cos[0:32] || "
+                         f"sin[0:32]), got {list(cos_sin_cache.shape)}")
+    checks.expect_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
+    if cache_format in formats.PAGED_FORMATS:
+        bs = checks.paged_cache_block_size("k_cache", k_cache, formats.get_format(cache_format),
+                                           block_size)
+        if kv_scale is not None:
+            raise ValueError("kv_scale applies only to a plain_fp8 cache")
+    else:
+        fp8 = _check_plain_cache(k_cache)
+        if fp8 != (cache_format == "plain_fp8"):
+            raise ValueError(f"k_cache dtype {k_cache.dtype} does not match cache_format "
+                             f"{cache_format!r}")
+        _check_scale("kv_scale", kv_scale, fp8)
+        bs = k_cache.shape[1]
+    _check_slots(slot_mapping, n, k_cache.shape[0] * bs, k)
+    checks.expect_same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos_sin_cache=cos_sin_cache,
+                              kv_scale=kv_scale)
+    if checks.value_checks_enabled(positions, k):
+        checks.expect_indices("positions", positions, cos_sin_cache.shape[0],
+                              " (rows of cos_sin_cache)", "token")
+    return bs
+
+
+@custom_op("sparse_mla::compressed_insert_v41", mutates_args=("k_cache",))
+def compressed_insert_v41(k: Tensor, k_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
+                          cos_sin_cache: Tensor, compress_ratio: int,
+                          block_size: Optional[int] = None, cache_format: str = "v41",
+                          kv_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
+    """The V4.1 compressed-entry insert (docs/semantics.md §12): row ``t`` of ``k`` ``[N, 512]``
+    (the compressor's normed latent, not yet rotated) is written at ``slot_mapping[t]`` only
+    where that is >= 0 and ``(positions[t] + 1) % compress_ratio == 0``, after GPT-J RoPE at
+    position ``(positions[t] // compress_ratio) * compress_ratio`` in fp32. ``cache_format``:
+    "v41" (528 B), "v41_fp4" (288 B), "v4" (584 B), or a plain ``[nb, bs, 512]`` cache,
+    "plain_bf16" / "plain_fp8" (e4m3 of the bf16 row times ``1 / kv_scale``)."""
+    bs = _validate_compressed_v41(k, k_cache, slot_mapping, positions, cos_sin_cache,
+                                  compress_ratio, block_size, cache_format, kv_scale)
+    _COMPRESSED_V41(k, k_cache, slot_mapping, positions, cos_sin_cache, compress_ratio, bs,
+                    cache_format, kv_scale, impl=impl)
+
+
+@compressed_insert_v41.register_fake
+def _(k, k_cache, slot_mapping, positions, cos_sin_cache, compress_ratio, block_size=None,
+      cache_format="v41", kv_scale=None, impl="auto"):
+    _validate_compressed_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, compress_ratio,
+                             block_size, cache_format, kv_scale)

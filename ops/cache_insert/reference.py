@@ -99,6 +99,46 @@ def insert_plain(k, k_cache, slot_mapping, kv_scale):
     k_cache[slots // bs, slots % bs] = out
 
 
+def fused_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
+                     block_size, fmt_name):
+    """docs/semantics.md §12: q RoPE'd (no norm) into ``q_out``; kv RoPE'd at its position in
+    fp32 and quantized without a bf16 rounding (528 B), or as the V4 record (584 B)."""
+    write_q_out(q_out, rotate_q(q, positions, cos_sin_cache, 0.0, False))
+    tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
+    kv_rot = quant.rope_gptj(kv[tok].float(), cos_sin_cache[positions[tok].long()])
+    _write_record(k_cache, fmt_name, block_size, slots, kv_rot)
+
+
+def _write_record(cache, fmt_name, block_size, slots, rows):
+    fmt = formats.get_format(fmt_name)
+    data, scales = quant.quantize_record(rows, fmt_name)
+    _write_rows(cache, fmt, block_size, slots,
+                [(fmt.token_data_addr, data), (fmt.token_scale_addr, scales)])
+
+
+def compressed_insert_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, ratio, block_size,
+                          fmt_name, kv_scale):
+    """docs/semantics.md §12: token t is written only when (pos + 1) % ratio == 0, rotated at
+    (pos // ratio) * ratio in fp32; paged records quantize that row directly (the V4 record
+    stores its RoPE dims as bf16), plain caches store it rounded to bf16 (e4m3 of the bf16 row
+    times the fp32 reciprocal of ``kv_scale`` for an fp8 cache)."""
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    pos = positions[:n].long()
+    keep = ((slots >= 0) & ((pos + 1) % ratio == 0)).nonzero().flatten()
+    slots = slots[keep]
+    rot = quant.rope_gptj(k[keep].float(), cos_sin_cache[(pos[keep] // ratio) * ratio])
+    if fmt_name in formats.PAGED_FORMATS:
+        _write_record(k_cache, fmt_name, block_size, slots, rot)
+        return
+    rows = rot.to(torch.bfloat16)
+    if k_cache.dtype != torch.bfloat16:
+        inv = torch.reciprocal(kv_scale.float().reshape(()))
+        rows = quant.e4m3(rows.float() * inv).view(k_cache.dtype)
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = rows
+
+
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                    fmt_name):
     """docs/semantics.md §3.4: request r's positions [seq_len - gather_len, seq_len) go to
@@ -119,13 +159,13 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         blk[in_table] = block_table[r, blk_col[in_table]].long()
         keep = (blk >= 0) & (blk < nb) & (dst >= 0) & (dst < max_tokens)
         blk, o, dst = blk[keep], (pos % block_size)[keep], dst[keep]
-        if fmt is formats.V4:
+        if fmt.scale_in_tail:
             data_cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
                          + torch.arange(fmt.token_data_bytes, device=o.device))
             scale_cols = (fmt.token_scale_addr(block_size, o).unsqueeze(1)
                           + torch.arange(fmt.scale_offset, device=o.device))
-            rows = quant.dequantize_v4(blocks[blk.unsqueeze(1), data_cols],
-                                       blocks[blk.unsqueeze(1), scale_cols])
+            rows = quant.dequantize_record(blocks[blk.unsqueeze(1), data_cols],
+                                           blocks[blk.unsqueeze(1), scale_cols], fmt.name)
         else:
             cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
                     + torch.arange(fmt.token_data_bytes, device=o.device))

@@ -6,7 +6,9 @@ import torch
 import triton
 
 from sparse_mla.ops.cache_insert.triton_kernels import (MODE_PLAIN_BF16, MODE_PLAIN_FP8,
-                                                        MODE_V4, fused_insert_kernel,
+                                                        MODE_V4, MODE_V41, MODE_V41_FP4,
+                                                        compressed_insert_kernel,
+                                                        fused_insert_kernel,
                                                         gather_dequant_kernel,
                                                         plain_insert_kernel, v4_insert_kernel,
                                                         v32_insert_kernel)
@@ -106,6 +108,40 @@ def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
                   apply_q_norm, MODE_PLAIN_FP8 if fp8 else MODE_PLAIN_BF16)
 
 
+# each cache format's kernel mode (triton_kernels.MODE_*)
+MODES = {"v4": MODE_V4, "v41": MODE_V41, "v41_fp4": MODE_V41_FP4, "plain_bf16": MODE_PLAIN_BF16,
+         "plain_fp8": MODE_PLAIN_FP8}
+
+
+def fused_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, block_size,
+                     fmt_name):
+    fmt = formats.get_format(fmt_name)
+    stride0 = checks.block_stride(k_cache, fmt, block_size)
+    _launch_fused(q, kv, _bytes(k_cache), stride0, 0, block_size,
+                  k_cache.shape[0] * block_size, slot_mapping, positions, cos_sin_cache, q_out,
+                  None, None, 0.0, False, MODES[fmt_name])
+
+
+def compressed_insert_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, ratio, block_size,
+                          fmt_name, kv_scale):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    fmt = formats.get_format(fmt_name)
+    if isinstance(fmt, formats.PagedFormat):
+        cache, s0, s1 = _bytes(k_cache), checks.block_stride(k_cache, fmt, block_size), 0
+        bs = block_size
+    else:
+        cache = k_cache.view(torch.uint8) if fmt_name == "plain_fp8" else k_cache
+        s0, s1, bs = k_cache.stride(0), k_cache.stride(1), k_cache.shape[1]
+    tpp = CONFIG["tokens_per_program"]
+    compressed_insert_kernel[(triton.cdiv(n, tpp),)](
+        k, k.stride(0), cache, s0, s1, slot_mapping, n, k_cache.shape[0] * bs, bs, positions,
+        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], ratio,
+        slot_mapping if kv_scale is None else kv_scale, MODE=MODES[fmt_name], TPP=tpp,
+        SOFT=soft_fp8(k.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+
+
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
                    fmt_name):
     fmt = formats.get_format(fmt_name)
@@ -119,5 +155,5 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         checks.block_stride(k_cache, fmt, block_size), k_cache.shape[0], seq_lens,
         seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
         block_table.shape[1], block_size, offset, max_tokens,
-        V4=fmt is formats.V4, HAS_GLEN=gather_lens is not None, TB=tb, SOFT=soft_fp8(out.device),
-        num_warps=4, **_LAUNCH)
+        MODE=MODES.get(fmt_name, -1), HAS_GLEN=gather_lens is not None, TB=tb,
+        SOFT=soft_fp8(out.device), num_warps=4, **_LAUNCH)

@@ -17,12 +17,14 @@ import triton
 import triton.language as tl
 
 from sparse_mla.ops.common import formats
-from sparse_mla.ops.common.triton_utils import (ceil_log2, e4m3_decode, e4m3_sat, exp2_int,
-                                                to_bf16, ue8m0_scale)
+from sparse_mla.ops.common.triton_utils import (ceil_log2, e2m1_value, e4m3_decode, e4m3_sat,
+                                                exp2_int, to_bf16, ue8m0_scale)
 
 MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
 MODE_PLAIN_FP8 = 2   # [nb, bs, 512] e4m3, per-tensor scale (docs/semantics.md §2.3)
+MODE_V41 = 3         # 528 B paged cache (docs/semantics.md §12)
+MODE_V41_FP4 = 4     # 288 B paged cache (docs/semantics.md §12; compressed entries only)
 
 # The byte layouts of ops/common/formats.py as the kernels' compile-time constants.
 NOPE = tl.constexpr(formats.NOPE_DIM)                     # 448 e4m3 NoPE dims, then RoPE
@@ -33,6 +35,10 @@ V4_SCALE_BYTES = tl.constexpr(formats.V4.scale_offset)    # 8 scale bytes per to
 V32_RECORD = tl.constexpr(formats.V32.token_data_bytes)   # 656 B record per token
 V32_SCALES = tl.constexpr(formats.V32.scale_offset)       # 4 fp32 scales inside the record
 V32_ROPE = tl.constexpr(formats.V32.rope_offset)          # bf16 RoPE dims inside the record
+V41_DATA = tl.constexpr(formats.V41.token_data_bytes)     # 512 e4m3 bytes per token
+V41_SCALES = tl.constexpr(formats.V41.scale_offset)       # 16 UE8M0 bytes per token (tail)
+FP4_DATA = tl.constexpr(formats.V41_FP4.token_data_bytes)  # 256 bytes of e2m1 pairs per token
+FP4_SCALES = tl.constexpr(formats.V41_FP4.scale_offset)   # 32 e4m3 scale bytes per token (tail)
 
 
 @triton.jit
@@ -75,6 +81,54 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     k = tl.arange(0, 8)
     sbytes = tl.where(k < 7, tl.minimum(tl.maximum(e + 127, 0), 255), 0).to(tl.uint8)
     tl.store(base + BS * V4_DATA + off * V4_SCALE_BYTES + k, sbytes)
+
+
+@triton.jit
+def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
+    """Quantize one token ``y`` [16, 32] fp32 (rotated, not rounded to bf16) as the 528 B
+    MXFP8 record: one UE8M0 scale per 32 dims (docs/semantics.md §12)."""
+    t = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 32)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
+    # ceil(log2(amax / 448)) exactly, as in _store_v4_token
+    abits = amax.to(tl.int32, bitcast=True)
+    e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    base = cache_ptr + (slot // BS).to(tl.int64) * stride0
+    off = slot % BS
+    tl.store(base + off * V41_DATA + t * 32 + c, e4m3_sat(y * exp2_int(-e)[:, None], SOFT))
+    k = tl.arange(0, 16)
+    tl.store(base + BS * V41_DATA + off * V41_SCALES + k,
+             tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8))
+
+
+@triton.jit
+def _e2m1_code(v):
+    """Round-to-nearest-even, saturating e2m1 codes of fp32 ``v`` (int32 0..15, bit 3 the
+    sign): the magnitude code counts the midpoints below |v|, a tie counting only where it
+    rounds up to an even code."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+           + (a > 5.0).to(tl.int32))
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return mag | sign
+
+
+@triton.jit
+def _store_v41_fp4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
+    """Quantize one token ``y`` [32, 16] fp32 as the 288 B NVFP4 record: e4m3 scale
+    e4m3(clamp(amax · fl(1/6), 2^-9, 448)) per 16 dims, e2m1 codes of a correctly rounded
+    x / scale, two per byte with the even dim in the low nibble (docs/semantics.md §12)."""
+    amax = tl.max(tl.abs(y), axis=1)
+    sf = tl.minimum(tl.maximum(amax * 0.16666666666666666, 0.001953125), 448.0)
+    sbyte = e4m3_sat(sf, SOFT)
+    s = e4m3_decode(sbyte, SOFT).to(tl.float32)
+    codes = _e2m1_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)))
+    lo, hi = tl.split(tl.reshape(codes, (256, 2)))
+    base = cache_ptr + (slot // BS).to(tl.int64) * stride0
+    off = slot % BS
+    tl.store(base + off * FP4_DATA + tl.arange(0, 256), (lo | (hi << 4)).to(tl.uint8))
+    tl.store(base + BS * FP4_DATA + off * FP4_SCALES + tl.arange(0, 32), sbyte)
 
 
 @triton.jit
@@ -133,6 +187,12 @@ def fused_insert_kernel(
                 x = tl.load(kv_row + d).to(tl.float32)
                 y = _rotate(kv_row, x, d, t >= 0, pos, cs_ptr, cs_stride, 1.0)
                 _store_v4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+            elif MODE == 3:
+                t = tl.arange(0, 16)[:, None]
+                d = t * 32 + tl.arange(0, 32)[None, :]
+                x = tl.load(kv_row + d).to(tl.float32)
+                y = _rotate(kv_row, x, d, t >= 0, pos, cs_ptr, cs_stride, 1.0)
+                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT)
             else:
                 d = tl.arange(0, 512)
                 x = tl.load(kv_row + d).to(tl.float32)
@@ -142,6 +202,51 @@ def fused_insert_kernel(
                     tl.store(dst, to_bf16(y, SOFT))
                 else:
                     tl.store(dst, e4m3_sat(y * (1.0 / tl.load(kv_scale_ptr)), SOFT))
+
+
+@triton.jit
+def compressed_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity,
+                             BS, pos_ptr, cs_ptr, cs_stride, max_pos, ratio, kv_scale_ptr,
+                             MODE: tl.constexpr, TPP: tl.constexpr, SOFT: tl.constexpr):
+    """Compressed entries (docs/semantics.md §12): token ``tok`` is written only when its
+    slot is valid and (pos + 1) % ratio == 0, its row rotated at (pos // ratio) * ratio in fp32,
+    then stored in the cache's record (``MODE``)."""
+    for i in tl.static_range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + tok, mask=tok < n_tokens, other=0).to(tl.int64)
+        if (slot >= 0) & (slot < capacity) & ((pos + 1) % ratio == 0):
+            # the lookup is clamped to the table: a kernel cannot raise
+            at = tl.minimum(tl.maximum(pos // ratio * ratio, 0), max_pos - 1)
+            row = k_ptr + tok.to(tl.int64) * k_stride
+            if MODE == 3:
+                t = tl.arange(0, 16)[:, None]
+                d = t * 32 + tl.arange(0, 32)[None, :]
+            elif MODE == 4:
+                t = tl.arange(0, 32)[:, None]
+                d = t * 16 + tl.arange(0, 16)[None, :]
+            elif MODE == 0:
+                t = tl.arange(0, 8)[:, None]
+                d = t * 64 + tl.arange(0, 64)[None, :]
+            else:
+                d = tl.arange(0, 512)
+            y = _rotate(row, tl.load(row + d).to(tl.float32), d, d >= 0, at, cs_ptr, cs_stride,
+                        1.0)
+            if MODE == 3:
+                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+            elif MODE == 4:
+                _store_v41_fp4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+            elif MODE == 0:
+                _store_v4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+            else:
+                dst = cache_ptr + (slot // BS) * c_s0 + (slot % BS) * c_s1 + d
+                if MODE == 1:
+                    tl.store(dst, to_bf16(y, SOFT))
+                else:
+                    # the reciprocal correctly rounded, as the reference's torch.reciprocal
+                    # (a compiled fp32 `/` may be the approximate div.full)
+                    inv = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.load(kv_scale_ptr))
+                    tl.store(dst, e4m3_sat(to_bf16(y, SOFT).to(tl.float32) * inv, SOFT))
 
 
 @triton.jit
@@ -192,8 +297,10 @@ def v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_p
 @triton.jit
 def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_blocks, seq_ptr,
                            glen_ptr, bt_ptr, bt_s0, max_blocks, BS, offset, max_tokens,
-                           V4: tl.constexpr, HAS_GLEN: tl.constexpr, TB: tl.constexpr,
+                           MODE: tl.constexpr, HAS_GLEN: tl.constexpr, TB: tl.constexpr,
                            SOFT: tl.constexpr):
+    """``MODE``: the cache's record (``MODE_V4``, ``MODE_V41``, ``MODE_V41_FP4``; anything else
+    is the V3.2 656 B record)."""
     r = tl.program_id(0)
     i = tl.program_id(1) * TB + tl.arange(0, TB)
     seq_len = tl.load(seq_ptr + r).to(tl.int64)
@@ -211,7 +318,20 @@ def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_block
     p = tl.arange(0, 64)[None, :]
     okd = ok[:, None]
     out_row = out_ptr + r * out_s0 + dst[:, None] * out_s1
-    if V4:
+    if MODE == 3:
+        data = base[:, None] + (o * V41_DATA)[:, None]
+        q = e4m3_decode(tl.load(data + d, mask=okd, other=0), SOFT).to(tl.float32)
+        sb = tl.load(base[:, None] + BS * V41_DATA + (o * V41_SCALES)[:, None] + d // 32,
+                     mask=okd, other=127).to(tl.int32)
+        tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=okd)
+    elif MODE == 4:
+        data = base[:, None] + (o * FP4_DATA)[:, None]
+        nib = (tl.load(data + d // 2, mask=okd, other=0).to(tl.int32) >> ((d & 1) * 4)) & 0xF
+        sb = tl.load(base[:, None] + BS * FP4_DATA + (o * FP4_SCALES)[:, None] + d // 16,
+                     mask=okd, other=0x38)
+        s = e4m3_decode(sb, SOFT).to(tl.float32)
+        tl.store(out_row + d, to_bf16(e2m1_value(nib) * s, SOFT), mask=okd)
+    elif MODE == 0:
         data = base[:, None] + (o * V4_DATA)[:, None]
         m = okd & (d < NOPE)
         q = e4m3_decode(tl.load(data + d, mask=m, other=0), SOFT).to(tl.float32)

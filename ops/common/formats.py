@@ -35,6 +35,7 @@ class PagedFormat:
     scale_offset: int         # tail: bytes per token in the tail; record: offset inside record
     block_alignment: int      # vLLM rounds a page up to a multiple of this many bytes
     out_dim: int              # width of a dequantized row
+    value_dtype: str = "e4m3"  # the data bytes' element type: "e4m3", or "e2m1" (two per byte)
 
     def token_data_addr(self, block_size: int, offset):
         """Byte offset of a token's data record from its block base."""
@@ -69,7 +70,27 @@ V32 = PagedFormat(
     rope_dims=64, scale_dtype="fp32", num_scales=4, tile=128, scale_in_tail=False,
     scale_offset=512, block_alignment=656, out_dim=576)
 
-PAGED_FORMATS = {f.name: f for f in (V4, V32)}
+# DeepSeek-V4.1 MXFP8 (FlashMLA's ModelType::V41): per block [bs x 512 e4m3][bs x 16 UE8M0][pad];
+# all 512 dims (RoPE included, rotated first) quantized, one power-of-two scale per 32 dims
+# (docs/semantics.md §12).
+V41 = PagedFormat(
+    name="v41", bytes_per_token=528, token_data_bytes=512, data_bytes=512, rope_offset=512,
+    rope_dims=0, scale_dtype="ue8m0", num_scales=16, tile=32, scale_in_tail=True,
+    scale_offset=16, block_alignment=512, out_dim=512)
+
+# DeepSeek-V4.1 NVFP4, compressed caches only (ModelType::V41_FP4): per block
+# [bs x 256 B of e2m1 pairs][bs x 32 e4m3 scales][pad]; byte i holds dim 2i in its low nibble
+# and dim 2i+1 in its high nibble, one e4m3 scale per 16 dims (docs/semantics.md §12).
+V41_FP4 = PagedFormat(
+    name="v41_fp4", bytes_per_token=288, token_data_bytes=256, data_bytes=256, rope_offset=256,
+    rope_dims=0, scale_dtype="e4m3", num_scales=32, tile=16, scale_in_tail=True,
+    scale_offset=32, block_alignment=512, out_dim=512, value_dtype="e2m1")
+
+PAGED_FORMATS = {f.name: f for f in (V4, V32, V41, V41_FP4)}
+# The records DeepSeek-V4.1 layers may use: 528 B or 584 B SWA pages, and for compressed
+# entries also 288 B (vLLM 0.32.0 writes 528 / 288 only on SM100, 584 B elsewhere)
+V41_SWA_FORMATS = ("v41", "v4")
+V41_COMPRESSED_FORMATS = ("v41", "v41_fp4", "v4")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,3 +140,99 @@ def rope_gptj(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> 
     x[..., formats.NOPE_DIM::2] = new_ev
     x[..., formats.NOPE_DIM + 1::2] = new_od
     return x
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4.1 records (docs/semantics.md §12), written from the layout; inputs are the fp32
+# rows the writers quantize (already rotated, not rounded to bf16 first).
+
+# e2m1 magnitudes by code (bit 3 is the sign)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+# vLLM's NVFP4 writer clamps amax / 6 to [2^-9 (the smallest e4m3 subnormal), 448]
+NVFP4_SCALE_MIN = 2.0 ** -9
+MXFP8_AMAX_FLOOR = 1e-4
+
+
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    """The fp32 constant ``v`` (rounded once, as a kernel's literal is) on ``like``'s device."""
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def quantize_v41(x: torch.Tensor):
+    """528 B MXFP8 writer for fp32 rows ``x`` [N, 512]: returns ``(data [N, 512] uint8,
+    scales [N, 16] uint8)``. Per 32 dims: amax = max(max|x|, 1e-4), e = ceil(log2(amax / 448))
+    exactly, byte = e4m3_rn(clamp(x * 2^-e, ±448)), scale byte = clamp(e + 127, 0, 255)."""
+    n = x.shape[0]
+    t = x.float().reshape(n, 16, 32)
+    amax = t.abs().amax(dim=-1).clamp_min(_f32(MXFP8_AMAX_FLOOR, t))
+    e = ceil_log2(div(amax, formats.E4M3_MAX))
+    q = e4m3(t * pow2(-e).unsqueeze(-1)).reshape(n, 512)
+    return q, (e + 127).clamp(0, 255).to(torch.uint8)
+
+
+def dequantize_v41(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``data`` [N, 512], ``scales`` [N, 16] uint8 → bf16 rows [N, 512]: e4m3 · 2^(s - 127)."""
+    n = data.shape[0]
+    q = data.contiguous().view(FP8).float().reshape(n, 16, 32)
+    return (q * pow2(scales.to(torch.int32) - 127).unsqueeze(-1)).reshape(n, 512).to(
+        torch.bfloat16)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even, saturating fp32 → e2m1 codes (uint8 0..15; bit 3 the sign, kept
+    for values that round to zero). Ties go to the even code: the one whose mantissa bit is 0."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    a = x.abs().clamp(max=E2M1_MAX)
+    hi = torch.bucketize(a, grid).clamp(max=7)              # first code with value >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    code = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    return (code | (torch.signbit(x).to(torch.int64) << 3)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e2m1 ``codes`` (the low 4 bits)."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    c = codes.to(torch.int64) & 0xF
+    v = grid[c & 7]
+    return torch.where(c >= 8, -v, v)
+
+
+def quantize_v41_fp4(x: torch.Tensor):
+    """288 B NVFP4 writer for fp32 rows ``x`` [N, 512]: returns ``(data [N, 256] uint8,
+    scales [N, 32] uint8)``. Per 16 dims: s = e4m3_rn(clamp(amax · fl(1/6), 2^-9, 448)) (vLLM
+    multiplies by the fp32 reciprocal), code = e2m1(x / s) with a correctly rounded division;
+    byte i = code(2i) | code(2i + 1) << 4."""
+    n = x.shape[0]
+    t = x.float().reshape(n, 32, 16)
+    amax = t.abs().amax(dim=-1)
+    s_bytes = e4m3((amax * _f32(1.0 / E2M1_MAX, t)).clamp(NVFP4_SCALE_MIN, formats.E4M3_MAX))
+    s = s_bytes.view(FP8).float().unsqueeze(-1)
+    codes = e2m1_codes(t / s.expand_as(t)).reshape(n, 256, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), s_bytes
+
+
+def dequantize_v41_fp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``data`` [N, 256], ``scales`` [N, 32] uint8 → bf16 rows [N, 512]: e2m1 · e4m3 scale."""
+    n = data.shape[0]
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(n, 32, 16)
+    s = scales.contiguous().view(FP8).float().unsqueeze(-1)
+    return (e2m1_values(codes) * s).reshape(n, 512).to(torch.bfloat16)
+
+
+def quantize_record(x: torch.Tensor, fmt_name: str):
+    """Rows ``x`` [N, 512] (fp32, rotated) as ``(data, scales)`` of a V4 / V4.1 record."""
+    if fmt_name == "v41":
+        return quantize_v41(x)
+    if fmt_name == "v41_fp4":
+        return quantize_v41_fp4(x)
+    if fmt_name == "v4":
+        return quantize_v4(x)
+    raise ValueError(f"no tail-scaled record {fmt_name!r}; expected 'v4', 'v41' or 'v41_fp4'")
+
+
+def dequantize_record(data: torch.Tensor, scales: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """bf16 rows [N, 512] of a V4 / V4.1 record's ``data`` and ``scales`` bytes."""
+    return {"v4": dequantize_v4, "v41": dequantize_v41,
+            "v41_fp4": dequantize_v41_fp4}[fmt_name](data, scales)

@@ -165,6 +165,16 @@ def e4m3_bits(x, SOFT: tl.constexpr):
 
 
 @triton.jit
+def e2m1_value(code):
+    """fp32 values of e2m1 codes (int32, low 4 bits; bit 3 the sign): magnitude codes 0-3 are
+    code / 2, codes 4-7 are 2, 3, 4, 6 (the 288 B NVFP4 record, docs/semantics.md §12)."""
+    m = code & 7
+    big = (4 + 2 * (m & 1)).to(tl.float32) * tl.where(m >= 6, 1.0, 0.5)
+    v = tl.where(m < 4, m.to(tl.float32) * 0.5, big)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
 def bf16_soft(x):
     """Round-to-nearest-even fp32 → bf16 with integer arithmetic (NaN stays NaN)."""
     bits = x.to(tl.int32, bitcast=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_mla.ops.cache_insert import quantize_insert_v32, quantize_insert_v4
+from sparse_mla.ops.cache_insert import (compressed_insert_v41, quantize_insert_v32,
+                                         quantize_insert_v4)
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.benchcase import BenchCase
 from sparse_mla.ops.flashmla_decode import ops
@@ -34,6 +35,10 @@ def _random_cache(fmt, n_blocks, bs, device):
     slots = torch.arange(n, device=device)
     if fmt == "v4":
         quantize_insert_v4(x, cache, slots)
+    elif fmt in ("v41", "v41_fp4"):
+        identity = torch.cat([torch.ones(1, 32), torch.zeros(1, 32)], dim=1).to(device)
+        compressed_insert_v41(x, cache, slots, torch.zeros_like(slots), identity, 1,
+                              cache_format=fmt)
     else:
         rope = (torch.randn(n, 64, device=device) / 10).clamp(-1, 1).to(torch.bfloat16)
         quantize_insert_v32(x, rope, cache, slots)
@@ -125,6 +130,66 @@ def cases(device: str, small: bool):
     out = [_decode_case(b, s_q, h, topk, device, check=b * s_q <= 64)
            for h, topk, s_q, b in DECODE_SHAPES + SHARD_SHAPES]
     out.append(_decode_case(64, 2, 128, 2048, device, fmt="v32", check=False))
+    out.append(v41_decode_case(64, 1, 64, "v41", "v41_fp4", device, check=True))
     out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False))
     out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False, d=576))   # V3.2
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4.1-Flash decode (docs/semantics.md §12): window 128 in 32-token SWA pages + top-k
+# 512 compressed entries in 64-token blocks; the native records (528 B SWA + 288 B compressed)
+# against the 584 B pair vLLM writes below SM100
+V41_TOPK = 512
+V41_SWA_PAGE = 32
+V41_COMPRESSED_BLOCK = 64
+V41_RECORDS = (("v41", "v41_fp4"), ("v41", "v41"), ("v4", "v4"))
+V41_DECODE_SHAPES = [(h, s_q, b) for h in (64, 128) for s_q in (1, 2) for b in (1, 64, 256)]
+V41_QUICK_SHAPES = [(h, 1, b) for h in (64, 128) for b in (1, 64, 256)]
+
+
+def v41_kv_bytes(main_fmt, extra_fmt, ratio):
+    """KV bytes per context token per layer of a C<ratio>A layer: its compressed entries
+    (one per ``ratio`` tokens); the SWA cache adds ``WINDOW`` records per request whatever
+    the context."""
+    return formats.get_format(extra_fmt).bytes_per_token / ratio
+
+
+def v41_decode_inputs(b, s_q, h, main_fmt, extra_fmt, device):
+    """Each request: 160 SWA slots (5 pages of 32) of which the window's 128 are read, and
+    4 x 512 compressed entries of which 512 are read."""
+    q = torch.randn(b, s_q, h, 512, device=device).clamp(-1, 1).to(torch.bfloat16)
+    swa_slots = 5 * V41_SWA_PAGE
+    swa = _random_cache(main_fmt, b * 5, V41_SWA_PAGE, device)
+    per_req = 4 * V41_TOPK
+    cmp_ = _random_cache(extra_fmt, b * per_req // V41_COMPRESSED_BLOCK, V41_COMPRESSED_BLOCK,
+                         device)
+    full = lambda w: torch.full((b,), w, dtype=torch.int32, device=device)  # noqa: E731
+    a = dict(q=q, k_cache=swa, indices=_rows(b, s_q, WINDOW, swa_slots, device, 1),
+             topk_length=full(WINDOW), extra_k_cache=cmp_,
+             extra_indices_in_kvcache=_rows(b, s_q, V41_TOPK, per_req, device, 2),
+             extra_topk_length=full(V41_TOPK), attn_sink=torch.randn(h, device=device),
+             kv_format=main_fmt)
+    if extra_fmt != main_fmt:
+        a["extra_kv_format"] = extra_fmt
+    return a
+
+
+def v41_decode_case(b, s_q, h, main_fmt, extra_fmt, device, check=True):
+    tokens = b * s_q
+    n_keys = WINDOW + V41_TOPK
+    flops = 2 * h * 1024 * n_keys * tokens
+    nbytes = tokens * (WINDOW * formats.get_format(main_fmt).bytes_per_token
+                       + V41_TOPK * formats.get_format(extra_fmt).bytes_per_token
+                       + h * 512 * 4)
+
+    def run(a, impl):
+        a = dict(a)
+        q, c, i = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+        return ops.flash_mla_with_kvcache(q, c, i, impl=impl, **a)
+
+    name = f"v4.1 {main_fmt}+{extra_fmt} b={b} s_q={s_q} h={h} win={WINDOW}+{V41_TOPK}"
+    return BenchCase("flashmla_sparse_decode", name,
+                     lambda: v41_decode_inputs(b, s_q, h, main_fmt, extra_fmt, device), run,
+                     bytes=nbytes, flops=flops, compare=_max_err, reference=check,
+                     tolerance=TOLERANCE)

@@ -20,7 +20,10 @@ from sparse_mla.ops.common.opdef import custom_op
 from sparse_mla.ops.flashmla_decode import reference, triton_impl, vendor
 
 MAX_HEADS = 128
-HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32)}   # q / key width: 512, 576
+HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32, formats.V41, formats.V41_FP4)}
+# An extra (compressed) cache may hold another record than the main one where both are among
+# these: a V4.1 layer's 528 B SWA cache with its 288 B (or 528 B) compressed cache
+MIXABLE = ("v4", "v41", "v41_fp4")
 PREFILL_DIMS = (512, 576)     # d_qk of the prefill: V4, V3.2; the output is 512 wide either way
 
 
@@ -38,10 +41,21 @@ _DECODE = implementations("flashmla_sparse_decode", vendor=vendor.DECODE,
                           triton=triton_impl.decode, reference=reference.decode)
 
 
+def _extra_format(kv_format, extra_kv_format):
+    """The extra cache's record: ``extra_kv_format``, or ``kv_format`` where that is None."""
+    return kv_format if extra_kv_format is None else extra_kv_format
+
+
 def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size):
+                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
+                     extra_kv_format=None):
     if kv_format not in HEAD_DIM:
-        raise ValueError(f"kv_format must be 'v4' (584 B) or 'v32' (656 B), got {kv_format!r}")
+        raise ValueError(f"kv_format must be 'v4' (584 B), 'v32' (656 B), 'v41' (528 B) or "
+                         f"'v41_fp4' (288 B), got {kv_format!r}")
+    extra_fmt = _extra_format(kv_format, extra_kv_format)
+    if extra_fmt != kv_format and not (kv_format in MIXABLE and extra_fmt in MIXABLE):
+        raise ValueError(f"extra_kv_format must be one of {MIXABLE} with kv_format "
+                         f"{kv_format!r} (or equal to it), got {extra_kv_format!r}")
     fmt = formats.get_format(kv_format)
     d = HEAD_DIM[kv_format]
     checks.expect_dtype("q", q, torch.bfloat16)
@@ -66,11 +80,12 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
         if extra_indices is None:
             raise ValueError("extra_k_cache needs extra_indices_in_kvcache")
         try:
-            extra_bs = checks.paged_cache_block_size("extra_k_cache", extra_k_cache, fmt,
-                                                     extra_block_size)
+            extra_bs = checks.paged_cache_block_size(
+                "extra_k_cache", extra_k_cache, formats.get_format(extra_fmt), extra_block_size)
         except ValueError as exc:
-            raise ValueError(f"extra_k_cache must use the same format as k_cache "
-                             f"({kv_format}): {exc}") from None
+            want = (f"the same format as k_cache ({kv_format})" if extra_kv_format is None
+                    else f"format {extra_fmt} (extra_kv_format)")
+            raise ValueError(f"extra_k_cache must use {want}: {exc}") from None
         checks.expect_dtype("extra_indices_in_kvcache", extra_indices, torch.int32)
         checks.expect_shape("extra_indices_in_kvcache", extra_indices, (b, s_q, None))
         if extra_topk_length is not None:
@@ -108,29 +123,34 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            attn_sink: Optional[Tensor] = None,
                            softmax_scale: Optional[float] = None, kv_format: str = "v4",
                            block_size: Optional[int] = None,
-                           extra_block_size: Optional[int] = None, impl: str = "auto") -> None:
-    """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32."""
+                           extra_block_size: Optional[int] = None,
+                           extra_kv_format: Optional[str] = None, impl: str = "auto") -> None:
+    """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
+    ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
+    among "v4", "v41", "v41_fp4": docs/semantics.md §12)."""
     bs, extra_bs = _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                                     extra_indices, extra_topk_length, attn_sink, kv_format,
-                                    block_size, extra_block_size)
+                                    block_size, extra_block_size, extra_kv_format)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     _DECODE(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, impl=impl)
+            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs,
+            _extra_format(kv_format, extra_kv_format), impl=impl)
 
 
 @flashmla_sparse_decode.register_fake
 def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
       extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
-      block_size=None, extra_block_size=None, impl="auto"):
+      block_size=None, extra_block_size=None, extra_kv_format=None, impl="auto"):
     _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size)
+                     extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
+                     extra_kv_format)
 
 
 def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=None,
                            extra_k_cache=None, extra_indices_in_kvcache=None,
                            extra_topk_length=None, softmax_scale=None, kv_format="v4",
-                           block_size=None, extra_block_size=None, out=None, lse=None,
-                           impl="auto"):
+                           block_size=None, extra_block_size=None, extra_kv_format=None,
+                           out=None, lse=None, impl="auto"):
     """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
     Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs).
 
@@ -145,7 +165,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
         lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
-                           kv_format, block_size, extra_block_size, impl)
+                           kv_format, block_size, extra_block_size, extra_kv_format, impl)
     return out, lse
 
 

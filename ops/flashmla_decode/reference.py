@@ -6,24 +6,24 @@ from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 
 
 def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
-                   extra_topk_length, kv_format, bs, extra_bs):
+                   extra_topk_length, kv_format, bs, extra_bs, extra_fmt=None):
     b, s_q = indices.shape[0], indices.shape[1]
     # FlashMLA's lengths are per batch row [b]: every s_q token of the row shares them
     # (the widths are spelled out: -1 cannot be inferred for an empty batch)
     srcs = [KeySource(k_cache, kv_format, bs, indices.reshape(b * s_q, indices.shape[-1]),
                       topk_length, s_q)]
     if extra_k_cache is not None:
-        srcs.append(KeySource(extra_k_cache, kv_format, extra_bs,
+        srcs.append(KeySource(extra_k_cache, extra_fmt or kv_format, extra_bs,
                               extra_indices.reshape(b * s_q, extra_indices.shape[-1]),
                               extra_topk_length, s_q))
     return srcs
 
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
-                          extra_topk_length, kv_format, bs, extra_bs)
+                          extra_topk_length, kv_format, bs, extra_bs, extra_fmt)
     o, l = sparse_attention_reference(q.reshape(b * s_q, h, d), srcs, attn_sink, scale)
     out.copy_(o.view(b, s_q, h, 512))
     lse.copy_(l.view(b, s_q, h).transpose(1, 2))

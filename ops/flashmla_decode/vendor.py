@@ -124,7 +124,11 @@ def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tenso
 
 
 def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
+    if kv_format not in ("v4", "v32") or (extra_k_cache is not None
+                                          and (extra_fmt or kv_format) != kv_format):
+        return ("FlashMLA is wired here for one V4 (584 B) or V3.2 (656 B) cache format per "
+                "call; its V4.1 record decode is SM100-only")
     reason = _device_reason(q)
     if reason:
         return reason
@@ -139,7 +143,7 @@ def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extr
 
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs):
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)

@@ -95,7 +95,7 @@ def _attention_variants(arch):
            "part_o": "*bf16", "part_ml": "*fp32", "scale_ptr": "*fp32"}
     out = {}
 
-    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False):
+    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False, fmt1=None):
         g = cfg
         code = launch.FMT_CODES[fmt]
         if fmt == "plain_bf16" and g["tiled_bf16"]:
@@ -104,7 +104,8 @@ def _attention_variants(arch):
         cx = dict(FMT=code, HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=q_fp8, HB=hb,
                   BN=g["block_n"], D576=d576, TRACK_MAX=True, PREFETCH=g["prefetch"],
                   DV=g["dv"], N_UNITS=2 * g["dv"], SCALE64=fmt == "v4", SCALE_T=False,
-                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"])
+                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"],
+                  FMT1=-1 if fmt1 is None else launch.FMT_CODES[fmt1])
         stages = g["num_stages_v32"] if fmt == "v32" else g["num_stages"]
         out[name] = (PORTABLE, "_split_kernel", cx,
                      dict(ptr, q_ptr=q, c0_ptr=cache, c1_ptr=cache), {"scale2"},
@@ -118,6 +119,12 @@ def _attention_variants(arch):
     # e4m3 q over plain e4m3 rows: converted to fp16 by the launcher, fp16 dots
     split("split_plain_fp8_f16", "plain_fp8", gen, p["hb"], q="*fp16",
           f16=launch.FP16_FOR_E4M3)
+    # V4.1 records (docs/semantics.md §12): 528 B rows, and 528 B main + 288 B extra rows
+    split("split_v41", "v41", gen, p["hb"])
+    split("split_v41_v41fp4", "v41", plan.record_config(gen, ("v41", "v41_fp4"), p["shared"]),
+          p["hb"], fmt1="v41_fp4")
+    split("tiny_v41_v41fp4", "v41", plan.record_config(tiny, ("v41", "v41_fp4"), p["shared"]),
+          p["hb_tiny"], fmt1="v41_fp4")
     # tiny launches decode an e4m3 q in the kernel, but on the software e4m3 route (the
     # launcher converts it: decoded in integer arithmetic, a q block spilled tens of KB)
     if p["soft"]:
@@ -167,11 +174,26 @@ def _family_variants(arch):
                  qo_ptr="*u8" if mode == ik.MODE_PLAIN_FP8 else "*bf16",
                  kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
             {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
-    for v4 in (True, False):
-        out[f"gather_dequant_{'v4' if v4 else 'v32'}"] = (
+    for fmt in ("v4", "v32", "v41", "v41_fp4"):
+        out[f"gather_dequant_{fmt}"] = (
             INSERT, "gather_dequant_kernel",
-            dict(V4=v4, HAS_GLEN=True, TB=insert.CONFIG["gather_tokens"], SOFT=soft),
+            dict(MODE=insert.MODES.get(fmt, -1), HAS_GLEN=True,
+                 TB=insert.CONFIG["gather_tokens"], SOFT=soft),
             {"out_ptr": "*bf16", "cache_ptr": "*u8"}, set(), dict(num_warps=4, **fuse))
+    out["fused_insert_v41"] = (
+        INSERT, "fused_insert_kernel",
+        dict(HB=insert.CONFIG["heads_per_program"], MODE=ik.MODE_V41, APPLY_NORM=False,
+             SOFT=soft),
+        dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8", pos_ptr="*i64",
+             cs_ptr="*fp32", qo_ptr="*bf16", kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
+        {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
+    for fmt, mode in insert.MODES.items():
+        out[f"compressed_insert_{fmt}"] = (
+            INSERT, "compressed_insert_kernel", dict(MODE=mode, TPP=tpp, SOFT=soft),
+            dict(slots, k_ptr="*bf16", cache_ptr="*bf16" if fmt == "plain_bf16" else "*u8",
+                 pos_ptr="*i64", cs_ptr="*fp32",
+                 kv_scale_ptr="*fp32" if fmt == "plain_fp8" else "*i64"),
+            set(), dict(num_warps=iw, **fuse))
     block = index._block(2048)
     for name, cx in (("global_topk_kernel", dict(BLOCK=block)),
                      ("convert_kernel", dict(HAS_PREFILL=True, COUNT=True, BLOCK=block)),

@@ -7,7 +7,8 @@ few near-zero outputs (bf16 P in P·V), measured on an H200.
 """
 import torch
 
-from sparse_mla.ops.cache_insert import quantize_insert_v32, quantize_insert_v4
+from sparse_mla.ops.cache_insert import (compressed_insert_v41, quantize_insert_v32,
+                                         quantize_insert_v4)
 from sparse_mla.ops.common import checks, formats
 
 POISON = 0xFF           # e4m3 0xFF is NaN: a kernel that reads an unused row produces NaN
@@ -25,6 +26,10 @@ def paged_cache(fmt, n_rows, block_size, device, g, extra_pages=0, pad_bytes=0):
     slots = torch.arange(n_rows, device=device)
     if fmt == "v4":
         quantize_insert_v4(x, cache, slots)
+    elif fmt in ("v41", "v41_fp4"):
+        identity = torch.cat([torch.ones(1, 32), torch.zeros(1, 32)], dim=1).to(device)
+        compressed_insert_v41(x, cache, slots, torch.zeros_like(slots), identity, 1,
+                              cache_format=fmt)
     else:
         rope = (torch.randn(n_rows, 64, generator=g) / 10).clamp(-1, 1)
         quantize_insert_v32(x, rope.to(torch.bfloat16).to(device), cache, slots)
@@ -66,11 +71,12 @@ def garbage_past_length(idx, lens, capacity):
 
 def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, extra_bs=2,
                 extra_topk=64, use_lengths=True, sink="random", seed=0, noncontig_q=False,
-                pad_bytes=0, extra_pad_bytes=None):
+                pad_bytes=0, extra_pad_bytes=None, extra_fmt=None):
     """``pad_bytes`` pads the pages of both caches, ``extra_pad_bytes`` (if given) the extra
-    cache's instead."""
+    cache's instead. ``extra_fmt``: the extra cache's record where it differs from ``fmt``
+    (passed on as ``extra_kv_format``)."""
     g = torch.Generator().manual_seed(seed)
-    d = 512 if fmt == "v4" else 576
+    d = 576 if fmt == "v32" else 512
     n_main = max(3 * topk // 2, 8)
     q = torch.randn(b, s_q, 2 * h if noncontig_q else h, d, generator=g).clamp(-1, 1)
     q = q.to(torch.bfloat16)
@@ -84,8 +90,10 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
                                            _capacity(a["k_cache"], bs))
     if extra:
         n_extra = max(extra_topk + 5, 8)
+        if extra_fmt is not None:
+            a["extra_kv_format"] = extra_fmt
         a["extra_k_cache"] = paged_cache(
-            fmt, n_extra, extra_bs, device, g,
+            extra_fmt or fmt, n_extra, extra_bs, device, g,
             pad_bytes=pad_bytes if extra_pad_bytes is None else extra_pad_bytes)
         a["extra_indices_in_kvcache"] = index_rows(b, s_q, extra_topk, n_extra, g).to(device)
         if use_lengths:

@@ -1,0 +1,43 @@
+"""The launch plan for DeepSeek-V4.1's records (docs/semantics.md §12): the sm_90 kernel does
+not decode the 528 B / 288 B records, so launches reading them take the portable kernel on
+every GPU and the plan says why; the launcher accepts two sources of different tail-scaled
+records and nothing else mixed."""
+import pytest
+import torch
+
+from sparse_mla.ops.attention import KeySource, launch, plan
+
+
+@pytest.fixture
+def gluon_allowed(monkeypatch):
+    """A process where the Gluon kernel would be allowed (no interpreter, not turned off)."""
+    for var in ("TRITON_INTERPRET", "SPARSE_MLA_GLUON", "SPARSE_MLA_SOFT_FP8"):
+        monkeypatch.delenv(var, raising=False)
+    if plan.gluon_disabled_reason() is not None:
+        pytest.skip(plan.gluon_disabled_reason())
+
+
+@pytest.mark.parametrize("fmt,extra,names", [("v41", "v41_fp4", "v41 + v41_fp4"),
+                                              ("v41", None, "v41"), ("v4", "v41_fp4", "v41_fp4"),
+                                              ("v41", "v41", "v41")])
+def test_v41_records_route_to_the_portable_kernel(gluon_allowed, fmt, extra, names):
+    q = torch.zeros(1, 1, 512, dtype=torch.bfloat16)
+    g, why = plan.gluon_route(q, fmt, [], extra)
+    assert g is None
+    assert why.startswith(f"{names} rows (V4.1 records)") and "portable kernel" in why
+
+
+def test_mixed_v4_records_route_to_the_portable_kernel(gluon_allowed):
+    q = torch.zeros(1, 1, 512, dtype=torch.bfloat16)
+    assert plan.gluon_route(q, "v4", [], "v4")[1] != plan.gluon_route(q, "v4", [], "v32")[1]
+    assert "one format" in plan.gluon_route(q, "v4", [], "v32")[1]
+
+
+def test_launcher_rejects_mixing_other_formats():
+    q = torch.zeros(1, 1, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 4, dtype=torch.int32)
+    v32 = KeySource(torch.zeros(2, 4, 656, dtype=torch.uint8), "v32", 4, idx)
+    v41 = KeySource(torch.zeros(2, 4, 528, dtype=torch.uint8), "v41", 4, idx)
+    out = torch.empty(1, 1, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sources must share one cache format"):
+        launch.run(q, [v32, v41], None, 1.0, out)

@@ -1,0 +1,120 @@
+"""Decode over DeepSeek-V4.1's records (docs/semantics.md §12): a 528 B main (SWA) cache with a
+528 B or 288 B extra (compressed) cache, and the 584 B pair a V4.1 deployment on SM90 has.
+
+The reference against attention over the same rows decoded independently (quant's decoders
+into a plain bf16 cache); the Triton route (the portable kernel: the sm_90 kernel does not
+decode these records) against the reference with docs/semantics.md §9's tolerances, on the
+corner cases of §9: NaN-poisoned unused rows, -1 and out-of-cache ids, ids past the lengths,
+empty rows, ±inf sinks, padded block strides, odd block sizes, 32-token SWA pages and
+64-token compressed blocks."""
+import pytest
+import torch
+
+from sparse_mla.ops.attention import KeySource, sparse_attention_reference
+from sparse_mla.ops.common import checks, formats, quant
+from sparse_mla.ops.common.dispatch import last_choice
+from sparse_mla.ops.flashmla_decode import flash_mla_with_kvcache
+from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon,
+                                      split_kernel_name, triton_params)
+from sparse_mla.tests.ops.flashmla_decode.cases import (decode_case, out_of_cache_ids,
+                                                        plant)
+from sparse_mla.tests.ops.flashmla_decode.test_triton import check_decode
+
+DEVICES = triton_params()
+
+
+def _run(a, impl):
+    a = dict(a)
+    q, cache, idx = a.pop("q"), a.pop("k_cache"), a.pop("indices")
+    return flash_mla_with_kvcache(q, cache, idx, impl=impl, **a)
+
+
+def _decoded_plain(cache, fmt, bs):
+    """Every slot of a paged cache decoded by quant's record decoders, as a plain bf16
+    [nb, bs, 512] cache (NaN where the poison decodes to NaN)."""
+    f = formats.get_format(fmt)
+    blocks = checks.block_bytes_view(cache, f, bs)
+    nb = cache.shape[0]
+    rows = []
+    for o in range(bs):
+        data = blocks[:, f.token_data_addr(bs, o): f.token_data_addr(bs, o) + f.token_data_bytes]
+        sc = blocks[:, f.token_scale_addr(bs, o): f.token_scale_addr(bs, o) + f.scale_offset]
+        rows.append(quant.dequantize_record(data, sc, fmt))
+    return torch.stack(rows, dim=1).reshape(nb, bs, 512)
+
+
+@pytest.mark.parametrize("fmt,extra_fmt", [("v41", "v41_fp4"), ("v41", "v41"), ("v4", "v4"),
+                                           ("v41", None)])
+def test_reference_reads_the_records_as_their_decoders_do(fmt, extra_fmt):
+    b, s_q, h = 3, 2, 4
+    a = decode_case("cpu", b=b, s_q=s_q, h=h, fmt=fmt, bs=32, topk=64,
+                    extra=extra_fmt is not None, extra_fmt=extra_fmt, extra_bs=64,
+                    extra_topk=32, seed=1)
+    out, lse = _run(a, "reference")
+    srcs = [KeySource(_decoded_plain(a["k_cache"], fmt, 32), "plain_bf16", 32,
+                      a["indices"].reshape(b * s_q, -1), a["topk_length"], s_q)]
+    if extra_fmt is not None:
+        srcs.append(KeySource(_decoded_plain(a["extra_k_cache"], extra_fmt, 64), "plain_bf16",
+                              64, a["extra_indices_in_kvcache"].reshape(b * s_q, -1),
+                              a["extra_topk_length"], s_q))
+    want_o, want_l = sparse_attention_reference(a["q"].reshape(b * s_q, h, 512), srcs,
+                                                a["attn_sink"], 512 ** -0.5)
+    assert out.float().abs().amax() > 0
+    assert torch.equal(out.reshape(b * s_q, h, 512).view(torch.int16), want_o.view(torch.int16))
+    assert torch.equal(lse.transpose(1, 2).reshape(b * s_q, h), want_l)
+
+
+# (b, s_q, h, main block size, extra block size, topk, extra topk, main fmt, extra fmt,
+#  page padding)
+GPU_GRID = [(1, 1, 64, 32, 64, 128, 512, "v41", "v41_fp4", 0),
+            (64, 2, 64, 32, 64, 128, 512, "v41", "v41_fp4", 1024),
+            (64, 1, 128, 32, 64, 128, 512, "v41", "v41", 0),
+            (33, 2, 16, 61, 53, 64, 128, "v41", "v41_fp4", 4),
+            (3, 2, 128, 32, 64, 128, 512, "v4", "v41_fp4", 512),
+            (5, 1, 8, 32, None, 128, 0, "v41", None, 0)]
+CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
+            (2, 1, 5, 3, 5, 32, 16, "v41", "v41", 4),
+            (1, 1, 16, 32, None, 32, 0, "v41", None, 0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(GPU_GRID)))
+@pytest.mark.parametrize("shape", ["auto", "general"])
+def test_triton_matches_reference(device, case, shape, monkeypatch):
+    """Every grid case with the planner's launch shape and, forced, the general one (the
+    interpreter's small cases are otherwise all tiny launches)."""
+    if shape == "general":
+        force_tiny_launches(monkeypatch, False)
+    grid = CPU_GRID if device == "cpu" else GPU_GRID
+    if case >= len(grid):
+        pytest.skip(f"the {device} grid has {len(grid)} shapes")
+    b, s_q, h, bs, ebs, topk, etopk, fmt, efmt, pad = grid[case]
+    a = decode_case(device, b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
+                    extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case, extra_fmt=efmt,
+                    pad_bytes=pad, noncontig_q=case % 2 == 1)
+    if efmt == fmt:
+        a.pop("extra_kv_format", None)          # the default: the main cache's record
+    # out-of-cache ids inside the lengths: skipped
+    a["indices"] = plant(a["indices"], out_of_cache_ids(a["k_cache"].shape[0] * bs))
+    ref = _run(a, "reference")
+    got = _run(a, "triton")
+    choice = last_choice("flashmla_sparse_decode")
+    assert choice.impl == "triton"
+    if device != "cpu":
+        assert split_kernel_name() == "_split_kernel"
+        if hopper_with_gluon() and fmt != "v4":
+            assert "V4.1 records" in choice.plan.reason
+    check_decode(ref, got)
+
+
+def test_validation_names_the_formats():
+    a = decode_case("cpu", b=1, s_q=1, h=2, fmt="v41", bs=32, topk=16, extra_fmt="v41_fp4",
+                    extra_bs=64, extra_topk=16)
+    with pytest.raises(ValueError, match="extra_kv_format must be one of"):
+        _run(dict(a, kv_format="v32", extra_kv_format="v41_fp4"), "reference")
+    with pytest.raises(ValueError, match=r"extra_k_cache must use format v41 \(extra_kv_format"):
+        _run(dict(a, extra_kv_format="v41"), "reference")
+    with pytest.raises(ValueError, match="extra_k_cache must use the same format as k_cache"):
+        _run({k: v for k, v in a.items() if k != "extra_kv_format"}, "reference")
+    with pytest.raises(ValueError, match="kv_format must be"):
+        _run(dict(a, kv_format="v5"), "reference")
