@@ -2,5 +2,6 @@
 
 Importing this package registers no op. Import a family to register its ``torch.ops.sparse_mla``
 ops (``import sparse_mla.ops.cache_insert``, ``...index_combine``, ``...flashmla_decode``,
-``...trtllm_decode``, ``...indexer``); ``sparse_mla.ops.common.dispatch.load_all()`` imports every family.
+``...trtllm_decode``, ``...indexer``); ``sparse_mla.ops.common.dispatch.load_all()`` imports
+every family.
 """

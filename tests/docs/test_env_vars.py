@@ -25,7 +25,7 @@ ROOT = pathlib.Path(os.path.realpath(pathlib.Path(sparse_mla.__file__).parent / 
 SKIP_DIRS = {".git", ".pyroot", "__pycache__", ".whl"}
 PROJECT = re.compile(r"^(SPARSE_MLA|SMLA)_[A-Z0-9_]+$")
 BAZEL_PROTOCOL = re.compile(r"^(TEST_[A-Z_]+|XML_OUTPUT_FILE)$")
-SHELL_BUILTINS = {"BASH_SOURCE", "PIPESTATUS", "RANDOM", "LINENO", "PWD", "OLDPWD"}
+SHELL_BUILTINS = {"BASH_SOURCE", "PIPESTATUS", "RANDOM", "LINENO", "PWD", "OLDPWD", "SECONDS"}
 
 
 def _files():

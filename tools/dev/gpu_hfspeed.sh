@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 54 items 1 and 3 on one GPU (the lead's H200 call; no Bazel, no internet):
-#   bash tools/dev/gpu_hfspeed.sh [--quick]
+#   bash tools/dev/gpu_hfspeed.sh [--quick] [STEP ...]
 # 1. tests/integration/transformers on CUDA (hot path: op once per kind, kept route = op,
 #    no host sync per call; greedy tokens = eager's);
 # 2. tools/dev/profile_hf.py: the attention function's time per call, ours and eager's
@@ -13,7 +13,7 @@
 # --quick: no 16k rows, bench_backend --quick, fewer decode tokens (about half the time).
 # Each step is run even when an earlier one fails, under its own time limit (all of them
 # together 600 s: one device call); the last line gives every step's rc (124: its limit).
-# STEPS="profile backend" runs only the steps named (tests profile prefill decode compiled
+# STEP names (e.g. "profile backend") run only those steps (tests profile prefill decode compiled
 # backend).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +21,8 @@ export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 quick=0
-[ "${1:-}" = "--quick" ] && quick=1
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+steps="${*:-tests profile prefill decode compiled backend}"
 out=${OUT:-/tmp/gpu_hfspeed}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
@@ -41,7 +42,7 @@ declare -A rc
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD, log $out/NAME.log, rc kept
   local name=$1 limit=$2
   shift 2
-  case " ${STEPS:-tests profile prefill decode compiled backend} " in
+  case " $steps " in
     *" ${name%%_*} "*) ;;
     *) return ;;
   esac
