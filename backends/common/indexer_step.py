@@ -49,6 +49,14 @@ class IndexerInputs:
     block_table: Optional[Tensor] = None
 
 
+def _device_index(device: torch.device) -> torch.device:
+    """``device`` with its index filled in: a backend made for "cuda" runs on the current
+    GPU, where its inputs are "cuda:0" (found on an H200)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class IndexerStep:
     """A C4A backend plus the Lightning indexer. ``impl`` forces the indexer ops'
     implementation ("reference", "triton", ...; default: the backend's ``impl``)."""
@@ -142,7 +150,7 @@ class IndexerStep:
                                           self.block_size)
         checks.expect_same_device(q=ix.q, weights=ix.weights, k=ix.k, k_cache=ix.k_cache,
                                   slot_mapping=slots, block_table=table)
-        if ix.q.device != self.backend.device:
+        if _device_index(ix.q.device) != _device_index(self.backend.device):
             raise ValueError(f"the indexer inputs must be on the backend's device "
                              f"{self.backend.device}, got {ix.q.device}")
         if checks.value_checks_enabled(slots, table):
