@@ -112,7 +112,7 @@ def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False):
               HB=64 if arch == 90 or not tiny else 16, BN=32 if tiny else 64,
               D576=fmt == "v32", TRACK_MAX=False, PREFETCH=True, DV=dv, N_UNITS=2 * dv,
               SCALE64=fmt == "v4", SCALE_T=False, DOT_F32=False, PDL=arch >= 90, F16=f16,
-              ONE_TILE=one_tile)
+              ONE_TILE=one_tile, FMT1=-1)
     if soft:
         cx["SOFT"] = True
     stages = 1 if tiny else (3 if fmt == "v32" else 2)
