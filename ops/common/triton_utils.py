@@ -171,7 +171,10 @@ def e2m1_value(code):
     m = code & 7
     big = (4 + 2 * (m & 1)).to(tl.float32) * tl.where(m >= 6, 1.0, 0.5)
     v = tl.where(m < 4, m.to(tl.float32) * 0.5, big)
-    return tl.where((code & 8) != 0, -v, v)
+    # the sign goes on by bits: compiled, a negation of +0.0 gave +0.0 (code 8 is -0; found on
+    # an H200, where the interpreter had kept it)
+    sign = (code & 8).to(tl.int32) << 28
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
