@@ -22,9 +22,10 @@ from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_
 _LAUNCH = dict(enable_fp_fusion=False)
 
 # prefill: BT tokens x BN entries per program; decode: BN entries of one request per program.
-# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less
-# (chosen without a GPU: ``python3 -m sparse_mla.ops.indexer.bench --sweep`` times others).
-CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 8, "prefill_stages": 2,
+# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
+# The fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on an H200
+# (docs/perf-log.md, "Session 37: the indexer's launch shapes").
+CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
           "decode_bn": 64, "decode_warps": 4, "insert_tokens": 4, "insert_warps": 1}
 INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
 
