@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from sparse_mla.backends.common import LayerKind
+from sparse_mla.backends.common.indexer_step import IndexerStep
 from sparse_mla.tests.backends.cases import Harness, config
+from sparse_mla.tests.backends.test_indexer_step import IndexerHarness
 from sparse_mla.tests.helpers import INTERPRETING
 
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1 only "
@@ -24,3 +26,13 @@ def test_triton_route_matches_oracle(backend, kind):
     out, st = h.step([(0, 2), (1, 1)], [(2, 30)], pad_tokens=1)
     h.check(out, st, "mixed")
     assert {c.impl for c in h.backend.explain().values()} == {"triton"}
+
+
+def test_triton_indexer_route():
+    """The indexer inside a step on its Triton route (insert, decode and prefill top-k)."""
+    ih = IndexerHarness("trtllm_bf16", "cpu", seed=3, fp8=True, impl="triton", heads=2,
+                        max_num_tokens=256)
+    ih.run([], [(0, 40), (1, 70)])
+    ih.run([(0, 2), (1, 1)], [(2, 30)], pad_tokens=1)
+    ran = {op: c.impl for op, c in ih.step.explain().items()}
+    assert {ran[op] for op in IndexerStep.OPS} == {"triton"}
