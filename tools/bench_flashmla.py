@@ -25,10 +25,10 @@ Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 head
 with zero heads once, outside the timing.
 """
 import argparse
-import contextlib
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 import triton
@@ -92,20 +92,6 @@ def _alternate(vendor, ours, rounds):
             statistics.median(ratios), min(ratios), max(ratios))
 
 
-@contextlib.contextmanager
-def _env(name, value):
-    """``name=value`` in the environment for the block (the op reads these per launch)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
@@ -153,7 +139,7 @@ def main(argv=None):
         except Exception as exc:  # reported in the table
             v_out, vendor, tv_sched = None, None, None
             print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
-        with _env("SPARSE_MLA_GLUON", "0"):
+        with mock.patch.dict(os.environ, {"SPARSE_MLA_GLUON": "0"}):
             tp, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
         ours = case.run(a, "triton")
         route = getattr(dispatch.last_plan(), "route", "?")
@@ -173,7 +159,7 @@ def main(argv=None):
                      f"{case.bytes / to / 1e9:,.0f}", f"{100 * case.flops / to / mm:.0f}%",
                      f"{100 * case.bytes / to / copy:.0f}%", diff))
         if args.soft:
-            with _env("SPARSE_MLA_SOFT_FP8", "1"):
+            with mock.patch.dict(os.environ, {"SPARSE_MLA_SOFT_FP8": "1"}):
                 ts, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
                 soft = case.run(a, "triton")
             soft_route = getattr(dispatch.last_plan(), "label", "?")

@@ -23,6 +23,7 @@ from torch import Tensor
 from sparse_mla.backends.common.base import Backend, _ops_run
 from sparse_mla.backends.common.batch import BatchDescription, LayerKind
 from sparse_mla.ops.common import checks
+from sparse_mla.ops.common.dispatch import canonical_device
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import indexer_k_insert, indexer_topk_decode, indexer_topk_prefill
 
@@ -47,14 +48,6 @@ class IndexerInputs:
     k_cache: Tensor
     slot_mapping: Optional[Tensor] = None
     block_table: Optional[Tensor] = None
-
-
-def _device_index(device: torch.device) -> torch.device:
-    """``device`` with its index filled in: a backend made for "cuda" runs on the current
-    GPU, where its inputs are "cuda:0" (found on an H200)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class IndexerStep:
@@ -150,7 +143,8 @@ class IndexerStep:
                                           self.block_size)
         checks.expect_same_device(q=ix.q, weights=ix.weights, k=ix.k, k_cache=ix.k_cache,
                                   slot_mapping=slots, block_table=table)
-        if _device_index(ix.q.device) != _device_index(self.backend.device):
+        # a backend made for "cuda" takes inputs on "cuda:0" (found on the H200)
+        if canonical_device(ix.q.device) != canonical_device(self.backend.device):
             raise ValueError(f"the indexer inputs must be on the backend's device "
                              f"{self.backend.device}, got {ix.q.device}")
         if checks.value_checks_enabled(slots, table):

@@ -19,6 +19,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from sparse_mla.ops.common.dispatch import canonical_device
+
 _BACKENDS: Dict[Tuple, object] = {}
 _PLANNERS: Dict[Tuple, object] = {}
 
@@ -26,10 +28,7 @@ _PLANNERS: Dict[Tuple, object] = {}
 def device_of(device) -> torch.device:
     """One name per device ("cuda" and "cuda:0" alike), so a metadata builder and the layers
     find the same shared objects."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return canonical_device(device)
 
 
 def kernel_impl(device) -> str:

@@ -28,6 +28,7 @@ import torch
 import triton
 
 from sparse_mla.ops.common.dispatch import triton_interpreting
+from sparse_mla.ops.common.dispatch import soft_fp8_forced
 from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV, soft_fp8_reason
 
 ROUTES = ("portable", "tiny", "sm90", "sm90_cluster")
@@ -279,7 +280,7 @@ def gluon_disabled_reason() -> Optional[str]:
         return "SPARSE_MLA_GLUON=0"
     if triton_interpreting():
         return "the Triton interpreter runs the portable kernel"
-    if os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0"):
+    if soft_fp8_forced():
         # the Gluon kernel converts e4m3 in hardware only; the forced software route runs
         # what a GPU below sm_89 runs, on any GPU (all of it, so a Hopper runs exactly that)
         return f"{SOFT_FP8_ENV}=1: the software e4m3 route's portable kernel, as below sm_89"

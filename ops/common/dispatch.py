@@ -214,12 +214,21 @@ class Dispatcher:
         return result
 
 
+def canonical_device(device) -> torch.device:
+    """One name per device: "cuda" is the current GPU, "cuda:N" (so "cuda" and "cuda:0" compare
+    equal where GPU 0 is current)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def cuda_device_of(args, kwargs) -> Optional[int]:
     """The index of the first CUDA tensor among the arguments (the ops check that all share
     one device), or None where there is none."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and a.device.type == "cuda":
-            return a.device.index if a.device.index is not None else torch.cuda.current_device()
+            return canonical_device(a.device).index
     return None
 
 
