@@ -38,7 +38,8 @@ FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_
 # 288 B): a launch's two sources may mix these (a V4.1 layer's 528 B SWA cache and its 288 B
 # compressed cache); the portable kernel then decodes each source's tiles in its own format
 TAIL_FORMATS = ("v4", "v41", "v41_fp4")
-# The records only the portable kernel decodes (the sm_90 kernel does not: ``plan.gluon_route``)
+# The V4.1 records (the sm_90 kernel decodes 528 B rows where both sources hold them, the
+# portable kernel every pair: ``plan.gluon_route``)
 V41_FORMATS = ("v41", "v41_fp4")
 # The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
 # ``tiled_bf16``: GPUs with less shared memory per block than sm_90)

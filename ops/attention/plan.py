@@ -326,15 +326,19 @@ def record_config(cfg, fmts, shared):
     return cfg
 
 
-# The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12), which the sm_90 kernel's
-# producer warps do not decode: launches reading them run the portable kernel on every GPU
-PORTABLE_ONLY_FORMATS = ("v41", "v41_fp4")
+# The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12) the sm_90 kernel's
+# producer warps do not decode: launches reading them run the portable kernel on every GPU.
+# They decode 528 B rows where both sources hold them (``GLUON_V41``, staged by cp.async:
+# 16-byte-aligned blocks); a 528 B source beside another record runs the portable kernel too.
+PORTABLE_ONLY_FORMATS = ("v41_fp4",)
+GLUON_V41 = "v41"
 
 
 def gluon_route(q, fmt, blocks, extra_fmt=None):
     """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
     kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
-    blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the V3.2
+    blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the
+    V4.1 528 B cache in both sources (16-byte-aligned blocks, staged likewise), the V3.2
     cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
     bf16 / e4m3 cache of 512- or 576-wide rows (``plan_launch`` still keeps tiny launches that
     ``launch_config`` gives the output-dim split on the portable kernel). ``blocks``: each
@@ -347,6 +351,10 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     if v41:
         return None, (f"{' + '.join(dict.fromkeys(v41))} rows (V4.1 records): the sm_90 kernel "
                       "does not decode them, the portable kernel does")
+    if GLUON_V41 in (fmt, extra_fmt) and extra_fmt not in (None, fmt):
+        return None, (f"{fmt} + {extra_fmt} rows (V4.1 records): the sm_90 kernel decodes "
+                      f"{GLUON_V41} rows only where both sources hold them, the portable "
+                      "kernel decodes the pair")
     if extra_fmt is not None and extra_fmt != fmt:
         return None, f"{fmt} + {extra_fmt} sources: the sm_90 kernel takes one format"
     if q.device.type != "cuda":
@@ -354,7 +362,7 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     cap = torch.cuda.get_device_capability(q.device)
     if cap != (9, 0):
         return None, f"GPU capability sm_{cap[0]}{cap[1]}, the Gluon kernel is sm_90 only"
-    need = {"v4": 8, "v32": 16}.get(fmt)
+    need = {"v4": 8, "v32": 16, GLUON_V41: 16}.get(fmt)
     if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
         return None, f"{fmt} cache blocks not all {need}-byte aligned"
     try:
@@ -385,17 +393,19 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
         return LaunchPlan(route, why_not or "the portable kernel", soft_e4m3=soft), cfg, None
     from sparse_mla.ops.attention.sm90 import tuning
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
-    staged = (fmt == "v4" and tuning.STAGE_V4
-              and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
+    staged = ((fmt == "v4" and tuning.STAGE_V4
+               and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
+              or fmt == GLUON_V41)     # always staged (gluon_route: 16-byte aligned)
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
     # tiny launches, slower there: docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
     cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
-               and ((staged and tuning.CLUSTER_V4) or (fmt == "v32" and tuning.CLUSTER_V32)))
+               and ((staged and fmt == "v4" and tuning.CLUSTER_V4)
+                    or (fmt == "v32" and tuning.CLUSTER_V32)))
     if cluster:
         reason = (f"{fmt} rows at {heads} heads: each token's two head blocks as one 2-CTA "
                   "cluster")
     else:
         reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"
         if staged:
-            reason += ", V4 rows staged by cp.async"
+            reason += f", {'V4.1 528 B' if fmt == GLUON_V41 else 'V4'} rows staged by cp.async"
     return LaunchPlan("sm90_cluster" if cluster else "sm90", reason, staged=staged), cfg, g

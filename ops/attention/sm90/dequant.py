@@ -106,3 +106,30 @@ def _store_e4m3(kb, TILE: gl.constexpr, x):
     """Plain e4m3 bytes (per-tensor scale, applied outside the kernel) as the stage's bf16 or
     fp16: exact either way (fp16 takes one conversion per two bytes, bf16 three)."""
     kb.slice(64 * TILE, 64, dim=1).store(x.to(gl.float8e4nv, bitcast=True).to(kb.dtype))
+
+
+@gluon.jit
+def _dequant_v41(x, sc_lo, sc_hi, TILE: gl.constexpr, upper):
+    """Dims [64 TILE, 64 TILE + 64) of 528 B V4.1 rows: e4m3 bytes × 2^(scale - 127), one
+    UE8M0 scale per 32 dims (scale bytes 0-7 in ``sc_lo``, 8-15 in ``sc_hi``, one int64 per
+    row); ``upper``: the columns in the tile's second 32 dims. Rounded as ``_dequant_bf16``
+    rounds V4's (each thread's 16 columns lie in one half, so a pair's scale is one byte)."""
+    sc = sc_lo if TILE < 4 else sc_hi
+    sa = ((sc >> (16 * (TILE % 4))) & 0xFF).to(gl.int32)
+    sb = ((sc >> (16 * (TILE % 4) + 8)) & 0xFF).to(gl.int32)
+    return _dequant_bf16(x, gl.where(upper, sb[:, None], sa[:, None]))
+
+
+@gluon.jit
+def _store_v41(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, sc_lo,
+               sc_hi, upper):
+    """Dequantized 528 B rows into rows [r0, r0 + rows) of stage ``kb``: eight e4m3 64-dim
+    tiles (all 512 dims, RoPE included, are quantized in V4.1)."""
+    _panel(kb, 0, r0, rows).store(_dequant_v41(x0, sc_lo, sc_hi, 0, upper))
+    _panel(kb, 1, r0, rows).store(_dequant_v41(x1, sc_lo, sc_hi, 1, upper))
+    _panel(kb, 2, r0, rows).store(_dequant_v41(x2, sc_lo, sc_hi, 2, upper))
+    _panel(kb, 3, r0, rows).store(_dequant_v41(x3, sc_lo, sc_hi, 3, upper))
+    _panel(kb, 4, r0, rows).store(_dequant_v41(x4, sc_lo, sc_hi, 4, upper))
+    _panel(kb, 5, r0, rows).store(_dequant_v41(x5, sc_lo, sc_hi, 5, upper))
+    _panel(kb, 6, r0, rows).store(_dequant_v41(x6, sc_lo, sc_hi, 6, upper))
+    _panel(kb, 7, r0, rows).store(_dequant_v41(x7, sc_lo, sc_hi, 7, upper))

@@ -221,3 +221,28 @@ def _load_v32_tail(rec, valid, cb):
     return (_byte_tile(rec, 4, v2, cb), _byte_tile(rec, 5, v2, cb), _byte_tile(rec, 6, v2, cb),
             _byte_tile(rec, 7, v2, cb), gl.load(scales, mask=valid, other=0.0),
             gl.load(scales + 1, mask=valid, other=0.0))
+
+
+V41_DATA = gl.constexpr(formats.V41.token_data_bytes)      # e4m3 bytes of a 528 B record
+V41_SCALES = gl.constexpr(formats.V41.scale_offset)        # its UE8M0 scale bytes (tail)
+
+
+@gluon.jit
+def _issue_v41(stage_raw, idx, source, cb, SUB: gl.constexpr):
+    """Start the gather of one chunk of 528 B V4.1 rows (``source``: ``tile_source``'s cache
+    arguments) into the staging buffer: the 512 e4m3 bytes as eight [SUB, 64] byte tiles by
+    cp.async (rows with an unusable slot id are zero-filled), one commit group; the rows'
+    sixteen UE8M0 scale bytes (in the block's tail after its data rows) as two int64 by
+    ordinary loads, used a chunk later. Returns (valid, scales 0-7, scales 8-15)."""
+    cache, s0, s1, bs, cap = source
+    valid = _usable(idx, cap)
+    blk = (idx // bs).to(gl.int64)
+    off = (idx % bs).to(gl.int64)
+    rec = cache + blk * s0 + off * V41_DATA
+    v2 = valid[:, None]
+    for k in gl.static_range(8):
+        async_load(stage_raw.slice(k * SUB, SUB), rec[:, None] + (64 * k + cb[None, :]),
+                   mask=v2)
+    async_copy.commit_group()
+    sc = (cache + blk * s0 + bs * V41_DATA + off * V41_SCALES).to(gl.pointer_type(gl.int64))
+    return valid, gl.load(sc, mask=valid, other=0), gl.load(sc + 1, mask=valid, other=0)

@@ -32,6 +32,7 @@ from sparse_mla.ops.attention.sm90.gather import (V32_RECORD, _byte_tile, _byte_
                                                   _early_slots, _gather_v4, _gather_v32,
                                                   _issue_v4, _load_v32_tail, _record,
                                                   _rope_v32, _slots, _stage_v32, _usable)
+from sparse_mla.ops.attention.sm90.producers_v41 import _produce_v41
 
 
 @gluon.jit
@@ -43,13 +44,19 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              P_WARPS: gl.constexpr, STAGED: gl.constexpr,
              SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
-    each tile where ``CLUSTER``), else a tile at a time (``_produce_tiles``)."""
+    each tile where ``CLUSTER``), 528 B V4.1 rows (``FMT`` 5) through it too
+    (``producers_v41``), else a tile at a time (``_produce_tiles``)."""
     if CLUSTER and FMT == 1:
         _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                           peer_free, t, lo, hi,
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank)
+    elif STAGED and FMT == 5:
+        _produce_v41(k_bufs, stage_raw, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
+                     n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
+                     P_WARPS, EARLY)
     elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
                     t, lo, hi,

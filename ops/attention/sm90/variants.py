@@ -23,12 +23,14 @@ import sys
 import tempfile
 
 # (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3 (launch.FMT_CODES)
+#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES)
 VARIANTS = {
     "v4_staged": dict(fmt=0, staged=True),
     "v4_staged_final": dict(fmt=0, staged=True, final=True),
     "v4_unstaged": dict(fmt=0),
     "v4_cluster": dict(fmt=0, staged=True, cluster=True),
+    "v41_staged": dict(fmt=5, staged=True),
+    "v41_staged_final": dict(fmt=5, staged=True, final=True),
     "v32": dict(fmt=1, d576=True),
     "v32_cluster": dict(fmt=1, d576=True, cluster=True),
     "bf16_512": dict(fmt=2),
