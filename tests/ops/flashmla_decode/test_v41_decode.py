@@ -2,11 +2,13 @@
 528 B or 288 B extra (compressed) cache, and the 584 B pair a V4.1 deployment on SM90 has.
 
 The reference against attention over the same rows decoded independently (quant's decoders
-into a plain bf16 cache); the Triton route (the portable kernel: the sm_90 kernel does not
-decode these records) against the reference with docs/semantics.md §9's tolerances, on the
-corner cases of §9: NaN-poisoned unused rows, -1 and out-of-cache ids, ids past the lengths,
-empty rows, ±inf sinks, padded block strides, odd block sizes, 32-token SWA pages and
-64-token compressed blocks."""
+into a plain bf16 cache); the Triton route (on Hopper the sm_90 kernel where both sources
+hold 528 B rows in 16-byte-aligned blocks, else the portable kernel) against the reference
+with docs/semantics.md §9's tolerances, on the corner cases of §9: NaN-poisoned unused rows,
+-1 and out-of-cache ids, ids past the lengths, empty rows, ±inf sinks, padded block strides,
+odd block sizes, 32-token SWA pages and 64-token compressed blocks. On Hopper the sm_90
+kernel's 528 B decoding is also checked bit for bit: its output over 528 B rows equals its
+output over the same rows decoded by quant's decoders into plain bf16 caches."""
 import pytest
 import torch
 
@@ -71,7 +73,13 @@ GPU_GRID = [(1, 1, 64, 32, 64, 128, 512, "v41", "v41_fp4", 0),
             (64, 1, 128, 32, 64, 128, 512, "v41", "v41", 0),
             (33, 2, 16, 61, 53, 64, 128, "v41", "v41_fp4", 4),
             (3, 2, 128, 32, 64, 128, 512, "v4", "v41_fp4", 512),
-            (5, 1, 8, 32, None, 128, 0, "v41", None, 0)]
+            (5, 1, 8, 32, None, 128, 0, "v41", None, 0),
+            (1, 1, 64, 32, 64, 128, 512, "v41", "v41", 0),
+            (2, 2, 128, 32, 64, 128, 512, "v41", "v41", 1024),
+            (33, 2, 64, 61, 53, 64, 128, "v41", "v41", 16),
+            (7, 2, 128, 61, 53, 64, 128, "v41", "v41", 4),
+            (9, 1, 64, 32, 64, 128, 512, "v41", "v4", 0),
+            (40, 2, 128, 32, 64, 128, 512, "v41", "v41", 512)]
 CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
             (2, 1, 5, 3, 5, 32, 16, "v41", "v41", 4),
             (1, 1, 16, 32, None, 32, 0, "v41", None, 0)]
@@ -100,11 +108,66 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
     got = _run(a, "triton")
     choice = last_choice("flashmla_sparse_decode")
     assert choice.impl == "triton"
-    if device != "cpu":
+    if device != "cpu" and hopper_with_gluon():
+        if _sm90_decodes(fmt, efmt, pad) and choice.plan.route != "tiny":
+            assert choice.plan.route == "sm90"
+            assert split_kernel_name() == "_ws_kernel"
+            assert "V4.1 528 B rows staged by cp.async" in choice.plan.reason
+        else:
+            assert split_kernel_name() == "_split_kernel"
+            if fmt == "v41" and efmt in (None, "v41"):     # 528 B rows, blocks misaligned
+                assert choice.plan.reason == "v41 cache blocks not all 16-byte aligned"
+            elif fmt != "v4":
+                assert "V4.1 records" in choice.plan.reason
+    elif device != "cpu":
         assert split_kernel_name() == "_split_kernel"
-        if hopper_with_gluon() and fmt != "v4":
-            assert "V4.1 records" in choice.plan.reason
     check_decode(ref, got)
+
+
+def _sm90_decodes(fmt, efmt, pad):
+    """Whether the sm_90 kernel takes a grid case (given a launch that is not tiny): 528 B rows
+    in every source, every block 16-byte aligned (pages are multiples of 512 B, so the
+    padding decides)."""
+    return fmt == "v41" and efmt in (None, "v41") and pad % 16 == 0
+
+
+# (b, s_q, h, extra topk, seed): Hopper only
+EXACT_GRID = [(4, 1, 64, 512, 0), (3, 2, 128, 512, 1), (40, 2, 64, 128, 2), (1, 1, 128, 64, 3),
+              (80, 1, 128, 512, 4)]
+
+
+@pytest.mark.parametrize("b,s_q,h,etopk,seed", EXACT_GRID)
+def test_sm90_decodes_528_rows_exactly(b, s_q, h, etopk, seed):
+    """The sm_90 kernel over 528 B main + extra rows against the same kernel over those rows
+    decoded by quant's decoders into plain bf16 caches (the same launch plan, the same
+    consumers: equal outputs bit for bit iff the producer decodes each row exactly as the
+    reference does), with -1 / out-of-cache ids, ids past the lengths, empty rows and ±inf
+    sinks."""
+    from sparse_mla.ops.attention import sparse_attention_triton
+    if not hopper_with_gluon():
+        pytest.skip("needs the sm_90 Gluon kernel (an H100 / H200 with a Triton it supports)")
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v41", bs=32, topk=128, extra_bs=64,
+                    extra_topk=etopk, seed=seed, extra_fmt="v41", pad_bytes=512)
+    a["indices"] = plant(a["indices"], out_of_cache_ids(a["k_cache"].shape[0] * 32))
+    t = b * s_q
+    q = a["q"].reshape(t, h, 512)
+    keys = [(a["k_cache"], 32, a["indices"], a["topk_length"]),
+            (a["extra_k_cache"], 64, a["extra_indices_in_kvcache"], a["extra_topk_length"])]
+    outs, plans = [], []
+    for plain in (False, True):
+        srcs = [KeySource(_decoded_plain(c, "v41", bs) if plain else c,
+                          "plain_bf16" if plain else "v41", bs, i.reshape(t, -1), n, s_q)
+                for c, bs, i, n in keys]
+        o = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((t, h), float("nan"), device="cuda")
+        plans.append(sparse_attention_triton(q, srcs, a["attn_sink"], 512 ** -0.5, o, lse))
+        outs.append((o, lse))
+    (o, lse), (want_o, want_lse) = outs
+    assert [p.route for p in plans] == ["sm90", "sm90"]
+    assert plans[0].staged and plans[0].phases == plans[1].phases
+    assert want_o.float().abs().amax() > 0 and not want_o.isnan().any()
+    assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
+    assert torch.equal(lse, want_lse)
 
 
 def test_validation_names_the_formats():
