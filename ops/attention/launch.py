@@ -38,9 +38,12 @@ FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_
 # 288 B): a launch's two sources may mix these (a V4.1 layer's 528 B SWA cache and its 288 B
 # compressed cache); the portable kernel then decodes each source's tiles in its own format
 TAIL_FORMATS = ("v4", "v41", "v41_fp4")
-# The V4.1 records (the sm_90 kernel decodes 528 B rows where both sources hold them, the
-# portable kernel every pair: ``plan.gluon_route``)
+# The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
+# ``plan.GLUON_V41_PAIRS``)
 V41_FORMATS = ("v41", "v41_fp4")
+# The sm_90 kernel's FMT for 528 B main rows with 288 B extra rows (its producer picks each
+# chunk's record by its source: ``sm90/producers_v41.py``)
+FMT_V41_FP4_EXTRA = 7
 # The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
 # ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
 FMT_PLAIN_BF16_TILED = 4
@@ -77,8 +80,10 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
+    fmt = (FMT_V41_FP4_EXTRA if src1 is not None and src1.fmt == "v41_fp4"
+           else FMT_CODES[src0.fmt])
     kwargs = tuning.launch_constexprs(
-        FMT_CODES[src0.fmt], has_l0=src0.lengths is not None,
+        fmt, has_l0=src0.lengths is not None,
         has_l1=src1 is not None and src1.lengths is not None, has_src1=src1 is not None,
         track_max=max_logits is not None, n_units=n_units,
         scale_t=isinstance(scale, torch.Tensor), q_fp8=q_fp8, final=final,

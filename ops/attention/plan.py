@@ -326,19 +326,22 @@ def record_config(cfg, fmts, shared):
     return cfg
 
 
-# The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12) the sm_90 kernel's
-# producer warps do not decode: launches reading them run the portable kernel on every GPU.
-# They decode 528 B rows where both sources hold them (``GLUON_V41``, staged by cp.async:
-# 16-byte-aligned blocks); a 528 B source beside another record runs the portable kernel too.
-PORTABLE_ONLY_FORMATS = ("v41_fp4",)
+# The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12). The sm_90 kernel's
+# producer warps decode them in the pairs (main, extra) of ``GLUON_V41_PAIRS`` (staged by
+# cp.async: 16-byte-aligned blocks): 528 B main rows alone or with 528 B or 288 B extra rows,
+# a V4.1 layer's SWA and compressed caches. Other launches reading them (288 B main rows, a
+# V4.1 record beside a V4 one) run the portable kernel on every GPU.
+V41_RECORDS = ("v41", "v41_fp4")
 GLUON_V41 = "v41"
+GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"))
 
 
 def gluon_route(q, fmt, blocks, extra_fmt=None):
     """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
     kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
     blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the
-    V4.1 528 B cache in both sources (16-byte-aligned blocks, staged likewise), the V3.2
+    V4.1 528 B cache alone or with a 528 B or 288 B extra cache (``GLUON_V41_PAIRS``;
+    16-byte-aligned blocks, staged likewise), the V3.2
     cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
     bf16 / e4m3 cache of 512- or 576-wide rows (``plan_launch`` still keeps tiny launches that
     ``launch_config`` gives the output-dim split on the portable kernel). ``blocks``: each
@@ -347,15 +350,12 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     reason = gluon_disabled_reason()
     if reason is not None:
         return None, reason
-    v41 = [f for f in (fmt, extra_fmt) if f in PORTABLE_ONLY_FORMATS]
-    if v41:
-        return None, (f"{' + '.join(dict.fromkeys(v41))} rows (V4.1 records): the sm_90 kernel "
-                      "does not decode them, the portable kernel does")
-    if GLUON_V41 in (fmt, extra_fmt) and extra_fmt not in (None, fmt):
-        return None, (f"{fmt} + {extra_fmt} rows (V4.1 records): the sm_90 kernel decodes "
-                      f"{GLUON_V41} rows only where both sources hold them, the portable "
-                      "kernel decodes the pair")
-    if extra_fmt is not None and extra_fmt != fmt:
+    v41_pair = (fmt, extra_fmt) in GLUON_V41_PAIRS
+    if (fmt in V41_RECORDS or extra_fmt in V41_RECORDS) and not v41_pair:
+        pair = fmt if extra_fmt is None else f"{fmt} + {extra_fmt}"
+        return None, (f"{pair} rows (V4.1 records): the sm_90 kernel decodes 528 B main rows "
+                      "alone or with 528 B or 288 B extra rows, the portable kernel the rest")
+    if extra_fmt is not None and extra_fmt != fmt and not v41_pair:
         return None, f"{fmt} + {extra_fmt} sources: the sm_90 kernel takes one format"
     if q.device.type != "cuda":
         return None, f"tensors on {q.device.type}, the sm_90 kernel needs CUDA"
@@ -406,6 +406,9 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
                   "cluster")
     else:
         reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"
-        if staged:
-            reason += f", {'V4.1 528 B' if fmt == GLUON_V41 else 'V4'} rows staged by cp.async"
+        if fmt == GLUON_V41:
+            reason += (", V4.1 528 B" + (" + 288 B" if extra_fmt == "v41_fp4" else "")
+                       + " rows staged by cp.async")
+        elif staged:
+            reason += ", V4 rows staged by cp.async"
     return LaunchPlan("sm90_cluster" if cluster else "sm90", reason, staged=staged), cfg, g

@@ -133,3 +133,70 @@ def _store_v41(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5,
     _panel(kb, 5, r0, rows).store(_dequant_v41(x5, sc_lo, sc_hi, 5, upper))
     _panel(kb, 6, r0, rows).store(_dequant_v41(x6, sc_lo, sc_hi, 6, upper))
     _panel(kb, 7, r0, rows).store(_dequant_v41(x7, sc_lo, sc_hi, 7, upper))
+
+
+# Four e2m1 codes -> two bf16x2 outputs ($0, $1), scaled by the bf16x2 factor $3. $2 holds
+# bytes (b, b, b', b'): each byte of the row twice, so the low 16 bits give b's two codes and
+# the high 16 bits b''s. A code (bit 3 the sign, bits 0-2 the magnitude) is re-encoded as the
+# e4m3 byte of the same bits shifted (magnitude to bits 2-4, sign to bit 7): that byte's value
+# is the code's times 2^-6, exactly, the e2m1 subnormal 0.5 becoming an e4m3 subnormal; low
+# nibble of the first copy and high nibble of the second make an e4m3 pair, decoded as V4's
+# bytes are (``_DEQUANT_PAIR``), the factor being the e4m3 scale times 64.
+_FP4_PAIRS = gl.constexpr("""{
+    .reg .b16 p0, p1, h0, h1;
+    .reg .b32 w, t, u;
+    .reg .f32 a, b;
+    and.b32 t, $2, 0x00070007;
+    shl.b32 t, t, 2;
+    and.b32 u, $2, 0x00080008;
+    shl.b32 u, u, 4;
+    or.b32 t, t, u;
+    and.b32 u, $2, 0x70007000;
+    shr.b32 u, u, 2;
+    or.b32 t, t, u;
+    and.b32 u, $2, 0x80008000;
+    or.b32 w, t, u;
+    mov.b32 {p0, p1}, w;""" + _DEQUANT_PAIR.format(pair="p0", out="$0")
+                         + _DEQUANT_PAIR.format(pair="p1", out="$1") + """
+    }""")
+
+
+@gluon.jit
+def _dequant_fp4(x, sc, P_WARPS: gl.constexpr):
+    """Dims [128 k, 128 k + 128) of 288 B V4.1 rows from their bytes [64 k, 64 k + 64) ``x``
+    (a [rows, 64] tile, 16 bytes per thread) and their scales 8k..8k+7 ``sc`` (one int64 per
+    row): e2m1 × e4m3 scale, exact in bf16. Returns [rows, 128] bf16, 32 dims per thread.
+
+    The tile is seen as [rows, 8 scale groups, 8 bytes, 2] (each byte twice: one output per
+    nibble), so a scale is one value per (row, group) broadcast over its 16 dims, and the
+    result's dims come out in order."""
+    L4: gl.constexpr = gl.BlockedLayout([1, 2, 8, 2], [8, 4, 1, 1], [P_WARPS, 1, 1, 1],
+                                        [3, 2, 1, 0])
+    X3: gl.constexpr = gl.SliceLayout(3, L4)
+    S2: gl.constexpr = gl.SliceLayout(2, X3)
+    rows: gl.constexpr = x.shape[0]
+    x3 = gl.convert_layout(gl.reshape(x, rows, 8, 8), X3)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, S2)).to(gl.int64)
+    sb = ((gl.convert_layout(sc, gl.SliceLayout(1, S2))[:, None] >> (8 * g)[None, :]) & 0xFF)
+    s = sb.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
+    f = s.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    f = (f | (f << 16))[:, :, None, None]
+    x4, f = gl.broadcast(x3[:, :, :, None], f)
+    two = gl.full([rows, 8, 8, 2], 0, gl.int32, L4)
+    x4, two = gl.broadcast(x4, two)
+    f, two = gl.broadcast(f, two)
+    y = gl.inline_asm_elementwise(_FP4_PAIRS, "=r,=r,r,r,r,r,r", [x4, f],
+                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.reshape(y, rows, 128)
+
+
+@gluon.jit
+def _store_fp4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, s0, s1, s2, s3,
+               P_WARPS: gl.constexpr):
+    """Dequantized 288 B rows into rows [r0, r0 + rows) of stage ``kb``: four byte tiles of
+    128 dims each (column slices of two 64-dim panels)."""
+    kr = kb.slice(r0, rows)
+    kr.slice(0, 128, dim=1).store(_dequant_fp4(x0, s0, P_WARPS))
+    kr.slice(128, 128, dim=1).store(_dequant_fp4(x1, s1, P_WARPS))
+    kr.slice(256, 128, dim=1).store(_dequant_fp4(x2, s2, P_WARPS))
+    kr.slice(384, 128, dim=1).store(_dequant_fp4(x3, s3, P_WARPS))

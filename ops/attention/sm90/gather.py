@@ -246,3 +246,28 @@ def _issue_v41(stage_raw, idx, source, cb, SUB: gl.constexpr):
     async_copy.commit_group()
     sc = (cache + blk * s0 + bs * V41_DATA + off * V41_SCALES).to(gl.pointer_type(gl.int64))
     return valid, gl.load(sc, mask=valid, other=0), gl.load(sc + 1, mask=valid, other=0)
+
+
+V41_FP4_DATA = gl.constexpr(formats.V41_FP4.token_data_bytes)    # e2m1 bytes of a 288 B record
+V41_FP4_SCALES = gl.constexpr(formats.V41_FP4.scale_offset)      # its e4m3 scale bytes (tail)
+
+
+@gluon.jit
+def _issue_fp4(stage_raw, idx, source, cb, SUB: gl.constexpr):
+    """``_issue_v41`` for 288 B V4.1 rows: their 256 bytes of e2m1 pairs as four [SUB, 64]
+    byte tiles by cp.async (one commit group) and their 32 e4m3 scale bytes as four int64.
+    Returns (valid, scales 0-7, 8-15, 16-23, 24-31)."""
+    cache, s0, s1, bs, cap = source
+    valid = _usable(idx, cap)
+    blk = (idx // bs).to(gl.int64)
+    off = (idx % bs).to(gl.int64)
+    rec = cache + blk * s0 + off * V41_FP4_DATA
+    v2 = valid[:, None]
+    for k in gl.static_range(4):
+        async_load(stage_raw.slice(k * SUB, SUB), rec[:, None] + (64 * k + cb[None, :]),
+                   mask=v2)
+    async_copy.commit_group()
+    sc = (cache + blk * s0 + bs * V41_FP4_DATA + off * V41_FP4_SCALES).to(
+        gl.pointer_type(gl.int64))
+    return (valid, gl.load(sc, mask=valid, other=0), gl.load(sc + 1, mask=valid, other=0),
+            gl.load(sc + 2, mask=valid, other=0), gl.load(sc + 3, mask=valid, other=0))

@@ -78,7 +78,7 @@ def _ws_kernel(
         num_warps: gl.constexpr):
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
-    gl.static_assert(not STAGED or FMT == 0 or FMT == 5)   # V4 or V4.1 528 B rows
+    gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
     gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
@@ -90,8 +90,7 @@ def _ws_kernel(
     h0 = unit * HEADS
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
-    EARLY: gl.constexpr = EARLY_SLOTS and not CLUSTER and (FMT == 0 or FMT == 3
-                                                         or FMT == 5)
+    EARLY: gl.constexpr = EARLY_SLOTS and not CLUSTER and (FMT == 0 or FMT == 3 or FMT >= 5)
     V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,

@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 # (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES)
+#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES), 7 528 B
+#   main + 288 B extra rows (launch.FMT_V41_FP4_EXTRA)
 VARIANTS = {
     "v4_staged": dict(fmt=0, staged=True),
     "v4_staged_final": dict(fmt=0, staged=True, final=True),
@@ -31,6 +32,7 @@ VARIANTS = {
     "v4_cluster": dict(fmt=0, staged=True, cluster=True),
     "v41_staged": dict(fmt=5, staged=True),
     "v41_staged_final": dict(fmt=5, staged=True, final=True),
+    "v41_fp4_staged": dict(fmt=7, staged=True),
     "v32": dict(fmt=1, d576=True),
     "v32_cluster": dict(fmt=1, d576=True, cluster=True),
     "bf16_512": dict(fmt=2),

@@ -3,12 +3,13 @@
 
 The reference against attention over the same rows decoded independently (quant's decoders
 into a plain bf16 cache); the Triton route (on Hopper the sm_90 kernel where both sources
-hold 528 B rows in 16-byte-aligned blocks, else the portable kernel) against the reference
+hold V4.1 records it decodes, in 16-byte-aligned blocks, else the portable kernel) against the
+reference
 with docs/semantics.md §9's tolerances, on the corner cases of §9: NaN-poisoned unused rows,
 -1 and out-of-cache ids, ids past the lengths, empty rows, ±inf sinks, padded block strides,
 odd block sizes, 32-token SWA pages and 64-token compressed blocks. On Hopper the sm_90
-kernel's 528 B decoding is also checked bit for bit: its output over 528 B rows equals its
-output over the same rows decoded by quant's decoders into plain bf16 caches."""
+kernel's decoding of 528 B and 288 B rows is also checked bit for bit: its output over them
+equals its output over the same rows decoded by quant's decoders into plain bf16 caches."""
 import pytest
 import torch
 
@@ -112,10 +113,13 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
         if _sm90_decodes(fmt, efmt, pad) and choice.plan.route != "tiny":
             assert choice.plan.route == "sm90"
             assert split_kernel_name() == "_ws_kernel"
-            assert "V4.1 528 B rows staged by cp.async" in choice.plan.reason
+            records = "528 B + 288 B" if efmt == "v41_fp4" else "528 B"
+            assert f"V4.1 {records} rows staged by cp.async" in choice.plan.reason
         else:
             assert split_kernel_name() == "_split_kernel"
-            if fmt == "v41" and efmt in (None, "v41"):     # 528 B rows, blocks misaligned
+            if choice.plan.route == "tiny":
+                assert choice.plan.reason.startswith("tiny launch of one head block")
+            elif _sm90_decodes(fmt, efmt, 0):     # blocks misaligned
                 assert choice.plan.reason == "v41 cache blocks not all 16-byte aligned"
             elif fmt != "v4":
                 assert "V4.1 records" in choice.plan.reason
@@ -125,10 +129,10 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
 
 
 def _sm90_decodes(fmt, efmt, pad):
-    """Whether the sm_90 kernel takes a grid case (given a launch that is not tiny): 528 B rows
-    in every source, every block 16-byte aligned (pages are multiples of 512 B, so the
-    padding decides)."""
-    return fmt == "v41" and efmt in (None, "v41") and pad % 16 == 0
+    """Whether the sm_90 kernel takes a grid case (given a launch that is not tiny): 528 B main
+    rows alone or with 528 B or 288 B extra rows, every block 16-byte aligned (pages are
+    multiples of 512 B, so the padding decides)."""
+    return fmt == "v41" and efmt in (None, "v41", "v41_fp4") and pad % 16 == 0
 
 
 # (b, s_q, h, extra topk, seed): Hopper only
@@ -136,9 +140,11 @@ EXACT_GRID = [(4, 1, 64, 512, 0), (3, 2, 128, 512, 1), (40, 2, 64, 128, 2), (1, 
               (80, 1, 128, 512, 4)]
 
 
+@pytest.mark.parametrize("efmt", ["v41", "v41_fp4"])
 @pytest.mark.parametrize("b,s_q,h,etopk,seed", EXACT_GRID)
-def test_sm90_decodes_528_rows_exactly(b, s_q, h, etopk, seed):
-    """The sm_90 kernel over 528 B main + extra rows against the same kernel over those rows
+def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt):
+    """The sm_90 kernel over 528 B main + 528 B or 288 B extra rows against the same kernel over
+    those rows
     decoded by quant's decoders into plain bf16 caches (the same launch plan, the same
     consumers: equal outputs bit for bit iff the producer decodes each row exactly as the
     reference does), with -1 / out-of-cache ids, ids past the lengths, empty rows and ±inf
@@ -147,17 +153,18 @@ def test_sm90_decodes_528_rows_exactly(b, s_q, h, etopk, seed):
     if not hopper_with_gluon():
         pytest.skip("needs the sm_90 Gluon kernel (an H100 / H200 with a Triton it supports)")
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v41", bs=32, topk=128, extra_bs=64,
-                    extra_topk=etopk, seed=seed, extra_fmt="v41", pad_bytes=512)
+                    extra_topk=etopk, seed=seed, extra_fmt=efmt, pad_bytes=512)
     a["indices"] = plant(a["indices"], out_of_cache_ids(a["k_cache"].shape[0] * 32))
     t = b * s_q
     q = a["q"].reshape(t, h, 512)
-    keys = [(a["k_cache"], 32, a["indices"], a["topk_length"]),
-            (a["extra_k_cache"], 64, a["extra_indices_in_kvcache"], a["extra_topk_length"])]
+    keys = [(a["k_cache"], "v41", 32, a["indices"], a["topk_length"]),
+            (a["extra_k_cache"], efmt, 64, a["extra_indices_in_kvcache"],
+             a["extra_topk_length"])]
     outs, plans = [], []
     for plain in (False, True):
-        srcs = [KeySource(_decoded_plain(c, "v41", bs) if plain else c,
-                          "plain_bf16" if plain else "v41", bs, i.reshape(t, -1), n, s_q)
-                for c, bs, i, n in keys]
+        srcs = [KeySource(_decoded_plain(c, f, bs) if plain else c,
+                          "plain_bf16" if plain else f, bs, i.reshape(t, -1), n, s_q)
+                for c, f, bs, i, n in keys]
         o = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((t, h), float("nan"), device="cuda")
         plans.append(sparse_attention_triton(q, srcs, a["attn_sink"], 512 ** -0.5, o, lse))
