@@ -5,7 +5,7 @@
 * ``sm90``: the warp-specialized Gluon kernel (ops/attention/sm90/kernel.py), one CTA per
   (token, head block) unit and split;
 * ``sm90_cluster``: the same kernel with the token's two head blocks as a 2-CTA cluster
-  (V4 / V3.2 rows at 65-128 heads);
+  (V4 / V3.2 / V4.1 rows at 65-128 heads);
 * ``tiny``: the portable kernel's small-launch shape (ops/attention/portable.py: the 512
   output dims split over two 4-warp programs, ``SMALL_CONFIG``);
 * ``portable``: the portable Triton split kernel (ops/attention/portable.py),
@@ -400,9 +400,11 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
     # tiny launches, slower there: docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
     cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
                and ((staged and fmt == "v4" and tuning.CLUSTER_V4)
-                    or (fmt == "v32" and tuning.CLUSTER_V32)))
+                    or (fmt == "v32" and tuning.CLUSTER_V32)
+                    or (fmt == GLUON_V41 and tuning.CLUSTER_V41)))
     if cluster:
-        reason = (f"{fmt} rows at {heads} heads: each token's two head blocks as one 2-CTA "
+        rows = f"{fmt} + {extra_fmt}" if extra_fmt not in (None, fmt) else fmt
+        reason = (f"{rows} rows at {heads} heads: each token's two head blocks as one 2-CTA "
                   "cluster")
     else:
         reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"

@@ -1,5 +1,5 @@
-"""The 2-CTA cluster exchange of the sm_90 kernel (V4 / V3.2 rows at 65-128 heads: the two
-head blocks of one token).
+"""The 2-CTA cluster exchange of the sm_90 kernel (V4 / V3.2 / V4.1 rows at 65-128 heads: the
+two head blocks of one token).
 
 Both CTAs of a cluster read the same key rows. Each one's producer gathers and dequantizes
 one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
@@ -35,6 +35,8 @@ V32_STAGED_PANELS = gl.constexpr(cluster_ptx.V32_SENDS[0][1])
 PANEL_TX = gl.constexpr(cluster_ptx.PANEL_TX)
 _SEND_V4 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V4_SENDS[0]))
 V4_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V4_SENDS))
+_SEND_V41 = gl.constexpr(cluster_ptx.send_panels(*cluster_ptx.V41_SENDS[0]))
+V41_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V41_SENDS))
 _SEND_V32_STAGED, _SEND_V32_2, _SEND_V32_3 = (
     gl.constexpr(cluster_ptx.send_panels(*b)) for b in cluster_ptx.V32_SENDS)
 V32_PANELS = gl.constexpr(cluster_ptx.sent_panels(cluster_ptx.V32_SENDS))

@@ -28,6 +28,8 @@ OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
 # batch than four: docs/perf-log.md, "Cluster exchange", "V3.2 cluster bounds").
 V4_SENDS = ((0, 7),)
 V32_SENDS = ((0, 4), (4, 2), (6, 2))
+# V4.1 rows (528 B, or 288 B extra rows) have no bf16 dims: all eight panels, one batch
+V41_SENDS = ((0, 8),)
 
 
 def sent_panels(sends) -> int:

@@ -32,7 +32,7 @@ from sparse_mla.ops.attention.sm90.gather import (V32_RECORD, _byte_tile, _byte_
                                                   _early_slots, _gather_v4, _gather_v32,
                                                   _issue_v4, _load_v32_tail, _record,
                                                   _rope_v32, _slots, _stage_v32, _usable)
-from sparse_mla.ops.attention.sm90.producers_v41 import _produce_v41
+from sparse_mla.ops.attention.sm90.producers_v41 import _produce_v41, _produce_v41_pair
 
 
 @gluon.jit
@@ -53,6 +53,11 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank)
+    elif STAGED and FMT >= 5 and CLUSTER:
+        _produce_v41_pair(k_bufs, stage_raw, bias_bufs, ready, empty, peer_free, t, lo, hi,
+                          n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
+                          i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
+                          STAGES, P_WARPS, rank, FMT == 7)
     elif STAGED and FMT >= 5:
         _produce_v41(k_bufs, stage_raw, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
                      n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,

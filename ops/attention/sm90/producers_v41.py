@@ -10,7 +10,8 @@ bytes fill all eight byte tiles of the staging buffer (V4 uses seven and copies 
 separately) and its sixteen scale bytes come as two int64 per row; a 288 B record's 256 bytes
 fill four, its 32 scale bytes four int64. A chunk lies in one source (source 0's columns are
 padded to whole tiles), so where the sources' records differ the format is chosen once per
-chunk, by a branch uniform over the partition, not per row.
+chunk, by a branch uniform over the partition, not per row. At 65-128 heads the token's two
+head blocks run as a 2-CTA cluster (``_produce_v41_pair``, as V4's: ``cluster``).
 """
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               mbarrier)
 
 from sparse_mla.ops.attention.portable import tile_source
+from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAIT, _SEND_V41,
+                                                   PAIR_SUB, V41_PANELS, _cluster_sync,
+                                                   _pair_drain, _pair_handoff, _send_half,
+                                                   _thread_ids)
 from sparse_mla.ops.attention.sm90.compat import barrier
 from sparse_mla.ops.attention.sm90.dequant import _store_fp4, _store_v41
-from sparse_mla.ops.attention.sm90.gather import _early_slots, _issue_fp4, _issue_v41, _slots
+from sparse_mla.ops.attention.sm90.gather import (_early_slots, _issue_fp4, _issue_v41, _slots,
+                                                  _usable)
 
 
 @gluon.jit
@@ -107,3 +113,93 @@ def _produce_v41(k_bufs, stage_raw, bias_bufs, ready, empty, early, t, lo, hi, n
         barrier()
         mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
+
+
+@gluon.jit
+def _produce_v41_pair(k_bufs, stage_raw, bias_bufs, ready, empty, peer_free, t, lo, hi,
+                      n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
+                      STAGES: gl.constexpr, P_WARPS: gl.constexpr, rank,
+                      FP4_EXTRA: gl.constexpr):
+    """``_produce_v41`` in a 2-CTA cluster (``cluster``): this CTA's 32-row half of every tile
+    (one chunk a tile, staged a tile ahead), stored here and copied, all eight panels, into
+    the peer's stage; the bias of the peer's half is written here from its slot ids."""
+    LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
+    rows_b: gl.constexpr = gl.SliceLayout(1, LB)
+    cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+    upper = (cb >= 32)[None, :]
+    SUB: gl.constexpr = PAIR_SUB
+    gl.static_assert(BN == 2 * PAIR_SUB)
+    tid = _thread_ids(P_WARPS)
+    first = lo + rank * SUB
+    other = lo + (1 - rank) * SUB   # the peer's half: only its bias is written here
+    _cluster_sync(tid, _CLUSTER_ARRIVE)
+    idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    v, s0, s1, s2, s3 = _issue(stage_raw, idx, first, n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
+                               c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, cb, SUB, FP4_EXTRA)
+    idx = _slots(first + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
+    _cluster_sync(tid, _CLUSTER_WAIT)
+    for i in range(n_tiles):
+        st = i % STAGES
+        c_c = first + i * BN      # this CTA's chunk in the staging buffer
+        async_copy.wait_group(0)
+        x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
+        x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
+        x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
+        x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
+        if FP4_EXTRA and c_c >= n0p:    # 288 B rows: four byte tiles
+            x4 = x0
+            x5 = x0
+            x6 = x0
+            x7 = x0
+        else:
+            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
+            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
+            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+            x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+        v_c = v
+        s0_c = s0
+        s1_c = s1
+        s2_c = s2
+        s3_c = s3
+        # both halves of a tile lie in one source (source 0's columns are padded to BN)
+        v_oc = _usable(idx_o, gl.where(c_c < n0p, c0_cap, c1_cap))
+        v, s0, s1, s2, s3 = _issue(stage_raw, idx, c_c + BN, n0p, c0_ptr, c0_s0, c0_s1, c0_bs,
+                                   c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, cb, SUB,
+                                   FP4_EXTRA)
+        idx = _slots(c_c + 2 * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
+                     rows_b)
+        idx_o = _slots(other + (i + 1) * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
+                       SUB, rows_b)
+        _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
+        kb = k_bufs.index(st)
+        bias = bias_bufs.index(st)
+        if rank == 0:     # static slice starts: one branch per rank
+            _store_half(kb, bias, 0, x0, x1, x2, x3, x4, x5, x6, x7, s0_c, s1_c, s2_c, s3_c,
+                        upper, v_c, v_oc, c_c >= n0p, SUB, P_WARPS, FP4_EXTRA)
+        else:
+            _store_half(kb, bias, SUB, x0, x1, x2, x3, x4, x5, x6, x7, s0_c, s1_c, s2_c, s3_c,
+                        upper, v_c, v_oc, c_c >= n0p, SUB, P_WARPS, FP4_EXTRA)
+        # generic-proxy stores -> the wgmma (async proxy) reads and the bulk copy to the peer
+        # (async proxy too); all producer warps first
+        fence_async_shared()
+        barrier()
+        _send_half(ready, st, rank, tid, BN, SUB, _SEND_V41, V41_PANELS)
+    async_copy.wait_group(0)    # the gather issued past the last tile (all rows masked)
+    _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
+
+
+@gluon.jit
+def _store_half(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3,
+                upper, valid, valid_o, extra, SUB: gl.constexpr, P_WARPS: gl.constexpr,
+                FP4_EXTRA: gl.constexpr):
+    """A cluster CTA's half (rows [r0, r0 + SUB)) of a stage, decoded in its record (288 B
+    where ``FP4_EXTRA`` and the chunk is ``extra``), its bias, and the bias of the peer's
+    half."""
+    if FP4_EXTRA and extra:
+        _store_fp4(kb, r0, SUB, x0, x1, x2, x3, s0, s1, s2, s3, P_WARPS)
+    else:
+        _store_v41(kb, r0, SUB, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, upper)
+    bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+    bias.slice(SUB - r0, SUB).store(gl.where(valid_o, 0.0, float("-inf")))

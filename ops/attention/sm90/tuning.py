@@ -2,8 +2,8 @@
 launches are built from, and ``launch_constexprs``, the compile-time parameters of one launch
 variant, shared by the launcher (ops/attention/launch.py) and the compile-only check
 (``variants``) so both build the same kernel. ops/attention/plan.py reads ``STAGE_V4``,
-``CLUSTER_V4`` and ``CLUSTER_V32`` to pick the route. The measurements behind each value are
-in docs/perf-log.md, in the section its comment names.
+``CLUSTER_V4``, ``CLUSTER_V32`` and ``CLUSTER_V41`` to pick the route. The measurements
+behind each value are in docs/perf-log.md, in the section its comment names.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest 
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
                      # cluster and each CTA dequantizes half of every tile (``cluster``)
 CLUSTER_V32 = True   # the same for V3.2 rows
+CLUSTER_V41 = True   # the same for V4.1 rows (528 B, with 528 B or 288 B extra rows)
 # V4 rows outside clusters and plain e4m3 rows: the first two tiles' slot ids are loaded
 # together with the lengths, before the partitions start, instead of after them by the
 # producer (one dependent round trip less before the first gather), and the producer then

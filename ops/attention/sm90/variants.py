@@ -33,6 +33,8 @@ VARIANTS = {
     "v41_staged": dict(fmt=5, staged=True),
     "v41_staged_final": dict(fmt=5, staged=True, final=True),
     "v41_fp4_staged": dict(fmt=7, staged=True),
+    "v41_cluster": dict(fmt=5, staged=True, cluster=True),
+    "v41_fp4_cluster": dict(fmt=7, staged=True, cluster=True),
     "v32": dict(fmt=1, d576=True),
     "v32_cluster": dict(fmt=1, d576=True, cluster=True),
     "bf16_512": dict(fmt=2),

@@ -80,7 +80,8 @@ GPU_GRID = [(1, 1, 64, 32, 64, 128, 512, "v41", "v41_fp4", 0),
             (33, 2, 64, 61, 53, 64, 128, "v41", "v41", 16),
             (7, 2, 128, 61, 53, 64, 128, "v41", "v41", 4),
             (9, 1, 64, 32, 64, 128, 512, "v41", "v4", 0),
-            (40, 2, 128, 32, 64, 128, 512, "v41", "v41", 512)]
+            (40, 2, 128, 32, 64, 128, 512, "v41", "v41", 512),
+            (16, 2, 128, 61, 53, 64, 128, "v41", "v41_fp4", 16)]
 CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
             (2, 1, 5, 3, 5, 32, 16, "v41", "v41", 4),
             (1, 1, 16, 32, None, 32, 0, "v41", None, 0)]
@@ -111,10 +112,14 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
     assert choice.impl == "triton"
     if device != "cpu" and hopper_with_gluon():
         if _sm90_decodes(fmt, efmt, pad) and choice.plan.route != "tiny":
-            assert choice.plan.route == "sm90"
             assert split_kernel_name() == "_ws_kernel"
-            records = "528 B + 288 B" if efmt == "v41_fp4" else "528 B"
-            assert f"V4.1 {records} rows staged by cp.async" in choice.plan.reason
+            if h > 64 and b * s_q > 4:      # more than plan.CLUSTER_MIN_UNITS units
+                assert choice.plan.route == "sm90_cluster"
+                assert "2-CTA cluster" in choice.plan.reason
+            else:
+                assert choice.plan.route == "sm90"
+                records = "528 B + 288 B" if efmt == "v41_fp4" else "528 B"
+                assert f"V4.1 {records} rows staged by cp.async" in choice.plan.reason
         else:
             assert split_kernel_name() == "_split_kernel"
             if choice.plan.route == "tiny":
@@ -143,8 +148,8 @@ EXACT_GRID = [(4, 1, 64, 512, 0), (3, 2, 128, 512, 1), (40, 2, 64, 128, 2), (1, 
 @pytest.mark.parametrize("efmt", ["v41", "v41_fp4"])
 @pytest.mark.parametrize("b,s_q,h,etopk,seed", EXACT_GRID)
 def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt):
-    """The sm_90 kernel over 528 B main + 528 B or 288 B extra rows against the same kernel over
-    those rows
+    """The sm_90 kernel (2-CTA clusters at h128) over 528 B main + 528 B or 288 B extra rows
+    against the same kernel over those rows
     decoded by quant's decoders into plain bf16 caches (the same launch plan, the same
     consumers: equal outputs bit for bit iff the producer decodes each row exactly as the
     reference does), with -1 / out-of-cache ids, ids past the lengths, empty rows and ±inf
@@ -170,7 +175,8 @@ def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt):
         plans.append(sparse_attention_triton(q, srcs, a["attn_sink"], 512 ** -0.5, o, lse))
         outs.append((o, lse))
     (o, lse), (want_o, want_lse) = outs
-    assert [p.route for p in plans] == ["sm90", "sm90"]
+    cluster = h > 64 and t > 4      # more than plan.CLUSTER_MIN_UNITS units
+    assert [p.route for p in plans] == ["sm90_cluster" if cluster else "sm90", "sm90"]
     assert plans[0].staged and plans[0].phases == plans[1].phases
     assert want_o.float().abs().amax() > 0 and not want_o.isnan().any()
     assert torch.equal(o.view(torch.int16), want_o.view(torch.int16))
