@@ -162,7 +162,7 @@ _FP4_PAIRS = gl.constexpr("""{
 
 
 @gluon.jit
-def _dequant_fp4(x, sc, P_WARPS: gl.constexpr):
+def _dequant_fp4(x, sc, rows: gl.constexpr, P_WARPS: gl.constexpr):
     """Dims [128 k, 128 k + 128) of 288 B V4.1 rows from their bytes [64 k, 64 k + 64) ``x``
     (a [rows, 64] tile, 16 bytes per thread) and their scales 8k..8k+7 ``sc`` (one int64 per
     row): e2m1 × e4m3 scale, exact in bf16. Returns [rows, 128] bf16, 32 dims per thread.
@@ -174,7 +174,6 @@ def _dequant_fp4(x, sc, P_WARPS: gl.constexpr):
                                         [3, 2, 1, 0])
     X3: gl.constexpr = gl.SliceLayout(3, L4)
     S2: gl.constexpr = gl.SliceLayout(2, X3)
-    rows: gl.constexpr = x.shape[0]
     x3 = gl.convert_layout(gl.reshape(x, rows, 8, 8), X3)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, S2)).to(gl.int64)
     sb = ((gl.convert_layout(sc, gl.SliceLayout(1, S2))[:, None] >> (8 * g)[None, :]) & 0xFF)
@@ -196,7 +195,7 @@ def _store_fp4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, s0, s1,
     """Dequantized 288 B rows into rows [r0, r0 + rows) of stage ``kb``: four byte tiles of
     128 dims each (column slices of two 64-dim panels)."""
     kr = kb.slice(r0, rows)
-    kr.slice(0, 128, dim=1).store(_dequant_fp4(x0, s0, P_WARPS))
-    kr.slice(128, 128, dim=1).store(_dequant_fp4(x1, s1, P_WARPS))
-    kr.slice(256, 128, dim=1).store(_dequant_fp4(x2, s2, P_WARPS))
-    kr.slice(384, 128, dim=1).store(_dequant_fp4(x3, s3, P_WARPS))
+    kr.slice(0, 128, dim=1).store(_dequant_fp4(x0, s0, rows, P_WARPS))
+    kr.slice(128, 128, dim=1).store(_dequant_fp4(x1, s1, rows, P_WARPS))
+    kr.slice(256, 128, dim=1).store(_dequant_fp4(x2, s2, rows, P_WARPS))
+    kr.slice(384, 128, dim=1).store(_dequant_fp4(x3, s3, rows, P_WARPS))

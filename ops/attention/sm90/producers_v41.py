@@ -41,7 +41,7 @@ def _issue(stage_raw, idx, c, n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, c1_ptr, 
     if FP4_EXTRA:
         if c < n0p:
             v, s0, s1 = _issue_v41(stage_raw, idx, source, cb, SUB)
-            s2 = gl.zeros_like(s0)
+            s2 = s0 * 0
             s3 = s2
         else:
             v, s0, s1, s2, s3 = _issue_fp4(stage_raw, idx, source, cb, SUB)
