@@ -135,30 +135,34 @@ def _store_v41(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5,
     _panel(kb, 7, r0, rows).store(_dequant_v41(x7, sc_lo, sc_hi, 7, upper))
 
 
-# Four e2m1 codes -> two bf16x2 outputs ($0, $1), scaled by the bf16x2 factor $3. $2 holds
-# bytes (b, b, b', b'): each byte of the row twice, so the low 16 bits give b's two codes and
-# the high 16 bits b''s. A code (bit 3 the sign, bits 0-2 the magnitude) is re-encoded as the
-# e4m3 byte of the same bits shifted (magnitude to bits 2-4, sign to bit 7): that byte's value
-# is the code's times 2^-6, exactly, the e2m1 subnormal 0.5 becoming an e4m3 subnormal; low
-# nibble of the first copy and high nibble of the second make an e4m3 pair, decoded as V4's
-# bytes are (``_DEQUANT_PAIR``), the factor being the e4m3 scale times 64.
+# Four e2m1 codes -> two bf16x2 outputs ($0, $1), times the bf16x2 factor $3 (the e4m3 scale,
+# exact in bf16, as is every product). $2 holds bytes (b, b, b', b'): each byte of the row
+# twice, for the layout (one output pair per byte). No conversions: PRMT looks the codes'
+# magnitudes up in two 8-entry byte tables held in registers ($7: bytes 0-3 and $11: 4-7 of
+# the bf16 values' high bytes, $15 and $19 their low bytes: 0, 0.5, 1, 1.5, 2, 3, 4, 6 are
+# 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), a sign-replicating PRMT
+# makes each code's sign bit the high byte's top bit, and two more PRMTs interleave low and
+# high bytes into bf16 pairs.
 _FP4_PAIRS = gl.constexpr("""{
-    .reg .b16 p0, p1, h0, h1;
-    .reg .b32 w, t, u;
-    .reg .f32 a, b;
-    and.b32 t, $2, 0x00070007;
-    shl.b32 t, t, 2;
-    and.b32 u, $2, 0x00080008;
-    shl.b32 u, u, 4;
-    or.b32 t, t, u;
-    and.b32 u, $2, 0x70007000;
-    shr.b32 u, u, 2;
-    or.b32 t, t, u;
-    and.b32 u, $2, 0x80008000;
-    or.b32 w, t, u;
-    mov.b32 {p0, p1}, w;""" + _DEQUANT_PAIR.format(pair="p0", out="$0")
-                         + _DEQUANT_PAIR.format(pair="p1", out="$1") + """
+    .reg .b32 d, m, t, s, hi, lo, w0, w1;
+    prmt.b32 d, $2, $2, 0x2020;
+    and.b32 m, d, 0x7777;
+    shl.b32 t, d, 4;
+    prmt.b32 s, t, d, 0xD9C8;
+    prmt.b32 hi, $7, $11, m;
+    prmt.b32 lo, $15, $19, m;
+    and.b32 s, s, 0x80808080;
+    or.b32 hi, hi, s;
+    prmt.b32 w0, lo, hi, 0x5140;
+    prmt.b32 w1, lo, hi, 0x7362;
+    mul.rn.bf16x2 $0, w0, $3;
+    mul.rn.bf16x2 $1, w1, $3;
     }""")
+# the tables' bytes (m = 0-3, 4-7) as little-endian words, as int32 values
+_E2M1_HI0 = gl.constexpr(0x3F3F3F00)
+_E2M1_HI1 = gl.constexpr(0x40404040)
+_E2M1_LO0 = gl.constexpr(0xC0800000 - (1 << 32))
+_E2M1_LO1 = gl.constexpr(0xC0804000 - (1 << 32))
 
 
 @gluon.jit
@@ -177,15 +181,19 @@ def _dequant_fp4(x, sc, rows: gl.constexpr, P_WARPS: gl.constexpr):
     x3 = gl.convert_layout(gl.reshape(x, rows, 8, 8), X3)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, S2)).to(gl.int64)
     sb = ((gl.convert_layout(sc, gl.SliceLayout(1, S2))[:, None] >> (8 * g)[None, :]) & 0xFF)
-    s = sb.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
+    s = sb.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32)
     f = s.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     f = (f | (f << 16))[:, :, None, None]
     x4, f = gl.broadcast(x3[:, :, :, None], f)
-    two = gl.full([rows, 8, 8, 2], 0, gl.int32, L4)
-    x4, two = gl.broadcast(x4, two)
-    f, two = gl.broadcast(f, two)
-    y = gl.inline_asm_elementwise(_FP4_PAIRS, "=r,=r,r,r,r,r,r", [x4, f],
-                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    hi0 = gl.full([rows, 8, 8, 2], _E2M1_HI0, gl.int32, L4)
+    x4, hi0 = gl.broadcast(x4, hi0)
+    f, hi0 = gl.broadcast(f, hi0)
+    hi1 = gl.full([rows, 8, 8, 2], _E2M1_HI1, gl.int32, L4)
+    lo0 = gl.full([rows, 8, 8, 2], _E2M1_LO0, gl.int32, L4)
+    lo1 = gl.full([rows, 8, 8, 2], _E2M1_LO1, gl.int32, L4)
+    y = gl.inline_asm_elementwise(
+        _FP4_PAIRS, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        [x4, f, hi0, hi1, lo0, lo1], dtype=gl.bfloat16, is_pure=True, pack=4)
     return gl.reshape(y, rows, 128)
 
 

@@ -78,16 +78,12 @@ def _produce_v41(k_bufs, stage_raw, bias_bufs, ready, empty, early, t, lo, hi, n
             x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
             x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
             x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-            if FP4_EXTRA and c_c >= n0p:    # 288 B rows: four byte tiles
-                x4 = x0
-                x5 = x0
-                x6 = x0
-                x7 = x0
-            else:
-                x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
-                x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-                x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-                x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+            # (unused for 288 B rows, which fill four tiles: loaded under a branch, the tiles
+            # were carried out of it byte by byte)
+            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
+            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
+            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+            x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
             v_c = v
             s0_c = s0
             s1_c = s1
@@ -148,16 +144,10 @@ def _produce_v41_pair(k_bufs, stage_raw, bias_bufs, ready, empty, peer_free, t, 
         x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
         x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
         x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-        if FP4_EXTRA and c_c >= n0p:    # 288 B rows: four byte tiles
-            x4 = x0
-            x5 = x0
-            x6 = x0
-            x7 = x0
-        else:
-            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
-            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-            x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+        x4 = stage_raw.slice(4 * SUB, SUB).load(LB)     # (unused for 288 B rows)
+        x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
+        x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+        x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
         v_c = v
         s0_c = s0
         s1_c = s1
