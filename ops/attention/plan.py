@@ -161,15 +161,16 @@ def _wgmma_device(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def launch_config(T, n_hb, tiles, warp_specialized=False, shared=None):
+def launch_config(T, n_hb, tiles, warp_specialized=False, shared=None, ws_tiny=True):
     """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
     token (index columns): tiny, sm_90 kernel or general (portable; ``LOW_SHARED_CONFIG``
-    where ``shared``, the device's ``shared_budget``, is below ``FULL_SHARED``)."""
+    where ``shared``, the device's ``shared_budget``, is below ``FULL_SHARED``). Where the
+    sm_90 kernel runs, ``ws_tiny`` False keeps every launch on it (``V41_WS_TINY``)."""
     units = T * n_hb
     tiny = units <= SMALL_UNITS
     if warp_specialized:
-        tiny = tiny and n_hb == 1 and (WS_TINY is None or (units <= WS_TINY["units"]
-                                                           and tiles <= WS_TINY["tiles"]))
+        tiny = tiny and ws_tiny and n_hb == 1 and (
+            WS_TINY is None or (units <= WS_TINY["units"] and tiles <= WS_TINY["tiles"]))
     cfg = dict(CONFIG)
     if tiny:
         cfg.update(SMALL_CONFIG)
@@ -334,6 +335,11 @@ def record_config(cfg, fmts, shared):
 V41_RECORDS = ("v41", "v41_fp4")
 GLUON_V41 = "v41"
 GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"))
+# Whether V4.1 launches that the sm_90 kernel takes may still run the portable kernel's tiny
+# shape (``WS_TINY``, measured on V4 rows): off, the sm_90 kernel takes them however small,
+# since the tiny shape decodes V4.1 records more slowly than V4's (tools/dev/bench_v41gluon.py
+# times both routes)
+V41_WS_TINY = False
 
 
 def gluon_route(q, fmt, blocks, extra_fmt=None):
@@ -382,7 +388,8 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
     g, why_not = gluon_route(q, fmt, blocks, extra_fmt)
     shared = shared_budget(q.device)
     cfg = record_config(launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None,
-                                      shared=shared), (fmt, extra_fmt), shared)
+                                      shared=shared, ws_tiny=fmt != GLUON_V41 or V41_WS_TINY),
+                        (fmt, extra_fmt), shared)
     units = T * n_hb
     if g is not None and cfg["dv"] != 1:
         g = None

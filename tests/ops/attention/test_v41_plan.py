@@ -53,3 +53,13 @@ def test_launcher_rejects_mixing_other_formats():
     out = torch.empty(1, 1, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="sources must share one cache format"):
         launch.run(q, [v32, v41], None, 1.0, out)
+
+
+def test_sm90_launches_may_skip_the_tiny_shape():
+    """A launch of one head block and two tiles takes the portable kernel's tiny shape where
+    the sm_90 kernel could run it, unless ``ws_tiny`` is off (V4.1 records: plan_launch passes
+    ``V41_WS_TINY``); the portable kernel's own choice does not change."""
+    assert plan.launch_config(1, 1, 2, warp_specialized=True)["tiny"]
+    cfg = plan.launch_config(1, 1, 2, warp_specialized=True, ws_tiny=False)
+    assert not cfg["tiny"] and cfg["dv"] == 1
+    assert plan.launch_config(1, 1, 2, ws_tiny=False)["tiny"]
