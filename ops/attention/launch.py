@@ -41,9 +41,9 @@ TAIL_FORMATS = ("v4", "v41", "v41_fp4")
 # The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
 # ``plan.GLUON_V41_PAIRS``)
 V41_FORMATS = ("v41", "v41_fp4")
-# The sm_90 kernel's FMT for 528 B main rows with 288 B extra rows (its producer picks each
-# chunk's record by its source: ``sm90/producers_v41.py``)
-FMT_V41_FP4_EXTRA = 7
+# The sm_90 kernel's FMT for 528 B main rows with extra rows in another record, by that record
+# (its producer picks each chunk's record by its source: ``sm90/producers_v41.py``)
+FMT_V41_EXTRA = {"v41_fp4": 7, "v4": 8}
 # The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
 # ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
 FMT_PLAIN_BF16_TILED = 4
@@ -80,8 +80,9 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
         out, out.stride(0), out.stride(1), *lse_args, *mx_args,
         sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
-    fmt = (FMT_V41_FP4_EXTRA if src1 is not None and src1.fmt == "v41_fp4"
-           else FMT_CODES[src0.fmt])
+    fmt = FMT_CODES[src0.fmt]
+    if src0.fmt == "v41" and src1 is not None and src1.fmt != src0.fmt:
+        fmt = FMT_V41_EXTRA[src1.fmt]
     kwargs = tuning.launch_constexprs(
         fmt, has_l0=src0.lengths is not None,
         has_l1=src1 is not None and src1.lengths is not None, has_src1=src1 is not None,

@@ -329,12 +329,15 @@ def record_config(cfg, fmts, shared):
 
 # The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12). The sm_90 kernel's
 # producer warps decode them in the pairs (main, extra) of ``GLUON_V41_PAIRS`` (staged by
-# cp.async: 16-byte-aligned blocks): 528 B main rows alone or with 528 B or 288 B extra rows,
-# a V4.1 layer's SWA and compressed caches. Other launches reading them (288 B main rows, a
-# V4.1 record beside a V4 one) run the portable kernel on every GPU.
+# cp.async: 16-byte-aligned blocks): 528 B main rows alone or with 528 B, 288 B or 584 B extra
+# rows, a V4.1 layer's SWA and compressed caches. Other launches reading them (288 B main
+# rows, 584 B main rows beside V4.1 ones) run the portable kernel on every GPU.
 V41_RECORDS = ("v41", "v41_fp4")
 GLUON_V41 = "v41"
-GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"))
+GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"),
+                   (GLUON_V41, "v4"))
+# the extra records beside 528 B main rows, as the plan's reason names them
+_V41_EXTRA_BYTES = {"v41_fp4": "288 B", "v4": "584 B"}
 # Whether V4.1 launches that the sm_90 kernel takes may still run the portable kernel's tiny
 # shape (``WS_TINY``, measured on V4 rows): off, the sm_90 kernel takes them however small,
 # since the tiny shape decodes V4.1 records more slowly than V4's (tools/dev/bench_v41gluon.py
@@ -346,7 +349,7 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
     kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
     blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the
-    V4.1 528 B cache alone or with a 528 B or 288 B extra cache (``GLUON_V41_PAIRS``;
+    V4.1 528 B cache alone or with a 528 B, 288 B or 584 B extra cache (``GLUON_V41_PAIRS``;
     16-byte-aligned blocks, staged likewise), the V3.2
     cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
     bf16 / e4m3 cache of 512- or 576-wide rows (``plan_launch`` still keeps tiny launches that
@@ -360,7 +363,8 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     if (fmt in V41_RECORDS or extra_fmt in V41_RECORDS) and not v41_pair:
         pair = fmt if extra_fmt is None else f"{fmt} + {extra_fmt}"
         return None, (f"{pair} rows (V4.1 records): the sm_90 kernel decodes 528 B main rows "
-                      "alone or with 528 B or 288 B extra rows, the portable kernel the rest")
+                      "alone or with 528 B, 288 B or 584 B extra rows, the portable kernel "
+                      "the rest")
     if extra_fmt is not None and extra_fmt != fmt and not v41_pair:
         return None, f"{fmt} + {extra_fmt} sources: the sm_90 kernel takes one format"
     if q.device.type != "cuda":
@@ -416,7 +420,8 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
     else:
         reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"
         if fmt == GLUON_V41:
-            reason += (", V4.1 528 B" + (" + 288 B" if extra_fmt == "v41_fp4" else "")
+            extra = _V41_EXTRA_BYTES.get(extra_fmt)
+            reason += (", V4.1 528 B" + (f" + {extra}" if extra else "")
                        + " rows staged by cp.async")
         elif staged:
             reason += ", V4 rows staged by cp.async"

@@ -44,9 +44,9 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              P_WARPS: gl.constexpr, STAGED: gl.constexpr,
              SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
-    each tile where ``CLUSTER``), V4.1 rows (``FMT`` 5: 528 B in both sources, 7: 528 B main
-    rows and 288 B extra rows) through it too (``producers_v41``), else a tile at a time
-    (``_produce_tiles``)."""
+    each tile where ``CLUSTER``), V4.1 rows (``FMT`` 5: 528 B in both sources, 7 / 8: 528 B
+    main rows with 288 B / 584 B extra rows) through it too (``producers_v41``), else a tile
+    at a time (``_produce_tiles``)."""
     if CLUSTER and FMT == 1:
         _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                           peer_free, t, lo, hi,
@@ -54,15 +54,15 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank)
     elif STAGED and FMT >= 5 and CLUSTER:
-        _produce_v41_pair(k_bufs, stage_raw, bias_bufs, ready, empty, peer_free, t, lo, hi,
-                          n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
-                          i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
-                          STAGES, P_WARPS, rank, FMT == 7)
+        _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
+                          lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
+                          i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
+                          STAGES, P_WARPS, rank, FMT)
     elif STAGED and FMT >= 5:
-        _produce_v41(k_bufs, stage_raw, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
-                     n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
+        _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, t, lo, hi,
+                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                     P_WARPS, EARLY, FMT == 7)
+                     P_WARPS, EARLY, FMT)
     elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
                     t, lo, hi,

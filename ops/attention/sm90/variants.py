@@ -23,8 +23,8 @@ import sys
 import tempfile
 
 # (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES), 7 528 B
-#   main + 288 B extra rows (launch.FMT_V41_FP4_EXTRA)
+#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES); 7 / 8 528 B
+#   main rows with 288 B / 584 B extra rows (launch.FMT_V41_EXTRA)
 VARIANTS = {
     "v4_staged": dict(fmt=0, staged=True),
     "v4_staged_final": dict(fmt=0, staged=True, final=True),
@@ -35,6 +35,8 @@ VARIANTS = {
     "v41_fp4_staged": dict(fmt=7, staged=True),
     "v41_cluster": dict(fmt=5, staged=True, cluster=True),
     "v41_fp4_cluster": dict(fmt=7, staged=True, cluster=True),
+    "v41_v4_staged": dict(fmt=8, staged=True),
+    "v41_v4_cluster": dict(fmt=8, staged=True, cluster=True),
     "v32": dict(fmt=1, d576=True),
     "v32_cluster": dict(fmt=1, d576=True, cluster=True),
     "bf16_512": dict(fmt=2),

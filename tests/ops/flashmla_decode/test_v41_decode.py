@@ -8,8 +8,9 @@ reference
 with docs/semantics.md §9's tolerances, on the corner cases of §9: NaN-poisoned unused rows,
 -1 and out-of-cache ids, ids past the lengths, empty rows, ±inf sinks, padded block strides,
 odd block sizes, 32-token SWA pages and 64-token compressed blocks. On Hopper the sm_90
-kernel's decoding of 528 B and 288 B rows is also checked bit for bit: its output over them
-equals its output over the same rows decoded by quant's decoders into plain bf16 caches."""
+kernel's decoding of 528 B rows with 528 B, 288 B or 584 B extra rows is also checked bit for
+bit: its output over them equals its output over the same rows decoded by quant's decoders
+into plain bf16 caches."""
 import pytest
 import torch
 
@@ -81,7 +82,8 @@ GPU_GRID = [(1, 1, 64, 32, 64, 128, 512, "v41", "v41_fp4", 0),
             (7, 2, 128, 61, 53, 64, 128, "v41", "v41", 4),
             (9, 1, 64, 32, 64, 128, 512, "v41", "v4", 0),
             (40, 2, 128, 32, 64, 128, 512, "v41", "v41", 512),
-            (16, 2, 128, 61, 53, 64, 128, "v41", "v41_fp4", 16)]
+            (16, 2, 128, 61, 53, 64, 128, "v41", "v41_fp4", 16),
+            (24, 1, 128, 32, 53, 128, 512, "v41", "v4", 0)]
 CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
             (2, 1, 5, 3, 5, 32, 16, "v41", "v41", 4),
             (1, 1, 16, 32, None, 32, 0, "v41", None, 0)]
@@ -118,7 +120,7 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
                 assert "2-CTA cluster" in choice.plan.reason
             else:
                 assert choice.plan.route == "sm90"
-                records = "528 B + 288 B" if efmt == "v41_fp4" else "528 B"
+                records = {"v41_fp4": "528 B + 288 B", "v4": "528 B + 584 B"}.get(efmt, "528 B")
                 assert f"V4.1 {records} rows staged by cp.async" in choice.plan.reason
         else:
             assert split_kernel_name() == "_split_kernel"
@@ -135,9 +137,9 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
 
 def _sm90_decodes(fmt, efmt, pad):
     """Whether the sm_90 kernel takes a grid case (given a launch that is not tiny): 528 B main
-    rows alone or with 528 B or 288 B extra rows, every block 16-byte aligned (pages are
-    multiples of 512 B, so the padding decides)."""
-    return fmt == "v41" and efmt in (None, "v41", "v41_fp4") and pad % 16 == 0
+    rows alone or with 528 B, 288 B or 584 B extra rows, every block 16-byte aligned (pages
+    are multiples of 16 B, so the padding decides)."""
+    return fmt == "v41" and efmt in (None, "v41", "v41_fp4", "v4") and pad % 16 == 0
 
 
 # (b, s_q, h, extra topk, seed): Hopper only
@@ -145,11 +147,11 @@ EXACT_GRID = [(4, 1, 64, 512, 0), (3, 2, 128, 512, 1), (40, 2, 64, 128, 2), (1, 
               (80, 1, 128, 512, 4), (1, 1, 64, 512, 5), (1, 2, 64, 128, 6)]
 
 
-@pytest.mark.parametrize("efmt", ["v41", "v41_fp4"])
+@pytest.mark.parametrize("efmt", ["v41", "v41_fp4", "v4"])
 @pytest.mark.parametrize("b,s_q,h,etopk,seed", EXACT_GRID)
 def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt, monkeypatch):
-    """The sm_90 kernel (2-CTA clusters at h128) over 528 B main + 528 B or 288 B extra rows
-    against the same kernel over those rows
+    """The sm_90 kernel (2-CTA clusters at h128) over 528 B main + 528 B, 288 B or 584 B extra
+    rows against the same kernel over those rows
     decoded by quant's decoders into plain bf16 caches (the same launch plan, the same
     consumers: equal outputs bit for bit iff the producer decodes each row exactly as the
     reference does), with -1 / out-of-cache ids, ids past the lengths, empty rows and ±inf
