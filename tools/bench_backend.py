@@ -166,7 +166,7 @@ def _case(kind, h, lens, device, vendor):
                                        cfg.softmax_scale, lens_, sink)
     res["attn"] = harness.time_graph(attn)
     res["write"] = harness.time_graph(
-        lambda: ours._write(q, kv, caches, batch, cos_sin, comp, True))
+        lambda: ours._write(q, kv, caches, batch, cos_sin, comp))
     res["plan"] = harness.time_graph(lambda: ours.plan(batch, T))
     if not Td:
         res.update(_prefill_parts(ours, caches, batch))
