@@ -52,6 +52,9 @@ def main(argv=None):
     p.add_argument("--cprofile", action="store_true",
                    help="also a Python profile of sparse_mla's decode steps "
                         "(host time by function)")
+    p.add_argument("--parts", action="store_true",
+                   help="also the host time of each piece of one decode call of each layer type "
+                        "(the call's own arguments replayed in a loop)")
     args = p.parse_args(argv)
     config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device="cuda")
@@ -141,8 +144,79 @@ def main(argv=None):
         attn = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1) * 1e3 / steps
         print(f"decode step, {impl}: {ms:.2f} ms; its attention calls' host time {attn:.3f} ms "
               f"({100 * attn / ms:.1f} %)")
+    if args.parts:
+        model.set_attn_implementation("sparse_mla")
+        _parts(model, ids, sparse_fn)
     return 0
 
+
+def _host_us(fn, reps=300):
+    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+def _parts(model, ids, sparse_fn):
+    """Host time of the pieces of one decode call per layer type: the call's arguments are
+    captured during a generate, then each piece runs alone in a loop (its outputs unused)."""
+    captured = {}
+
+    def capture(module, *a, **k):
+        if a[0].shape[2] == 1:
+            captured.setdefault(module.layer_type, (module, a, k))
+        return sparse_fn(module, *a, **k)
+
+    AttentionInterface._global_mapping["sparse_mla"] = capture
+    try:
+        models.greedy(model, ids, new_tokens=2)
+    finally:
+        AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
+    small = torch.zeros(64, device="cuda")
+    print("\n-- host time per piece of one decode call (us, median of 5 x 300 calls)")
+    print(f"   yardstick: one small torch launch (add_) {_host_us(lambda: small.add_(1)):.1f}")
+    for layer_type, (module, a, k) in captured.items():
+        _time_pieces(layer_type, module, a, k, sparse_fn)
+
+
+def _time_pieces(layer_type, module, a, k, sparse_fn):
+    from sparse_mla.integration.transformers import attention, index_lists, op_route
+    query, key, value, mask = a[:4]
+    b, h, s, d = query.shape
+    n = key.shape[2]
+    q = query[0].transpose(0, 1)
+    kv = key[:, 0].reshape(b * n, 1, d)
+    sink = attention._sinks(k.get("s_aux"), h, query.device)
+    width = attention.list_width(module, n, s)
+    kind = op_route.call_kind(q, kv, width, sink)
+    route = op_route.route_for(kind)
+    width = op_route.list_width(route, width)
+    idx, lens, bad = index_lists.visible_index_lists(mask[:, 0], width, flat=True, reuse=True)
+    out = op_route.attend(kind, route, q, kv, idx.view(s, 1, width), lens.view(s), sink, 0.04)
+    pieces = {
+        "whole call": lambda: sparse_fn(module, *a, **k),
+        "input checks": lambda: attention._check_inputs(module, query, key, value, mask, 0.0),
+        "sinks (kept)": lambda: attention._sinks(k.get("s_aux"), h, query.device),
+        "call kind + route": lambda: op_route.route_for(op_route.call_kind(q, kv, width, sink)),
+        "index lists (Triton)": lambda: index_lists.visible_index_lists(
+            mask[:, 0], width, flat=True, reuse=True),
+        "attend (kept route)": lambda: op_route.attend(
+            kind, route, q, kv, idx.view(s, 1, width), lens.view(s), sink, 0.04),
+        "NaN poison (masked_fill_)": lambda: out.masked_fill_(bad.view(s, 1, 1), float("nan")),
+    }
+    if route is None:
+        route_name = "none"
+    else:
+        route_name = "FlashMLA direct" if route.direct_flash_mla else route.choice.impl
+    print(f"   {layer_type} (route {route_name}, width {width}, keys {n}):")
+    for name, fn in pieces.items():
+        print(f"     {name:28s} {_host_us(fn):7.1f}")
 
 if __name__ == "__main__":
     sys.exit(main())
