@@ -187,6 +187,7 @@ def _parts(model, ids, sparse_fn):
 
 def _time_pieces(layer_type, module, a, k, sparse_fn):
     from sparse_mla.integration.transformers import attention, index_lists, op_route
+    from sparse_mla.ops.common import checks
     query, key, value, mask = a[:4]
     b, h, s, d = query.shape
     n = key.shape[2]
@@ -209,6 +210,8 @@ def _time_pieces(layer_type, module, a, k, sparse_fn):
         "attend (kept route)": lambda: op_route.attend(
             kind, route, q, kv, idx.view(s, 1, width), lens.view(s), sink, 0.04),
         "NaN poison (masked_fill_)": lambda: out.masked_fill_(bad.view(s, 1, 1), float("nan")),
+        "list width (config reads)": lambda: attention.list_width(module, n, s),
+        "value-check switch": lambda: checks.value_checks_enabled(mask),
     }
     if route is None:
         route_name = "none"
@@ -217,6 +220,14 @@ def _time_pieces(layer_type, module, a, k, sparse_fn):
     print(f"   {layer_type} (route {route_name}, width {width}, keys {n}):")
     for name, fn in pieces.items():
         print(f"     {name:28s} {_host_us(fn):7.1f}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        sparse_fn(module, *a, **k)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"   {layer_type}: Python profile of 300 whole calls, by own time")
+    pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats("tottime").print_stats(18)
 
 if __name__ == "__main__":
     sys.exit(main())
