@@ -27,6 +27,20 @@ import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla
 from sparse_mla.integration.transformers import models
 
 
+def _timed_indexer(fn, key, store, synced):
+    """``DeepseekV4Indexer.forward`` recording its time per query count, as ``_timed``."""
+    def timed(module, hidden_states, *a, **k):
+        if synced:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(module, hidden_states, *a, **k)
+        if synced:
+            torch.cuda.synchronize()
+        store[(key, "indexer", hidden_states.shape[1])].append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
 def _timed(fn, key, store, synced):
     """``fn`` recording its time per layer type and query count: with a device sync on each
     side (``synced``), or the host time of the call alone."""
@@ -64,6 +78,7 @@ def main(argv=None):
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
     eager_fn = mod.eager_attention_forward
     sparse_fn = AttentionInterface._global_mapping["sparse_mla"]
+    indexer_fn = mod.DeepseekV4Indexer.forward
 
     for impl in ("eager", "sparse_mla"):
         model.set_attn_implementation(impl)
@@ -73,10 +88,12 @@ def main(argv=None):
         for how, store in stores.items():
             synced = how == "synced"
             mod.eager_attention_forward = _timed(eager_fn, "eager", store, synced)
+            mod.DeepseekV4Indexer.forward = _timed_indexer(indexer_fn, impl, store, synced)
             AttentionInterface._global_mapping["sparse_mla"] = _timed(sparse_fn, "sparse_mla",
                                                                       store, synced)
             models.greedy(model, ids, new_tokens=args.decode)
             mod.eager_attention_forward = eager_fn
+            mod.DeepseekV4Indexer.forward = indexer_fn
             AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -131,8 +148,8 @@ def main(argv=None):
         print("-- the same, by cumulative time, sparse_mla's functions")
         stats.sort_stats("cumulative").print_stats("sparse_mla|attention|index_lists|dispatch|"
                                                     "checks|opdef|triton", args.rows * 2)
-    print("\nattention function per call (median ms): impl, layer type, queries, synced, "
-          "host, calls")
+    print("\nattention function (and the indexer's forward) per call (median ms): impl, layer "
+          "type, queries, synced, host, calls")
     med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
     synced, host = stores["synced"], stores["host"]
     for key in sorted(synced):
@@ -141,9 +158,11 @@ def main(argv=None):
     # one generate filled each store: its decode steps' attention calls, all layers
     steps = max(1, args.decode - 1)
     for impl, ms in step_ms.items():
-        attn = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1) * 1e3 / steps
-        print(f"decode step, {impl}: {ms:.2f} ms; its attention calls' host time {attn:.3f} ms "
-              f"({100 * attn / ms:.1f} %)")
+        for part in ("attention calls", "indexer forwards"):
+            t = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1
+                    and (k[1] == "indexer") == (part == "indexer forwards")) * 1e3 / steps
+            print(f"decode step, {impl}: {ms:.2f} ms; its {part}' host time {t:.3f} ms "
+                  f"({100 * t / ms:.1f} %)")
     if args.parts:
         model.set_attn_implementation("sparse_mla")
         _parts(model, ids, sparse_fn)
