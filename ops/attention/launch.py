@@ -83,9 +83,10 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         scale_t=isinstance(scale, torch.Tensor), q_fp8=q_fp8, final=final,
         has_sink=sink is not None, has_lse=lse is not None,
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
-        staged=staged, cluster=cluster)
+        staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
+        qeps=qrot.eps32 if qrot is not None else 0.0)
     if qrot is not None:
-        kwargs.update(qrot.kernel_args())
+        kwargs.update(qrot.pointer_args())
     kwargs["launch_pdl"] = pdl
     if cluster:
         from sparse_mla.ops.attention.sm90 import hooks

@@ -35,10 +35,14 @@ class QRot:
         constexpr the kernels add in fp64 exactly as the reference adds it."""
         return 0.0 if self.eps is None else float(torch.tensor(self.eps, dtype=torch.float32))
 
-    def kernel_args(self) -> dict:
-        """The kernels' keyword arguments (both take the same names)."""
+    def pointer_args(self) -> dict:
+        """The kernels' run-time keyword arguments (both kernels take these names)."""
         return dict(qpos_ptr=self.positions, qcs_ptr=self.cos_sin_cache,
-                    q_max_pos=self.cos_sin_cache.shape[0], QROT=self.code, QEPS=self.eps32)
+                    q_max_pos=self.cos_sin_cache.shape[0])
+
+    def kernel_args(self) -> dict:
+        """All the kernels' keyword arguments: ``pointer_args`` and the constexprs."""
+        return dict(self.pointer_args(), QROT=self.code, QEPS=self.eps32)
 
 
 def check_qrot(q: torch.Tensor, n_rows: int, positions, cos_sin_cache, eps) -> Optional[QRot]:
