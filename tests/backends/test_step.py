@@ -89,7 +89,11 @@ def test_padded_decode_requests(device):
     assert torch.count_nonzero(out[4:]) == 0
 
 
-def test_explain_names_the_ops_of_the_last_step():
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_explain_names_the_ops_of_the_last_step(fold, monkeypatch):
+    """A decode step writes its kv rows alone where the decode op folds q's norm and RoPE
+    (``SPARSE_MLA_QFOLD``, on by default), the fused q + kv insert where it does not."""
+    monkeypatch.setenv("SPARSE_MLA_QFOLD", fold)
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
     h.step([], [(0, 20)])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
@@ -97,9 +101,9 @@ def test_explain_names_the_ops_of_the_last_step():
     assert "flashmla_sparse_decode" not in ran and "global_topk_indices_and_lens" not in ran
     h.step([(0, 1)], [])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
-    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4",
-                        "swa_indices_and_lens", "global_topk_indices_and_lens",
-                        "flashmla_sparse_decode"}
+    insert = "rope_insert_v4" if fold == "1" else "fused_qnorm_rope_insert_v4"
+    assert set(ran) == {insert, "quantize_insert_v4", "swa_indices_and_lens",
+                        "global_topk_indices_and_lens", "flashmla_sparse_decode"}
     assert set(ran.values()) == {"reference"}
 
 
