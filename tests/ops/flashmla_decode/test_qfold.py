@@ -93,7 +93,6 @@ CPU_SHAPES = [dict(b=2, s_q=2, h=3, bs=61, topk=32, extra_topk=16),
               dict(b=1, s_q=1, h=16, bs=2, topk=32, extra=False)]
 GPU_SHAPES = [dict(b=4, s_q=1, h=64, bs=64, topk=128, extra_topk=128),
               dict(b=3, s_q=2, h=128, bs=64, topk=128, extra_topk=64),
-              dict(b=2, s_q=2, h=8, bs=64, topk=128, extra_topk=64),
               dict(b=40, s_q=1, h=64, bs=64, topk=512, extra_topk=128),
               dict(b=20, s_q=1, h=128, bs=64, topk=256, extra_topk=64)]
 
