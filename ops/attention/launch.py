@@ -45,6 +45,9 @@ V41_FORMATS = ("v41", "v41_fp4")
 FMT_PLAIN_BF16_TILED = 4
 LOG2E = 1.4426950408889634
 
+# The q fold's run-time kernel arguments of a launch without it (``qrot.QRot.pointer_args``)
+NO_QROT = dict(qpos_ptr=None, qcs_ptr=None, q_max_pos=None)
+
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (docs/perf-log.md, "Fixed per-call costs").
@@ -85,8 +88,9 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
         staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
         qeps=qrot.eps32 if qrot is not None else 0.0)
-    if qrot is not None:
-        kwargs.update(qrot.pointer_args())
+    # the fold's run-time arguments always (None without it): the cluster launch passes every
+    # parameter by name (``triton_utils.launch_compiled``)
+    kwargs.update(qrot.pointer_args() if qrot is not None else NO_QROT)
     kwargs["launch_pdl"] = pdl
     if cluster:
         from sparse_mla.ops.attention.sm90 import hooks

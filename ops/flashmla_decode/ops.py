@@ -141,10 +141,10 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            softmax_scale: Optional[float] = None, kv_format: str = "v4",
                            block_size: Optional[int] = None,
                            extra_block_size: Optional[int] = None,
-                           extra_kv_format: Optional[str] = None, impl: str = "auto",
+                           extra_kv_format: Optional[str] = None,
                            q_positions: Optional[Tensor] = None,
                            cos_sin_cache: Optional[Tensor] = None,
-                           q_norm_eps: Optional[float] = None) -> None:
+                           q_norm_eps: Optional[float] = None, impl: str = "auto") -> None:
     """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
     ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
     among "v4", "v41", "v41_fp4": docs/semantics.md §12).
@@ -168,8 +168,8 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
 @flashmla_sparse_decode.register_fake
 def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
       extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
-      block_size=None, extra_block_size=None, extra_kv_format=None, impl="auto",
-      q_positions=None, cos_sin_cache=None, q_norm_eps=None):
+      block_size=None, extra_block_size=None, extra_kv_format=None, q_positions=None,
+      cos_sin_cache=None, q_norm_eps=None, impl="auto"):
     _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
                      extra_kv_format, q_positions, cos_sin_cache, q_norm_eps)
@@ -196,8 +196,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
         lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
-                           kv_format, block_size, extra_block_size, extra_kv_format, impl,
-                           q_positions, cos_sin_cache, q_norm_eps)
+                           kv_format, block_size, extra_block_size, extra_kv_format,
+                           q_positions, cos_sin_cache, q_norm_eps, impl)
     return out, lse
 
 
