@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.backends.common.base import Backend
+from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.backends.common.config import LayerConfig
 from sparse_mla.backends.common.planner import IndexPlanner
 from sparse_mla.backends.common.validate import validate_shapes, validate_values
@@ -47,8 +48,10 @@ class V4Backend(Backend):
     _in_forward = False
     _fold = None        # during a folded step: (raw q, cos_sin_cache) for the decode rows
 
-    def forward(self, q, kv, caches, batch, cos_sin_cache=None, attn_sink=None, out=None,
-                compressed_kv=None, planned=False):
+    def forward(self, q: Tensor, kv: Tensor, caches, batch: BatchDescription,
+                cos_sin_cache: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
+                out: Optional[Tensor] = None, compressed_kv: Optional[Tensor] = None,
+                planned: bool = False) -> Tensor:
         self._in_forward = True
         try:
             return super().forward(q, kv, caches, batch, cos_sin_cache, attn_sink, out,
