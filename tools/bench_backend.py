@@ -8,10 +8,11 @@ CUDA-graph replays (GPU µs per step): "step" = write (q-norm + RoPE + SWA inser
 insert) + index planning + attention; "attn" = the attention op alone on the step's index
 lists; "layer" = the same with the step's shared plan (token → request, windows, C128A lists)
 already built, what each further layer of the kind pays (``forward(planned=True)``); "glue" =
-step or layer - attn (the target: <= 10 µs at b 256). With the q fold (``SPARSE_MLA_QFOLD``,
-on by default) the step hands decode rows' raw q to the op, whose kernel norms and rotates
-it: "attn_fold" (parts line) is that op alone; "attn" stays the op on the rotated q, so the
-glue columns also hold whatever the fold adds to the kernel. "FlashMLA" runs the same step / layer
+step or layer - attn (the target: <= 10 µs at b 256). With the q fold (the backend's
+``QFOLD``; ``--qfold off`` / ``both`` for the unfused step or both) the step hands decode rows'
+raw q to the op, whose kernel norms and rotates it: "attn_fold" (parts line) is that op alone;
+"attn" stays the op on the rotated q, so the glue columns also hold what the fold adds to the
+kernel. Rows are named "... fold" / "... unfused". "FlashMLA" runs the same step / layer
 with FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
 imports, its layer timed the way vLLM runs it: vLLM's FlashMLA backends build one
 ``get_mla_metadata()`` per step and hand it to every layer (FlashMLA plans it at the first
@@ -107,7 +108,7 @@ def _batch(cfg, lens, device, g):
     return batch, blocks, T
 
 
-def _case(kind, h, lens, device, vendor):
+def _case(kind, h, lens, device, vendor, qfold=True):
     g = torch.Generator().manual_seed(0)
     topk = 512 if h <= 64 else 1024
     T = sum(n for _, n in lens)
@@ -115,6 +116,7 @@ def _case(kind, h, lens, device, vendor):
                       max_model_len=2 * CTX + 64, topk=topk)
     batch, blocks, T = _batch(cfg, lens, device, g)
     ours = FlashMLABackend(cfg, device)
+    ours.QFOLD = qfold
     caches = ours.allocate_caches(blocks)
     for name, c in caches.items():
         bs = cfg.swa_block_size if name == "swa" else cfg.compressed_block_size
@@ -291,6 +293,8 @@ def main(argv=None):
                     help="head counts (default 64 128)")
     ap.add_argument("--s-q", type=int, nargs="+", default=(1, 2),
                     help="decode tokens per request (default 1 2)")
+    ap.add_argument("--qfold", choices=("on", "off", "both"), default="on",
+                    help="decode steps with the q fold (default), without, or both")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_backend needs a CUDA GPU")
@@ -303,9 +307,12 @@ def main(argv=None):
         for h in args.heads:
             for b in batches:
                 for s_q in args.s_q:
-                    r = _case(kind, h, [(CTX, s_q)] * b, dev, vendor)
-                    rows.append((f"{kind.name} h{h} b{b} s_q{s_q}", r))
-                    _print_row(*rows[-1])
+                    for fold in {"on": (True,), "off": (False,), "both": (False, True)}[
+                            args.qfold]:
+                        r = _case(kind, h, [(CTX, s_q)] * b, dev, vendor, fold)
+                        rows.append((f"{kind.name} h{h} b{b} s_q{s_q} "
+                                     f"{'fold' if fold else 'unfused'}", r))
+                        _print_row(*rows[-1])
     if not (args.quick or args.no_prefill):
         for kind in (LayerKind.C4A, LayerKind.C128A):
             r = _case(kind, 64, [(CTX, 8192)], dev, vendor)

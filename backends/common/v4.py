@@ -8,7 +8,6 @@ the indexer's top-k (C4A) arrives in the batch.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -22,21 +21,13 @@ from sparse_mla.backends.common.validate import validate_shapes, validate_values
 from sparse_mla.ops.common import checks
 
 
-QFOLD_ENV = "SPARSE_MLA_QFOLD"
-
-
-def qfold_enabled() -> bool:
-    """Whether ``forward`` may fold q's norm and RoPE into the decode kernel's q load
-    (``SPARSE_MLA_QFOLD=0`` turns it off: the unfused path, for A/B runs)."""
-    return os.environ.get(QFOLD_ENV, "1") != "0"
-
-
 class V4Backend(Backend):
     """Backends implement ``cache_specs`` ("swa", and "compressed" on compressed layers),
     ``_write`` and ``_attend``.
 
-    The q fold: a backend with ``QFOLD`` set runs a whole step (``forward``) with decode rows'
-    q handed raw to the decode op, which norms and rotates it as its kernel loads it
+    The q fold: a backend whose ``QFOLD`` is set (a class attribute; ``backend.QFOLD = False``
+    turns it off for one instance, for A/B runs) runs a whole step (``forward``) with decode
+    rows' q handed raw to the decode op, which norms and rotates it as its kernel loads it
     (``flashmla_sparse_decode``'s ``q_positions`` / ``cos_sin_cache``), and writes their kv
     rows with the kv-only insert: no separate pass over q. ``write`` + ``attend`` (and steps
     the fold cannot take: see ``_fold_step``) keep the unfused path, whose q ``write``
@@ -68,11 +59,11 @@ class V4Backend(Backend):
         return fold
 
     def _fold_step(self, q, batch, cos_sin_cache) -> bool:
-        """Whether this step folds: decode rows, the fold on (``QFOLD``, ``qfold_enabled``), an
+        """Whether this step folds: decode rows, the fold on (``QFOLD``), an
         attention route that folds in its kernel (not the vendor one, which would run the
         unfused reference first), and inputs the decode op's fold takes (a bf16 q, a
         contiguous RoPE table and positions: else its checks would raise after the write)."""
-        return (self.QFOLD and qfold_enabled() and batch.num_decode_tokens > 0
+        return (self.QFOLD and batch.num_decode_tokens > 0
                 and self.attention_impl != "vendor" and isinstance(q, torch.Tensor)
                 and q.dtype == torch.bfloat16 and isinstance(cos_sin_cache, torch.Tensor)
                 and cos_sin_cache.is_contiguous() and batch.positions.is_contiguous())

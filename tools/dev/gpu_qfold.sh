@@ -6,10 +6,12 @@
 #    launches), the kv-only insert vs the fused insert's bytes;
 # 2. step: the FlashMLA backend's steps against the dense oracle on CUDA (fold on, the default);
 # 3. graph: the decode step under CUDA-graph replay (fold on);
-# 4. bench: tools/bench_backend.py C4A decode, h64 / h128, b 64 / 256, s_q 1, with the fold off
-#    (SPARSE_MLA_QFOLD=0) then on: "glue" = step - attention, the target <= 10 µs at b 256.
+# 4. bench: tools/bench_backend.py C4A decode, h64 / h128, b 64 / 256, s_q 1, each without the
+#    fold ("unfused") then with it ("fold"): "glue" = step - attention, the target <= 10 µs at
+#    b 256; "attn_fold" = the decode op with the fold alone.
 # Then a short table. Logs under ${OUT:-/tmp/gpu_qfold}; each step under its own time limit
-# (210 s at most; "bash tools/dev/gpu_qfold.sh bench" runs the two bench steps alone); the last line gives every step's rc (124: its limit).
+# (210 s at most; "bash tools/dev/gpu_qfold.sh bench" runs the bench alone); the last line
+# gives every step's rc (124: its limit).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
@@ -42,19 +44,16 @@ step step 60 python3 -m pytest -q -p no:cacheprovider tests/backends/test_step.p
   -k "cuda and flashmla and (mixed_steps or padded_decode)"
 step graph 20 python3 -m pytest -q -p no:cacheprovider tests/backends/test_cuda_graph.py \
   -k "flashmla and not indexer"
-bench=(python3 -m sparse_mla.tools.bench_backend --batches 64 256 --no-prefill --kinds C4A
-       --s-q 1)
-step bench_off 35 env SPARSE_MLA_QFOLD=0 "${bench[@]}"
-step bench_on 35 env SPARSE_MLA_QFOLD=1 "${bench[@]}"
+step bench 70 python3 -m sparse_mla.tools.bench_backend --batches 64 256 --no-prefill \
+  --kinds C4A --s-q 1 --qfold both
 echo
 echo "== table (GPU µs per step / layer; glue = step or layer - attn; attn_fold: the op with the fold)"
-for f in bench_off bench_on; do
-  [ -f "$out/$f.log" ] || continue
-  python3 - "$out/$f.log" "$f" <<'PY'
+if [ -f "$out/bench.log" ]; then
+  python3 - "$out/bench.log" <<'PY'
 import re, sys
 rows, name = [], None
 for line in open(sys.argv[1]):
-    m = re.match(r"(C\S+ h\d+ b\d+ s_q\d+)\s+step\s+(\S+)\s+layer\s+(\S+)\s+attn\s+(\S+)\s+"
+    m = re.match(r"(C\S+ h\d+ b\d+ s_q\d+ \S+)\s+step\s+(\S+)\s+layer\s+(\S+)\s+attn\s+(\S+)\s+"
                  r"glue step/layer\s+(\S+)/\s*(\S+).*layer ratio (\S+)", line)
     if m:
         name = m.groups()
@@ -63,10 +62,10 @@ for line in open(sys.argv[1]):
         fold = re.search(r"attn_fold ([-\d.]+)", line)
         write = re.search(r"write ([-\d.]+)", line)
         n, st, la, at, gs, gl, ratio = name
-        print(f"{sys.argv[2]:9s} {n:22s} step {st:>7s} layer {la:>7s} attn {at:>7s} "
+        print(f"{n:27s} step {st:>7s} layer {la:>7s} attn {at:>7s} "
               f"attn_fold {fold.group(1) if fold else '-':>7s} write {write.group(1) if write else '-':>6s} "
               f"glue step/layer {gs:>6s}/{gl:>6s} FlashMLA layer ratio {ratio}")
         name = None
 PY
-done
+fi
 echo "rc: $(for k in "${!rc[@]}"; do printf '%s=%s ' "$k" "${rc[$k]}"; done)"
