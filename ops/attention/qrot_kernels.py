@@ -70,7 +70,6 @@ def rotated_q(q_row, hmask, r, pos, cs_ptr, COL0: tl.constexpr, NC: tl.constexpr
     return to_bf16(x, INTERP)
 
 
-
 @triton.jit
 def q_position(qpos_ptr, t, q_max_pos):
     """Row ``t``'s position, clamped into the table (a kernel cannot raise; the op checks
