@@ -46,6 +46,7 @@ def record_format(record: int, cache: str) -> formats.PagedFormat:
 class V41FlashMLABackend(FlashMLABackend):
     name = "v41_flashmla"
     CONFIG = V41LayerConfig
+    QFOLD = False   # the unfused write for now (the decode op's fold also takes RoPE only)
 
     def _records(self) -> Dict[str, formats.PagedFormat]:
         cfg = self.config
