@@ -27,8 +27,11 @@ _LAUNCH = dict(enable_fp_fusion=False)
 # head's q rows once per BN entries, so a wider BN moves less. The prefill shape is the
 # fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on an H200 (docs/perf-log.md,
 # "Session 37: the indexer's launch shapes").
+# The top-k select reads a chunk's keys five times: ``prefill_chunk_bytes`` of keys per chunk
+# (``chunk=0``) trades the L2 hits of a small chunk against the launches of many.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
-          "decode_bn": 64, "decode_warps": 4, "decode_programs_per_sm": 4,
+          "prefill_chunk_bytes": 64 << 20,
+          "decode_bn": 64, "decode_warps": 8, "decode_programs_per_sm": 4,
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick; two tiles per decode program test the split
 INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16, "decode_tiles": 2}
@@ -126,7 +129,7 @@ def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
         out.fill_(-1)
         return
     req, nc = prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n)
-    rows = min(chunk or fmt.auto_chunk(width), n)
+    rows = min(chunk or fmt.auto_chunk(width, _config(q.device)["prefill_chunk_bytes"]), n)
     keys = torch.empty(rows, width, dtype=torch.int64, device=q.device)
     for s in range(0, n, rows):
         part = keys[:min(rows, n - s)]
@@ -159,10 +162,10 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     keys = torch.empty(n, width, dtype=torch.int64, device=q.device)
     if fill:
         keys.fill_(NOT_A_CANDIDATE)
-    lim = torch.zeros(n, dtype=torch.int32, device=q.device)
+    lim = torch.empty(n, dtype=torch.int32, device=q.device)
     batch = n // next_n
     if batch == 0 or width == 0:
-        return keys, lim
+        return keys, lim.fill_(0)
     cfg = _config(q.device)
     kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     hp = max(16, triton.next_power_of_2(q.shape[1]))

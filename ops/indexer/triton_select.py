@@ -51,7 +51,7 @@ def select_topk_kernel(key_ptr, key_s0, lim_ptr, width, out_ptr, out_s0, K,
     prefix = tl.zeros((), tl.int64)
     krem = tl.zeros((), tl.int32)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros((256,), tl.int32)
         for s in range(0, n, BLOCK):
             j = s + cols

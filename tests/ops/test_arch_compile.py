@@ -223,6 +223,7 @@ def _family_variants(arch):
 
 def _indexer_variants(soft):
     from sparse_mla.ops.indexer import triton_impl as ix
+    from sparse_mla.ops.indexer import triton_select as sel
     cfg, fuse = ix.CONFIG, dict(enable_fp_fusion=False)
     out = {}
     for q8 in (False, True):
@@ -241,8 +242,16 @@ def _indexer_variants(soft):
             out[f"indexer_decode_{name}"] = (
                 INDEXER, "decode_keys_kernel",
                 dict(HP=64, BN=cfg["decode_bn"], QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
-                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64"},
+                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64",
+                 "lim_ptr": "*i32"},
                 set(), dict(num_warps=cfg["decode_warps"], **fuse))
+    # the top-k select at the model's K (512) and the widest it takes
+    for k in (512, sel.MAX_K):
+        out[f"indexer_select_k{k}"] = (
+            "sparse_mla.ops.indexer.triton_select", "select_topk_kernel",
+            dict(BLOCK=sel.CONFIG["block"], KP=k, HAS_LIM=True),
+            {"key_ptr": "*i64", "lim_ptr": "*i32", "out_ptr": "*i32"}, set(),
+            dict(num_warps=sel.CONFIG["warps"]))
     for fp8 in (False, True):
         out[f"indexer_k_insert_{'fp8' if fp8 else 'bf16'}"] = (
             INDEXER, "k_insert_kernel", dict(FP8=fp8, TPP=cfg["insert_tokens"], SOFT=soft),
