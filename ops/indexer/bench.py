@@ -7,11 +7,12 @@ Prefill: one 8,192-token chunk at positions 57,344..65,535 over 16,384 keys (eac
 14,336..16,384 of them). ``bytes``: the cache / key bytes a perfect kernel reads plus q,
 weights and the top-k written; ``flops``: 2 * 128 * heads per (token, candidate) pair.
 
-The comparison prints, for the same inputs: the scores kernel alone and the whole op (scores +
-top-k) as % of the card's measured copy bandwidth (decode, on the bytes above) and bf16
-matmul rate (prefill, on the flops above), and HF transformers' eager indexer math
-(``DeepseekV4IndexerScorer`` + the top-k of ``DeepseekV4Indexer``, written out here: a
-[tokens, heads, candidates] fp32 score tensor) in time and peak memory.
+The comparison prints, for the same inputs: each stage alone (the scores kernel, the top-k
+select kernel over its keys) and the whole op as % of the card's measured copy bandwidth
+(decode, on the bytes above) and bf16 matmul rate (prefill, on the flops above), and HF
+transformers' eager indexer math (``DeepseekV4IndexerScorer`` + the top-k of
+``DeepseekV4Indexer``, written out here: a [tokens, heads, candidates] fp32 score tensor) in
+time and peak memory. ``--sweep`` first times the kernels under other launch shapes.
 """
 from __future__ import annotations
 
@@ -216,6 +217,13 @@ def _roofline(device):
     return 2 * n / _time(lambda: dst.copy_(src)), 2 * 8192 ** 3 / _time(lambda: a @ a)
 
 
+def _prefill_keys(x, keys, lim):
+    """The scores kernel of a prefill case alone, every token in one launch."""
+    from sparse_mla.ops.indexer import triton_impl
+    triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
+                             x["cu_seqlens_k"], x["positions"], RATIO, 0, keys, lim)
+
+
 def _stage_rows(shape, stages, rate):
     """Table rows of timed stages [(route, fn)]: (shape, route, s, peak, ``rate(s)``)."""
     rows = []
@@ -271,17 +279,15 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
     for fp8 in (True, False):
         x = prefill_inputs(device, tokens, cand, fp8=fp8)
         flops = pairs(x) * HEADS * fmt.DIM * 2
-        req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
-                                                 x["positions"], RATIO, tokens)
         keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+        lim = torch.empty(tokens, dtype=torch.int32, device=device)
 
-        def scores(x=x, req=req, nc=nc, keys=keys):
-            triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"],
-                                     x["cu_seqlens_k"], req, nc, 0, keys)
+        def scores(x=x, keys=keys, lim=lim):
+            _prefill_keys(x, keys, lim)
         scores()
 
-        def select(x=x, keys=keys, nc=nc):
-            triton_select.select_topk(keys, x["out"], nc)
+        def select(x=x, keys=keys, lim=lim):
+            triton_select.select_topk(keys, x["out"], lim)
 
         def whole(x=x):
             ops.indexer_topk_prefill(x["q"], x["weights"], x["k"], x["k_scale"],
@@ -311,16 +317,17 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
 
 PREFILL_SHAPES = ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
 PREFILL_CHUNK_MIB = (32, 64, 256, 1024)
-# (BN, warps, programs per SM)
-DECODE_SHAPES = ((64, 8, 4), (64, 8, 2), (64, 8, 8), (32, 4, 4), (64, 4, 4), (128, 8, 4))
+# (BN, warps, programs per SM, heads on the dot's N axis)
+DECODE_SHAPES = ((64, 8, 4, True), (64, 8, 4, False), (64, 4, 4, True), (64, 4, 4, False),
+                 (128, 8, 4, True), (64, 8, 2, True), (64, 8, 8, True), (32, 4, 4, True))
 SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16), (4096, 16))
 
 
 def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
     """The kernels' time under other launch shapes (triton_impl.CONFIG and
     triton_select.CONFIG keys), to pick them from one GPU run: prefill scores (BT, BN, warps,
-    stages), the prefill op by chunk size, decode scores (BN, warps, programs per SM) and the
-    select kernel (block, warps)."""
+    stages), the prefill op by chunk size, decode scores (BN, warps, programs per SM, the
+    dot's orientation) and the select kernel (block, warps)."""
     from sparse_mla.ops.indexer import triton_impl, triton_select
     saved = dict(triton_impl.CONFIG), dict(triton_select.CONFIG)
     try:
@@ -347,17 +354,15 @@ def _sweep_prefill(device, tokens, cand, defaults):
     from sparse_mla.ops.indexer import triton_impl
     x = prefill_inputs(device, tokens, cand)
     flops = pairs(x) * HEADS * fmt.DIM * 2
-    req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
-                                             x["positions"], RATIO, tokens)
     keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+    lim = torch.empty(tokens, dtype=torch.int32, device=device)
     rate = lambda t: f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"  # noqa: E731
     rows = []
     for bt, bn, warps, stages in PREFILL_SHAPES:
         triton_impl.CONFIG.update(prefill_bt=bt, prefill_bn=bn, prefill_warps=warps,
                                   prefill_stages=stages)
         _attempt(rows, "prefill scores", f"BT={bt} BN={bn} warps={warps} stages={stages}",
-                 lambda: triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"],
-                                                  x["cu_seqlens_k"], req, nc, 0, keys), rate)
+                 lambda: _prefill_keys(x, keys, lim), rate)
     keys = None         # frees them: the chunked op allocates its own
     triton_impl.CONFIG.update(defaults)
     for mib in PREFILL_CHUNK_MIB:
@@ -377,10 +382,11 @@ def _sweep_decode(device, batch, cand):
     moved = decode_bytes(x, cand)
     rate = lambda t: f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"  # noqa: E731
     rows = []
-    for bn, warps, per_sm in DECODE_SHAPES:
+    for bn, warps, per_sm, heads_n in DECODE_SHAPES:
         triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps,
-                                  decode_programs_per_sm=per_sm)
-        _attempt(rows, "decode scores", f"BN={bn} warps={warps} programs/SM={per_sm}",
+                                  decode_programs_per_sm=per_sm, decode_heads_n=heads_n)
+        _attempt(rows, "decode scores",
+                 f"BN={bn} warps={warps} programs/SM={per_sm} heads on {'N' if heads_n else 'M'}",
                  lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
                                                  x["seq_lens"], x["block_table"], RATIO, 1,
                                                  BLOCK, width), rate)

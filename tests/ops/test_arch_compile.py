@@ -53,11 +53,11 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "split_v41": 14000, "split_v41_v41fp4": 4300, "tiny_v41_v41fp4": 1700,
                # the indexer's scores kernels (prefill: 4 warps, the H200 sweep's fastest, spills
                # more than 8 did and ran 1.7x faster: docs/perf-log.md, "Session 37: the
-               # indexer's launch shapes"; decode keeps its first token's q across its tiles
-               # and decodes an e4m3 q in the kernel: most on sm_80's software route, 1.7 KB)
+               # indexer's launch shapes"; decode keeps its first token's q across its tiles:
+               # most on sm_100, 0.66 KB)
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
-               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 2200,
-               "indexer_decode_qbf16_k8": 130, "indexer_decode_qbf16_kbf16": 160}
+               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 820,
+               "indexer_decode_qbf16_k8": 820, "indexer_decode_qbf16_kbf16": 290}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
@@ -242,7 +242,8 @@ def _indexer_variants(soft):
                 dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
             out[f"indexer_decode_{name}"] = (
                 INDEXER, "decode_keys_kernel",
-                dict(HP=64, BN=cfg["decode_bn"], QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
+                dict(HP=64, BN=cfg["decode_bn"], HEADS_N=cfg["decode_heads_n"], QFP8=q8,
+                     KFP8=k8, SOFT=soft, DOT_F32=False),
                 {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64",
                  "lim_ptr": "*i32"},
                 set(), dict(num_warps=cfg["decode_warps"], **fuse))
