@@ -17,6 +17,7 @@ time and peak memory. ``--sweep`` first times the kernels under other launch sha
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -224,6 +225,49 @@ def _prefill_keys(x, keys, lim):
                              x["cu_seqlens_k"], x["positions"], RATIO, 0, keys, lim)
 
 
+def _host_us(fn, reps=100):
+    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round; few
+    enough calls that the launch queue never fills)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+HOST_SHAPES = ((1, 1024), (1024, 256))     # (tokens, keys): an HF decode step, a 1k prefill
+
+
+def host_costs(device="cuda"):
+    """Host microseconds per call of the prefill op as HF's hook calls it (bf16 keys, one
+    request, ``max_seqlen_k`` given), of its argument checks and of the Triton implementation
+    called directly, next to HF's eager indexer math on the same inputs: printed lines."""
+    lines = [f"host us per call (no sync)   {'op':>8} {'checks':>8} {'triton':>8} "
+             f"{'HF eager':>9}"]
+    for n, cand in HOST_SHAPES:
+        us = _host_row(prefill_inputs(device, n, cand, fp8=False), cand)
+        lines.append(f"prefill op n={n:<5} C={cand:<5}     " +
+                     " ".join(f"{u:8.1f}" for u in us[:3]) + f" {us[3]:9.1f}")
+    return lines
+
+
+def _host_row(x, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    args = (x["q"], x["weights"], x["k"], None, x["cu_seqlens_q"], x["cu_seqlens_k"],
+            x["positions"], x["out"])
+    fns = (lambda: ops.indexer_topk_prefill(*args, RATIO, 0, cand),
+           lambda: ops._validate_prefill(*args, RATIO, 0, cand),
+           lambda: triton_impl.topk_prefill(*args[:7], RATIO, x["out"], 0, cand),
+           lambda: hf_eager_topk(x["q"], x["weights"], x["k"], x["positions"]))
+    for fn in fns:
+        fn()
+    return [_host_us(fn) for fn in fns]
+
+
 def _stage_rows(shape, stages, rate):
     """Table rows of timed stages [(route, fn)]: (shape, route, s, peak, ``rate(s)``)."""
     rows = []
@@ -239,6 +283,7 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
     copy_bw, mm = _roofline(device)
     print(f"measured: copy {copy_bw / 1e9:,.0f} GB/s (read + write), bf16 matmul "
           f"{mm / 1e12:,.0f} TFLOP/s", flush=True)
+    host = host_costs(device)
 
     for next_n in (1, 2):
         x = decode_inputs(device, batch, next_n, cand)
@@ -312,6 +357,7 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
             del dense, got
         del x
         torch.cuda.empty_cache()
+    print("\n".join(host))
     _print(rows)
 
 
