@@ -361,12 +361,12 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
     _print(rows)
 
 
-PREFILL_SHAPES = ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
+PREFILL_SHAPES = ((64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
 PREFILL_CHUNK_MIB = (32, 64, 256, 1024)
 # (BN, warps, programs per SM, heads on the dot's N axis)
-DECODE_SHAPES = ((64, 8, 4, True), (64, 8, 4, False), (64, 4, 4, True), (64, 4, 4, False),
-                 (128, 8, 4, True), (64, 8, 2, True), (64, 8, 8, True), (32, 4, 4, True))
-SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16), (4096, 16))
+DECODE_SHAPES = ((64, 8, 4, True), (64, 8, 4, False), (64, 4, 4, True), (128, 8, 4, True),
+                 (64, 8, 2, True), (64, 8, 8, True))
+SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16))
 
 
 def sweep(device="cuda", tokens=8192, cand=16384, batch=64):

@@ -202,7 +202,10 @@ def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, nu
         ok &= (blk >= 0) & (blk < num_blocks)
         off = j % BS
         base = cache_ptr + blk * c_s0
-        row = off * D if KFP8 else off * c_s1
+        if KFP8:
+            row = off * D
+        else:
+            row = off * c_s1
         if HEADS_N:
             kt = tl.load(base[:, None] + row[:, None] + d[None, :], mask=ok[:, None], other=0)
         else:
