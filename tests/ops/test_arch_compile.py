@@ -56,10 +56,11 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "split_v4_qfold": 8000, "tiny_v4_qfold": 11600, "split_v41_rope_qfold": 14300,
                # the indexer's scores kernels (prefill: 4 warps, the H200 sweep's fastest, spills
                # more than 8 did and ran 1.7x faster: docs/perf-log.md, "Session 37: the
-               # indexer's launch shapes")
+               # indexer's launch shapes"; decode keeps its first token's q across its tiles:
+               # most on sm_100, 0.66 KB)
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
-               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 32,
-               "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
+               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 820,
+               "indexer_decode_qbf16_k8": 820, "indexer_decode_qbf16_kbf16": 290}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
@@ -234,6 +235,7 @@ def _family_variants(arch):
 
 def _indexer_variants(soft):
     from sparse_mla.ops.indexer import triton_impl as ix
+    from sparse_mla.ops.indexer import triton_select as sel
     cfg, fuse = ix.CONFIG, dict(enable_fp_fusion=False)
     out = {}
     for q8 in (False, True):
@@ -251,9 +253,18 @@ def _indexer_variants(soft):
                 dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
             out[f"indexer_decode_{name}"] = (
                 INDEXER, "decode_keys_kernel",
-                dict(HP=64, BN=cfg["decode_bn"], QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
-                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64"},
+                dict(HP=64, BN=cfg["decode_bn"], HEADS_N=cfg["decode_heads_n"], QFP8=q8,
+                     KFP8=k8, SOFT=soft, DOT_F32=False),
+                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64",
+                 "lim_ptr": "*i32"},
                 set(), dict(num_warps=cfg["decode_warps"], **fuse))
+    # the top-k select at the model's K (512) and the widest it takes
+    for k in (512, sel.MAX_K):
+        out[f"indexer_select_k{k}"] = (
+            "sparse_mla.ops.indexer.triton_select", "select_topk_kernel",
+            dict(BLOCK=sel.CONFIG["block"], KP=k, HAS_LIM=True),
+            {"key_ptr": "*i64", "lim_ptr": "*i32", "out_ptr": "*i32"}, set(),
+            dict(num_warps=sel.CONFIG["warps"]))
     for fp8 in (False, True):
         out[f"indexer_k_insert_{'fp8' if fp8 else 'bf16'}"] = (
             INDEXER, "k_insert_kernel", dict(FP8=fp8, TPP=cfg["insert_tokens"], SOFT=soft),
