@@ -86,7 +86,8 @@ class FlashMLABackend(V4Backend):
             extra = dict(extra_k_cache=caches["compressed"],
                          extra_indices=p.compressed_indices[:Td].unsqueeze(1),
                          extra_topk_length=p.compressed_lens[:Td],
-                         extra_block_size=cfg.compressed_block_size)
+                         extra_block_size=cfg.compressed_block_size,
+                         extra_kv_format=self.records["compressed"].name)
         fd.flashmla_sparse_decode(
             q_rot[:Td].unsqueeze(1), caches["swa"], p.swa_indices[:Td].unsqueeze(1),
             out[:Td].unsqueeze(1), self.decode_lse[:Td], topk_length=p.swa_lens[:Td],
