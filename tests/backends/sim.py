@@ -14,7 +14,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
-from sparse_mla.ops.common import formats
 from sparse_mla.tests.backends import oracle
 
 D = 512
@@ -205,9 +204,15 @@ class Simulator:
         self.free_comp.extend(r.comp_blocks)
 
 
+# Paged records (docs/semantics.md §2.2, §12), written down here rather than read from
+# ops.common.formats: (data row bytes, scale row bytes); a page holds all its data rows, then
+# all its scale rows.
+PAGE_ROWS = {"v4": (576, 8), "v41": (512, 16), "v41_fp4": (256, 32)}
+
+
 def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) -> torch.Tensor:
     """A bool mask over the cache's whole allocation: the bytes of ``slots``' rows (``fmt``:
-    a paged ``formats`` name, data rows then the page's scale rows, or "plain")."""
+    a ``PAGE_ROWS`` record, or "plain")."""
     flat = torch.empty(0, dtype=torch.uint8, device=cache.device)
     flat.set_(cache.untyped_storage())
     mask = torch.zeros(flat.numel(), dtype=torch.bool)
@@ -216,11 +221,11 @@ def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) ->
     for s in set(slots):
         b, o = divmod(s, block_size)
         if fmt != "plain":
-            rec = formats.get_format(fmt)
-            a = base + b * s0 + o * rec.token_data_bytes
-            mask[a:a + rec.token_data_bytes] = True
-            a = base + b * s0 + block_size * rec.token_data_bytes + o * rec.scale_offset
-            mask[a:a + rec.scale_offset] = True
+            data, scales = PAGE_ROWS[fmt]
+            a = base + b * s0 + o * data
+            mask[a:a + data] = True
+            a = base + b * s0 + block_size * data + o * scales
+            mask[a:a + scales] = True
         else:
             row = D * cache.element_size()
             a = base + b * s0 + o * cache.stride(1) * cache.element_size()
