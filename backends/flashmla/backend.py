@@ -99,7 +99,8 @@ class FlashMLABackend(V4Backend):
             extra = dict(extra_k_cache=caches["compressed"],
                          extra_indices=p.compressed_indices[:Td].unsqueeze(1),
                          extra_topk_length=p.compressed_lens[:Td],
-                         extra_block_size=cfg.compressed_block_size)
+                         extra_block_size=cfg.compressed_block_size,
+                         extra_kv_format=self.records["compressed"].name)
         fold = self._decode_fold_args(batch)
         if fold:    # raw q, normed and rotated by the decode kernel
             q_rot = fold.pop("q_raw")
