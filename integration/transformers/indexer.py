@@ -38,6 +38,13 @@ def _op_can_take(q, keys) -> bool:
             and 1 <= q.shape[2] <= indexer_format.MAX_HEADS)
 
 
+def _starts(b, n, dev):
+    """0, n, 2n, .. b*n: the starts of b requests of n rows each (one launch)."""
+    if n == 0:
+        return torch.zeros(b + 1, dtype=torch.long, device=dev)
+    return torch.arange(0, (b + 1) * n, n, device=dev)
+
+
 def select(indexer, q, keys, hidden_states, position_ids):
     """``DeepseekV4Indexer``'s result from the scorer's inputs: [B, S, min(topk, T)] int64,
     request-local ids, -1 where there are fewer candidates (one op call, a request per
@@ -57,7 +64,7 @@ def select(indexer, q, keys, hidden_states, position_ids):
     positions = position_ids.expand(b, s).reshape(-1).clamp_min(0)
     indexer_topk_prefill(q.reshape(b * s, h, d), weights.reshape(b * s, h),
                          keys.reshape(b * t, d), None,
-                         torch.arange(b + 1, device=dev) * s, torch.arange(b + 1, device=dev) * t,
+                         _starts(b, s, dev), _starts(b, t, dev),
                          positions, out, indexer.compress_rate, 0, t)
     return out.view(b, s, k).long()
 

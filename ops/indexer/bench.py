@@ -7,15 +7,17 @@ Prefill: one 8,192-token chunk at positions 57,344..65,535 over 16,384 keys (eac
 14,336..16,384 of them). ``bytes``: the cache / key bytes a perfect kernel reads plus q,
 weights and the top-k written; ``flops``: 2 * 128 * heads per (token, candidate) pair.
 
-The comparison prints, for the same inputs: the scores kernel alone and the whole op (scores +
-top-k) as % of the card's measured copy bandwidth (decode, on the bytes above) and bf16
-matmul rate (prefill, on the flops above), and HF transformers' eager indexer math
-(``DeepseekV4IndexerScorer`` + the top-k of ``DeepseekV4Indexer``, written out here: a
-[tokens, heads, candidates] fp32 score tensor) in time and peak memory.
+The comparison prints, for the same inputs: each stage alone (the scores kernel, the top-k
+select kernel over its keys) and the whole op as % of the card's measured copy bandwidth
+(decode, on the bytes above) and bf16 matmul rate (prefill, on the flops above), and HF
+transformers' eager indexer math (``DeepseekV4IndexerScorer`` + the top-k of
+``DeepseekV4Indexer``, written out here: a [tokens, heads, candidates] fp32 score tensor) in
+time and peak memory. ``--sweep`` first times the kernels under other launch shapes.
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -216,133 +218,231 @@ def _roofline(device):
     return 2 * n / _time(lambda: dst.copy_(src)), 2 * 8192 ** 3 / _time(lambda: a @ a)
 
 
-def compare(device="cuda", tokens=8192, cand=16384, batch=64):
+def _prefill_keys(x, keys, lim):
+    """The scores kernel of a prefill case alone, every token in one launch."""
     from sparse_mla.ops.indexer import triton_impl
+    triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
+                             x["cu_seqlens_k"], x["positions"], RATIO, 0, keys, lim)
+
+
+def _host_us(fn, reps=100):
+    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round; few
+    enough calls that the launch queue never fills)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+HOST_SHAPES = ((1, 1024), (1024, 256))     # (tokens, keys): an HF decode step, a 1k prefill
+
+
+def host_costs(device="cuda"):
+    """Host microseconds per call of the prefill op as HF's hook calls it (bf16 keys, one
+    request, ``max_seqlen_k`` given), of its argument checks and of the Triton implementation
+    called directly, next to HF's eager indexer math on the same inputs: printed lines."""
+    lines = [f"host us per call (no sync)   {'op':>8} {'checks':>8} {'triton':>8} "
+             f"{'HF eager':>9}"]
+    for n, cand in HOST_SHAPES:
+        us = _host_row(prefill_inputs(device, n, cand, fp8=False), cand)
+        lines.append(f"prefill op n={n:<5} C={cand:<5}     " +
+                     " ".join(f"{u:8.1f}" for u in us[:3]) + f" {us[3]:9.1f}")
+    return lines
+
+
+def _host_row(x, cand):
+    from sparse_mla.ops.indexer import triton_impl
+    args = (x["q"], x["weights"], x["k"], None, x["cu_seqlens_q"], x["cu_seqlens_k"],
+            x["positions"], x["out"])
+    fns = (lambda: ops.indexer_topk_prefill(*args, RATIO, 0, cand),
+           lambda: ops._validate_prefill(*args, RATIO, 0, cand),
+           lambda: triton_impl.topk_prefill(*args[:7], RATIO, x["out"], 0, cand),
+           lambda: hf_eager_topk(x["q"], x["weights"], x["k"], x["positions"]))
+    for fn in fns:
+        fn()
+    return [_host_us(fn) for fn in fns]
+
+
+def _stage_rows(shape, stages, rate):
+    """Table rows of timed stages [(route, fn)]: (shape, route, s, peak, ``rate(s)``)."""
+    rows = []
+    for what, fn in stages:
+        t, peak = _peak(fn)
+        rows.append((shape, what, t, peak, "-" if t is None else rate(t)))
+    return rows
+
+
+def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
+    from sparse_mla.ops.indexer import triton_impl, triton_select
     rows = []
     copy_bw, mm = _roofline(device)
     print(f"measured: copy {copy_bw / 1e9:,.0f} GB/s (read + write), bf16 matmul "
           f"{mm / 1e12:,.0f} TFLOP/s", flush=True)
+    host = host_costs(device)
 
     for next_n in (1, 2):
         x = decode_inputs(device, batch, next_n, cand)
         width = fmt.decode_width(x["block_table"], BLOCK, None)
         moved = decode_bytes(x, cand)
+        keys, lim = triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                            x["block_table"], RATIO, next_n, BLOCK, width)
 
         def scores(x=x, width=width):
             triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], RATIO, x["next_n"], BLOCK, width)
 
+        def select(x=x, keys=keys, lim=lim):
+            triton_select.select_topk(keys, x["out"], lim)
+
         def whole(x=x):
             ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], x["out"], RATIO, x["next_n"])
         shape = f"decode B={batch} s_q={next_n} C={cand}"
-        for what, fn in (("scores kernel", scores), ("op (scores + top-k)", whole)):
-            t, peak = _peak(fn)
-            rows.append((shape, what, t, peak, f"{100 * moved / t / copy_bw:.0f}% copy"))
-        keys = _paged_dense(x, cand)
-        pos = x["seq_lens"].long().repeat_interleave(next_n) - next_n + \
-            torch.arange(next_n, device=device).repeat(batch)
+        rows += _stage_rows(shape, (("scores kernel", scores), ("top-k select kernel", select),
+                                    ("op (scores + top-k)", whole)),
+                            lambda t, moved=moved: f"{100 * moved / t / copy_bw:.0f}% copy")
+        if hf:
+            dense = _paged_dense(x, cand)
+            pos = x["seq_lens"].long().repeat_interleave(next_n) - next_n + \
+                torch.arange(next_n, device=device).repeat(batch)
 
-        def hf(x=x, keys=keys, pos=pos, next_n=next_n):
-            for b in range(batch):
-                r = slice(b * next_n, (b + 1) * next_n)
-                hf_eager_topk(x["q"][r], x["weights"][r], keys[b], pos[r])
-        t, peak = _peak(hf)
-        rows.append((shape, "HF eager indexer math (loop over requests)", t, peak, "-"))
-        del x, keys
+            def hf_loop(x=x, dense=dense, pos=pos, next_n=next_n):
+                for b in range(batch):
+                    r = slice(b * next_n, (b + 1) * next_n)
+                    hf_eager_topk(x["q"][r], x["weights"][r], dense[b], pos[r])
+            rows += _stage_rows(shape, (("HF eager indexer math (loop over requests)",
+                                         hf_loop),), lambda t: "-")
+            del dense
+        del x, keys, lim
         torch.cuda.empty_cache()
 
     for fp8 in (True, False):
         x = prefill_inputs(device, tokens, cand, fp8=fp8)
         flops = pairs(x) * HEADS * fmt.DIM * 2
-        req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
-                                                 x["positions"], RATIO, tokens)
         keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+        lim = torch.empty(tokens, dtype=torch.int32, device=device)
 
-        def scores(x=x, req=req, nc=nc, keys=keys):
-            triton_impl.prefill_keys(x["q"], x["weights"], x["k"], x["k_scale"],
-                                     x["cu_seqlens_k"], req, nc, 0, keys)
+        def scores(x=x, keys=keys, lim=lim):
+            _prefill_keys(x, keys, lim)
+        scores()
+
+        def select(x=x, keys=keys, lim=lim):
+            triton_select.select_topk(keys, x["out"], lim)
 
         def whole(x=x):
             ops.indexer_topk_prefill(x["q"], x["weights"], x["k"], x["k_scale"],
                                      x["cu_seqlens_q"], x["cu_seqlens_k"], x["positions"],
                                      x["out"], RATIO, 0, x["max_seqlen_k"])
         shape = f"prefill T={tokens} C={cand} {'fp8' if fp8 else 'bf16'} keys"
-        t, peak = _peak(scores)
-        rows.append((shape, "scores kernel", t, peak, f"{100 * flops / t / mm:.0f}% mm"))
+        mm_pct = lambda t, flops=flops: f"{100 * flops / t / mm:.0f}% mm"  # noqa: E731
+        rows += _stage_rows(shape, (("scores kernel (all rows at once)", scores),
+                                    ("top-k select kernel (all rows at once)", select)), mm_pct)
         del keys
-        t, peak = _peak(whole)
-        rows.append((shape, "op (scores + top-k)", t, peak, f"{100 * flops / t / mm:.0f}% mm"))
-        dense = _dense_bf16(x)
-        got = {}
+        rows += _stage_rows(shape, (("op (scores + top-k, chunked)", whole),), mm_pct)
+        if hf:
+            dense = _dense_bf16(x)
+            got = {}
 
-        def hf(x=x, dense=dense, got=got):
-            got["ids"] = hf_eager_topk(x["q"], x["weights"], dense, x["positions"])
-        t, peak = _peak(hf)
-        agree = "-" if "ids" not in got else \
-            f"{_mismatch_fraction((got['ids'],), (x['out'],)):.4f} of ids differ"
-        rows.append((shape, "HF eager indexer math", t, peak, agree))
-        del x, dense
+            def hf_prefill(x=x, dense=dense, got=got):
+                got["ids"] = hf_eager_topk(x["q"], x["weights"], dense, x["positions"])
+            t, peak = _peak(hf_prefill)
+            agree = "-" if "ids" not in got else \
+                f"{_mismatch_fraction((got['ids'],), (x['out'],)):.4f} of ids differ"
+            rows.append((shape, "HF eager indexer math", t, peak, agree))
+            del dense, got
+        del x
         torch.cuda.empty_cache()
+    print("\n".join(host))
     _print(rows)
 
 
-PREFILL_SHAPES = ((64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),
-                  (128, 64, 8, 2), (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3))
-DECODE_SHAPES = ((32, 4), (64, 4), (64, 8), (128, 8))
+PREFILL_SHAPES = ((64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
+PREFILL_CHUNK_MIB = (32, 64, 256, 1024)
+# (BN, warps, programs per SM, heads on the dot's N axis)
+DECODE_SHAPES = ((64, 8, 4, True), (64, 8, 4, False), (64, 4, 4, True), (128, 8, 4, True),
+                 (64, 8, 2, True), (64, 8, 8, True))
+SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16))
 
 
 def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
-    """The scores kernels' time under other launch shapes (triton_impl.CONFIG keys), to pick
-    CONFIG from one GPU run: prefill (BT, BN, warps, stages), decode (BN, warps)."""
-    from sparse_mla.ops.indexer import triton_impl
-    saved = dict(triton_impl.CONFIG)
+    """The kernels' time under other launch shapes (triton_impl.CONFIG and
+    triton_select.CONFIG keys), to pick them from one GPU run: prefill scores (BT, BN, warps,
+    stages), the prefill op by chunk size, decode scores (BN, warps, programs per SM, the
+    dot's orientation) and the select kernel (block, warps)."""
+    from sparse_mla.ops.indexer import triton_impl, triton_select
+    saved = dict(triton_impl.CONFIG), dict(triton_select.CONFIG)
     try:
-        rows = _sweep_prefill(device, tokens, cand) + _sweep_decode(device, batch, cand)
+        rows = _sweep_prefill(device, tokens, cand, saved[0]) + \
+            _sweep_decode(device, batch, cand)
     finally:
-        triton_impl.CONFIG.clear()
-        triton_impl.CONFIG.update(saved)
+        for cfg, old in zip((triton_impl.CONFIG, triton_select.CONFIG), saved):
+            cfg.clear()
+            cfg.update(old)
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
-def _sweep_prefill(device, tokens, cand):
+def _attempt(rows, kernel, shape, fn, rate):
+    try:
+        t = _time(fn)
+        rows.append((kernel, shape, rate(t)))
+    except Exception as exc:      # a shape that does not compile or fit: say which
+        rows.append((kernel, shape, f"failed: {type(exc).__name__}"))
+
+
+def _sweep_prefill(device, tokens, cand, defaults):
     from sparse_mla.ops.indexer import triton_impl
     x = prefill_inputs(device, tokens, cand)
     flops = pairs(x) * HEADS * fmt.DIM * 2
-    req, nc = triton_impl.prefill_candidates(x["cu_seqlens_q"], x["cu_seqlens_k"],
-                                             x["positions"], RATIO, tokens)
     keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
+    lim = torch.empty(tokens, dtype=torch.int32, device=device)
+    rate = lambda t: f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"  # noqa: E731
     rows = []
     for bt, bn, warps, stages in PREFILL_SHAPES:
         triton_impl.CONFIG.update(prefill_bt=bt, prefill_bn=bn, prefill_warps=warps,
                                   prefill_stages=stages)
-        shape = f"BT={bt} BN={bn} warps={warps} stages={stages}"
-        try:
-            t = _time(lambda: triton_impl.prefill_keys(x["q"], x["weights"], x["k"],
-                                                       x["k_scale"], x["cu_seqlens_k"], req,
-                                                       nc, 0, keys))
-            rows.append(("prefill scores", shape,
-                         f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"))
-        except Exception as exc:      # a shape that does not compile or fit: say which
-            rows.append(("prefill scores", shape, f"failed: {type(exc).__name__}"))
+        _attempt(rows, "prefill scores", f"BT={bt} BN={bn} warps={warps} stages={stages}",
+                 lambda: _prefill_keys(x, keys, lim), rate)
+    keys = None         # frees them: the chunked op allocates its own
+    triton_impl.CONFIG.update(defaults)
+    for mib in PREFILL_CHUNK_MIB:
+        triton_impl.CONFIG.update(prefill_chunk_bytes=mib << 20)
+        _attempt(rows, "prefill op", f"chunk of {mib} MiB keys",
+                 lambda: ops.indexer_topk_prefill(
+                     x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
+                     x["cu_seqlens_k"], x["positions"], x["out"], RATIO, 0,
+                     x["max_seqlen_k"]), rate)
     return rows
 
 
 def _sweep_decode(device, batch, cand):
-    from sparse_mla.ops.indexer import triton_impl
+    from sparse_mla.ops.indexer import triton_impl, triton_select
     x = decode_inputs(device, batch, 1, cand)
     width = fmt.decode_width(x["block_table"], BLOCK, None)
     moved = decode_bytes(x, cand)
+    rate = lambda t: f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"  # noqa: E731
     rows = []
-    for bn, warps in DECODE_SHAPES:
-        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps)
-        t = _time(lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
-                                                  x["seq_lens"], x["block_table"], RATIO, 1,
-                                                  BLOCK, width))
-        rows.append(("decode scores", f"BN={bn} warps={warps}",
-                     f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"))
+    for bn, warps, per_sm, heads_n in DECODE_SHAPES:
+        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps,
+                                  decode_programs_per_sm=per_sm, decode_heads_n=heads_n)
+        _attempt(rows, "decode scores",
+                 f"BN={bn} warps={warps} programs/SM={per_sm} heads on {'N' if heads_n else 'M'}",
+                 lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
+                                                 x["seq_lens"], x["block_table"], RATIO, 1,
+                                                 BLOCK, width), rate)
+    keys, lim = triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                        x["block_table"], RATIO, 1, BLOCK, width)
+    for block, warps in SELECT_SHAPES:
+        triton_select.CONFIG.update(block=block, warps=warps)
+        _attempt(rows, "decode select", f"block={block} warps={warps}",
+                 lambda: triton_select.select_topk(keys, x["out"], lim),
+                 lambda t: f"{t * 1e6:.1f} us")
     return rows
 
 
@@ -373,13 +473,15 @@ def main(argv=None):
     p.add_argument("--candidates", type=int, default=16384)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--sweep", action="store_true",
-                   help="time the scores kernels under other launch shapes first")
+                   help="time the kernels under other launch shapes first")
+    p.add_argument("--no-hf", action="store_true",
+                   help="leave out HF's eager indexer math (its prefill takes 66 GB)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the comparison needs a CUDA GPU")
     if a.sweep:
         sweep("cuda", a.tokens, a.candidates, a.batch)
-    compare("cuda", a.tokens, a.candidates, a.batch)
+    compare("cuda", a.tokens, a.candidates, a.batch, hf=not a.no_hf)
 
 
 if __name__ == "__main__":

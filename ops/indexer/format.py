@@ -46,7 +46,7 @@ def decode_width(block_table, block_size: int, max_candidates) -> int:
 CHUNK_KEY_BYTES = 1 << 30
 
 
-def auto_chunk(width: int) -> int:
+def auto_chunk(width: int, key_bytes: int = CHUNK_KEY_BYTES) -> int:
     """Tokens per prefill chunk (``chunk=0``) whose selection keys over ``width`` candidates
-    take at most ``CHUNK_KEY_BYTES``."""
-    return max(64, CHUNK_KEY_BYTES // (8 * max(width, 1)))
+    take at most ``key_bytes``."""
+    return max(64, key_bytes // (8 * max(width, 1)))

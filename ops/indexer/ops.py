@@ -163,8 +163,9 @@ def indexer_topk_prefill(q: Tensor, weights: Tensor, k: Tensor, k_scale: Optiona
     ``k_scale`` [Ck] fp32). Token t at ``positions[t]`` may select entry j < min(C_r,
     (p + 1) // ratio); its score is sum_h weights[t, h] * relu(q[t, h] . k[j]) (the model's
     scales folded into ``weights``). ``out[t]``: request-local ids, larger score first, equal
-    scores by lower id, then -1. Tokens are scored ``chunk`` at a time (0: sized so a
-    chunk's int64 selection keys take about 1 GiB); pass ``max_seqlen_k`` to spare a sync.
+    scores by lower id, then -1. Tokens are scored ``chunk`` at a time (0: the route's size,
+    a bounded buffer of int64 selection keys: 1 GiB on the reference, the Triton route's
+    ``CONFIG["prefill_chunk_bytes"]``); pass ``max_seqlen_k`` to spare a sync.
     """
     _validate_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, out,
                       ratio, chunk, max_seqlen_k)

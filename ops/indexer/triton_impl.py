@@ -1,11 +1,10 @@
 """The indexer ops' Triton implementations: launchers of triton_kernels.py with the ops'
 signatures. ops.py validates the arguments before these run.
 
-The scores kernels write selection keys (triton_kernels.py); the top-k itself is
-``torch.topk`` over those int64 keys, one chunk of tokens at a time: exact by construction,
-free of host syncs, on every GPU. No Triton top-k was written; the benchmark
-(``bench.py``) times the scores kernel alone next to the whole op, which shows what the
-selection costs.
+The scores kernels write selection keys (triton_kernels.py); the top-k over them is
+triton_select.py's radix select (K up to ``triton_select.MAX_K``), else ``torch.topk`` over
+the int64 keys: both exact by construction and free of host syncs. Prefill runs one chunk of
+tokens at a time. ``bench.py`` times each stage apart and the whole op.
 """
 from __future__ import annotations
 
@@ -16,22 +15,32 @@ from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import soft_fp8
 from sparse_mla.ops.indexer import format as fmt
+from sparse_mla.ops.indexer import triton_select
 from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_kernel,
                                                    k_insert_kernel, prefill_keys_kernel)
 
 _LAUNCH = dict(enable_fp_fusion=False)
 
-# prefill: BT tokens x BN entries per program; decode: BN entries of one request per program.
+# prefill: BT tokens x BN entries per program; decode: tiles of BN entries of one request per
+# program, as many programs per request as fill ``decode_programs_per_sm`` per SM (a program
+# keeps its first token's q in registers across its tiles), heads on the dot's N axis where
+# ``decode_heads_n`` (the head sum within accumulator rows, the keys' rows loaded as stored).
 # A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
-# The fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on an H200
-# (docs/perf-log.md, "Session 37: the indexer's launch shapes").
+# The prefill shape is the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
+# an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
+# The top-k select reads a chunk's keys five times: ``prefill_chunk_bytes`` of keys per chunk
+# (``chunk=0``) trades the L2 hits of a small chunk against the launches of many.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
-          "decode_bn": 64, "decode_warps": 4, "insert_tokens": 4, "insert_warps": 1}
-INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
+          "prefill_chunk_bytes": 64 << 20,
+          "decode_bn": 64, "decode_warps": 8, "decode_programs_per_sm": 4,
+          "decode_heads_n": True,
+          "insert_tokens": 4, "insert_warps": 1}
+# the interpreter: small tiles keep it quick; two tiles per decode program test the split
+INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16, "decode_tiles": 2}
 
 
 def _config(device):
-    if device.type == "cpu":        # the interpreter: small tiles keep it quick
+    if device.type == "cpu":
         return {**CONFIG, **INTERPRET_CONFIG}
     return CONFIG
 
@@ -47,6 +56,26 @@ def _cache_args(k_cache, block_size):
         return False, k_cache, k_cache.stride(0), k_cache.stride(1)
     cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
     return True, cache, checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return 1
+    return _SMS.setdefault(device.index, torch.cuda.get_device_properties(device)
+                           .multi_processor_count)
+
+
+_SMS = {}
+
+
+def select(keys: torch.Tensor, out: torch.Tensor, lim: torch.Tensor | None = None) -> None:
+    """``out`` [n, K] <- the top-K columns of ``keys`` [n, width] (triton_select.py), columns
+    from ``lim[row]`` on not candidates; ``keys`` is overwritten. Through ``torch.topk``
+    where K is too wide for the kernel (every column of ``keys`` must then be written)."""
+    if triton_select.selectable(out.shape[1]):
+        triton_select.select_topk(keys, out, lim)
+    else:
+        select_from_keys(keys, out)
 
 
 def select_from_keys(keys: torch.Tensor, out: torch.Tensor) -> None:
@@ -72,23 +101,6 @@ def k_insert(k, k_cache, slot_mapping, block_size):
         num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
-def prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n_tokens):
-    """Per token: its request (-1 outside every request) and how many of the request's
-    entries it may select, min(C_r, (p + 1) // ratio), on the device, without a sync."""
-    dev = positions.device
-    t = torch.arange(n_tokens, device=dev)
-    r_count = cu_seqlens_q.shape[0] - 1
-    req = torch.searchsorted(cu_seqlens_q.long(), t, right=True) - 1
-    inside = (req >= 0) & (req < r_count) & (t < cu_seqlens_q[-1])
-    req = torch.where(inside, req, -1)
-    safe = req.clamp(0, max(r_count - 1, 0))
-    c_r = (cu_seqlens_k.long()[safe + 1] - cu_seqlens_k.long()[safe]) if r_count else \
-        torch.zeros_like(t)
-    nc = torch.minimum(c_r, torch.div(positions[:n_tokens].long() + 1, ratio,
-                                      rounding_mode="floor").clamp_min(0))
-    return req.to(torch.int32), torch.where(inside, nc, 0).to(torch.int32)
-
-
 def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, ratio, out,
                  chunk, max_seqlen_k):
     n = q.shape[0]
@@ -101,53 +113,69 @@ def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
     if width == 0:
         out.fill_(-1)
         return
-    req, nc = prefill_candidates(cu_seqlens_q, cu_seqlens_k, positions, ratio, n)
-    rows = min(chunk or fmt.auto_chunk(width), n)
+    rows = min(chunk or fmt.auto_chunk(width, _config(q.device)["prefill_chunk_bytes"]), n)
     keys = torch.empty(rows, width, dtype=torch.int64, device=q.device)
+    lim = torch.empty(rows, dtype=torch.int32, device=q.device)
     for s in range(0, n, rows):
-        part = keys[:min(rows, n - s)]
-        prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, s, part)
-        select_from_keys(part, out[s:s + part.shape[0]])
+        m = min(rows, n - s)
+        prefill_keys(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, ratio, s,
+                     keys[:m], lim[:m])
+        select(keys[:m], out[s:s + m], lim[:m])
 
 
-def prefill_keys(q, weights, k, k_scale, cu_seqlens_k, req, nc, start, keys):
-    """Selection keys of tokens ``start..start + keys.shape[0]`` into ``keys`` [m, width]
-    (``req`` / ``nc`` from ``prefill_candidates``): the scores half of a prefill chunk."""
+def prefill_keys(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, ratio, start,
+                 keys, lim):
+    """Selection keys of tokens ``start..start + keys.shape[0]`` into ``keys`` [m, width] and
+    each token's candidate count (min(C_r, (p + 1) // ratio), 0 outside every request) into
+    ``lim`` [m]: the scores half of a prefill chunk, one launch, the requests found on the
+    device."""
     m, width = keys.shape
     cfg = _config(q.device)
     kfp8 = k.dtype != torch.bfloat16
     bt, bn = cfg["prefill_bt"], cfg["prefill_bn"]
+    n_req = cu_seqlens_q.shape[0] - 1
     prefill_keys_kernel[(triton.cdiv(m, bt), triton.cdiv(width, bn))](
-        _bytes(q)[start:], q.stride(0), q.stride(1), weights[start:], weights.stride(0),
-        _bytes(k), k.stride(0), k_scale if kfp8 else weights, req[start:], nc[start:],
-        cu_seqlens_k, keys, keys.stride(0), m, q.shape[1], width, BT=bt, BN=bn,
-        QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8, SOFT=soft_fp8(q.device),
-        DOT_F32=triton_interpreting(), num_warps=cfg["prefill_warps"],
-        num_stages=cfg["prefill_stages"], **_LAUNCH)
+        _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), _bytes(k), k.stride(0),
+        k_scale if kfp8 else weights, cu_seqlens_q, cu_seqlens_k, positions, keys,
+        keys.stride(0), lim, start, m, n_req, (n_req + 1).bit_length(), ratio, q.shape[1],
+        width, BT=bt, BN=bn, QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8,
+        SOFT=soft_fp8(q.device), DOT_F32=triton_interpreting(),
+        num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **_LAUNCH)
 
 
-def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width):
-    """Selection keys [B * next_n, width] of a decode step (the scores half of the op)."""
-    keys = torch.empty(q.shape[0], width, dtype=torch.int64, device=q.device)
-    batch = q.shape[0] // next_n
+def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width,
+                fill=False):
+    """(selection keys [B * next_n, width], lim [B * next_n] int32) of a decode step (the
+    scores half of the op): token t's candidates are columns below ``lim[t]``, the only ones
+    written unless ``fill`` (then the rest hold "not a candidate")."""
+    n = q.shape[0]
+    keys = torch.empty(n, width, dtype=torch.int64, device=q.device)
+    if fill:
+        keys.fill_(NOT_A_CANDIDATE)
+    lim = torch.empty(n, dtype=torch.int32, device=q.device)
+    batch = n // next_n
     if batch == 0 or width == 0:
-        return keys
+        return keys, lim.fill_(0)
     cfg = _config(q.device)
     kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     hp = max(16, triton.next_power_of_2(q.shape[1]))
     bn = cfg["decode_bn"]
-    decode_keys_kernel[(batch, triton.cdiv(width, bn))](
+    tiles = triton.cdiv(width, bn)
+    per = cfg.get("decode_tiles") or triton.cdiv(tiles, min(tiles, triton.cdiv(
+        cfg["decode_programs_per_sm"] * _sm_count(q.device), batch)))
+    decode_keys_kernel[(batch, triton.cdiv(tiles, per))](
         _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
         k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
-        keys, keys.stride(0), q.shape[1], width, ratio, block_size, next_n, HP=hp, BN=bn,
-        QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8, SOFT=soft_fp8(q.device),
+        keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, next_n, per, HP=hp,
+        BN=bn, HEADS_N=cfg["decode_heads_n"], QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8,
+        SOFT=soft_fp8(q.device),
         DOT_F32=triton_interpreting(), num_warps=cfg["decode_warps"], **_LAUNCH)
-    return keys
+    return keys, lim
 
 
 def topk_decode(q, weights, k_cache, seq_lens, block_table, ratio, next_n, out, block_size,
                 max_candidates):
     width = fmt.decode_width(block_table, block_size, max_candidates)
-    keys = decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size,
-                       width)
-    select_from_keys(keys, out)
+    keys, lim = decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n,
+                            block_size, width, fill=not triton_select.selectable(out.shape[1]))
+    select(keys, out, lim)

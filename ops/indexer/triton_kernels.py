@@ -77,19 +77,44 @@ def _request_scores(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_k_pt
 
 
 @triton.jit
-def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, req_ptr, nc_ptr,
-                        cu_k_ptr, key_ptr, key_s0, n_rows, H, width,
-                        BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
-                        KFP8: tl.constexpr, SOFT: tl.constexpr,
-                        DOT_F32: tl.constexpr):
-    """Keys of rows [pid0*BT, +BT) x ids [pid1*BN, +BN). Row t belongs to request req[t] and
-    may select ids < nc[t]; request r's keys are rows cu_k[r].. of ``k``. A tile whose rows
+def _token_candidates(t, live, cu_q_ptr, cu_k_ptr, pos_ptr, ratio, n_req, steps):
+    """(request, candidates) of token rows ``t``: the request r with cu_q[r] <= t < cu_q[r+1]
+    (bisection over cu_q in ``steps`` >= log2(n_req + 2) halvings) and min(C_r, (p + 1) //
+    ratio) at its position p; (-1, 0) for rows outside every request or not ``live``."""
+    lo = tl.zeros_like(t)
+    hi = lo + n_req + 1
+    for _ in range(steps):          # lo <- how many of cu_q[0..n_req] are <= t
+        go = live & (lo < hi)
+        mid = (lo + hi) // 2
+        below = tl.load(cu_q_ptr + mid, mask=go, other=0) <= t
+        lo = tl.where(go & below, mid + 1, lo)
+        hi = tl.where(go & ~below, mid, hi)
+    req = lo - 1
+    inside = live & (req >= 0) & (req < n_req) & (t < tl.load(cu_q_ptr + n_req))
+    r = tl.where(inside, req, 0)
+    c = tl.load(cu_k_ptr + r + 1, mask=inside, other=0).to(tl.int64) - \
+        tl.load(cu_k_ptr + r, mask=inside, other=0).to(tl.int64)
+    p1 = tl.load(pos_ptr + t, mask=inside, other=0).to(tl.int64) + 1
+    nc = tl.minimum(c, tl.where(p1 > 0, p1 // ratio, 0))
+    return tl.where(inside, req, -1), tl.where(inside, nc, 0).to(tl.int32)
+
+
+@triton.jit
+def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_q_ptr, cu_k_ptr,
+                        pos_ptr, key_ptr, key_s0, lim_ptr, start, n_rows, n_req, steps, ratio,
+                        H, width, BT: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
+                        KFP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys of rows [pid0*BT, +BT) x ids [pid1*BN, +BN) of a chunk: row i is token start + i,
+    of request req (found from cu_q) and may select ids < nc (``_token_candidates``, written
+    to ``lim[i]`` by pid1 0); request r's keys are rows cu_k[r].. of ``k``. A tile whose rows
     span several requests computes each request's dot in turn (rare: at request edges)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    i = tl.program_id(0) * BT + tl.arange(0, BT)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
-    live = t < n_rows
-    nc = tl.load(nc_ptr + t, mask=live, other=0)
-    req = tl.load(req_ptr + t, mask=live, other=-1)
+    live = i < n_rows
+    t = start + i
+    req, nc = _token_candidates(t, live, cu_q_ptr, cu_k_ptr, pos_ptr, ratio, n_req, steps)
+    if tl.program_id(1) == 0:
+        tl.store(lim_ptr + i, nc, mask=live)
     t64 = t.to(tl.int64)
     score = tl.zeros((BT, BN), tl.float32)
     if tl.program_id(1) * BN < tl.max(nc, axis=0):
@@ -106,58 +131,102 @@ def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, req
                                       KFP8, SOFT, DOT_F32)
                 score = tl.where((req == r)[:, None], s_r, score)
     key = _keys(score, j[None, :], j[None, :] < nc[:, None])
-    tl.store(key_ptr + t64[:, None] * key_s0 + j[None, :], key,
+    tl.store(key_ptr + i.to(tl.int64)[:, None] * key_s0 + j[None, :], key,
              mask=live[:, None] & (j < width)[None, :])
 
 
 @triton.jit
-def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
-                       bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, H, width, ratio, BS,
-                       NEXT_N, HP: tl.constexpr, BN: tl.constexpr, QFP8: tl.constexpr,
-                       KFP8: tl.constexpr, SOFT: tl.constexpr,
-                       DOT_F32: tl.constexpr):
-    """Keys of request pid0's NEXT_N tokens x ids [pid1*BN, +BN) over the paged cache. Token
-    i sits at position seq - NEXT_N + i and may select ids < (position + 1) // ratio whose
-    block is in [0, num_blocks); all heads of one token are one [HP, 128] x [128, BN] dot."""
-    b = tl.program_id(0)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    seq = tl.load(seq_ptr + b).to(tl.int64)
-    last = tl.where(seq > 0, seq // ratio, 0)         # what the last token may select
-    col = j // BS
-    ok = (j < width) & (j < last) & (col < bt_cols)
-    blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
-    ok &= (blk >= 0) & (blk < num_blocks)
+def _decode_tile_keys(q, w, kt, scale, j, ok, nc, KFP8: tl.constexpr, HEADS_N: tl.constexpr):
+    """Keys [BN] of one token against a key tile: q [HP, 128] . kt [128, BN], or with
+    ``HEADS_N`` kt [BN, 128] . q [128, HP] (heads on the dot's N axis: the head sum stays
+    within a row of the accumulator); w [HP] the token's weights."""
+    if HEADS_N:
+        score = tl.sum(tl.maximum(tl.dot(kt, q), 0.0) * w[None, :], axis=1)
+    else:
+        score = tl.sum(tl.maximum(tl.dot(q, kt), 0.0) * w[:, None], axis=0)
+    if KFP8:
+        score = score * scale
+    return _keys(score, j, ok & (j < nc))
+
+
+@triton.jit
+def _decode_q(q_ptr, q_s0, q_s1, t, H, HP: tl.constexpr, HEADS_N: tl.constexpr,
+              QFP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Token ``t``'s q as a dot operand: [HP, 128], or [128, HP] with ``HEADS_N``."""
     h = tl.arange(0, HP)
     d = tl.arange(0, D)
-    if tl.program_id(1) * BN < last:
+    if HEADS_N:
+        q = tl.load(q_ptr + t * q_s0 + h[None, :] * q_s1 + d[:, None], mask=(h < H)[None, :],
+                    other=0)
+    else:
+        q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :], mask=(h < H)[:, None],
+                    other=0)
+    return _operand(q, QFP8, SOFT, DOT_F32)
+
+
+@triton.jit
+def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
+                       bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, lim_ptr, H, width,
+                       ratio, BS, NEXT_N, TILES, HP: tl.constexpr, BN: tl.constexpr,
+                       HEADS_N: tl.constexpr, QFP8: tl.constexpr, KFP8: tl.constexpr,
+                       SOFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys of request pid0's NEXT_N tokens x tiles [pid1*TILES, +TILES) of BN ids over the
+    paged cache. Token i sits at position seq - NEXT_N + i and may select ids < (position +
+    1) // ratio whose block is in [0, num_blocks); all heads of one token are one dot
+    (``_decode_tile_keys``). Only ids below what the last token may select are written;
+    ``lim[t]`` (written by pid1 0) bounds token t's candidates, so a reader stops there.
+    The first token's q stays in registers across the tiles; the others (MTP) are reloaded
+    per tile."""
+    b = tl.program_id(0)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    stop = tl.minimum(tl.where(seq > 0, seq // ratio, 0), width)
+    if tl.program_id(1) == 0:
+        for i in range(NEXT_N):
+            pos1 = seq - NEXT_N + i + 1
+            nc_i = tl.minimum(tl.where(pos1 > 0, pos1 // ratio, 0), width)
+            tl.store(lim_ptr + b * NEXT_N + i, nc_i.to(tl.int32))
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    t0 = (b * NEXT_N).to(tl.int64)
+    q0 = _decode_q(q_ptr, q_s0, q_s1, t0, H, HP, HEADS_N, QFP8, SOFT, DOT_F32)
+    w0 = tl.load(w_ptr + t0 * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
+    pos0 = seq - NEXT_N + 1
+    nc0 = tl.where(pos0 > 0, pos0 // ratio, 0)
+    first = tl.program_id(1) * TILES
+    end = tl.minimum(first + TILES, tl.cdiv(stop, BN))
+    for tile in range(first, end):
+        j = tile * BN + tl.arange(0, BN)
+        col = j // BS
+        ok = (j < stop) & (col < bt_cols)
+        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
+        ok &= (blk >= 0) & (blk < num_blocks)
         off = j % BS
         base = cache_ptr + blk * c_s0
         if KFP8:
-            kt = tl.load(base[None, :] + (off * D)[None, :] + d[:, None], mask=ok[None, :],
-                         other=0)
+            row = off * D
+        else:
+            row = off * c_s1
+        if HEADS_N:
+            kt = tl.load(base[:, None] + row[:, None] + d[None, :], mask=ok[:, None], other=0)
+        else:
+            kt = tl.load(base[None, :] + row[None, :] + d[:, None], mask=ok[None, :], other=0)
+        scale = 1.0
+        if KFP8:
             scale = tl.load((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)),
                             mask=ok, other=0.0)
-        else:
-            kt = tl.load(base[None, :] + (off * c_s1)[None, :] + d[:, None], mask=ok[None, :],
-                         other=0)
         kt = _operand(kt, KFP8, SOFT, DOT_F32)
-        for i in range(NEXT_N):
-            t = (b * NEXT_N + i).to(tl.int64)
-            q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :],
-                        mask=(h < H)[:, None], other=0)
-            dot = tl.dot(_operand(q, QFP8, SOFT, DOT_F32), kt)
+        tl.store(key_ptr + t0 * key_s0 + j,
+                 _decode_tile_keys(q0, w0, kt, scale, j, ok, nc0, KFP8, HEADS_N),
+                 mask=j < stop)
+        for i in range(1, NEXT_N):
+            t = t0 + i
+            q = _decode_q(q_ptr, q_s0, q_s1, t, H, HP, HEADS_N, QFP8, SOFT, DOT_F32)
             w = tl.load(w_ptr + t * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
-            score = tl.sum(tl.maximum(dot, 0.0) * w[:, None], axis=0)
-            if KFP8:
-                score = score * scale
             pos1 = seq - NEXT_N + i + 1
             nc = tl.where(pos1 > 0, pos1 // ratio, 0)
-            tl.store(key_ptr + t * key_s0 + j, _keys(score, j, ok & (j < nc)), mask=j < width)
-    else:
-        for i in range(NEXT_N):
-            t = (b * NEXT_N + i).to(tl.int64)
             tl.store(key_ptr + t * key_s0 + j,
-                     tl.full((BN,), MIN_KEY, tl.int64), mask=j < width)
+                     _decode_tile_keys(q, w, kt, scale, j, ok, nc, KFP8, HEADS_N),
+                     mask=j < stop)
 
 
 @triton.jit

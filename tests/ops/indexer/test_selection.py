@@ -9,7 +9,8 @@ swaps among scores tied within the route's rounding (``cases.assert_selection``)
 import pytest
 import torch
 
-from sparse_mla.ops.indexer import lightning_indexer_decode, lightning_indexer_prefill
+from sparse_mla.ops.indexer import lightning_indexer_decode, lightning_indexer_prefill, \
+    triton_impl
 from sparse_mla.tests.helpers import cuda_params, seeded, triton_devices
 from sparse_mla.tests.ops.indexer import cases
 
@@ -42,6 +43,16 @@ def test_prefill_mixed_batch(impl, device, fp8, q_fp8):
     g = seeded(11 + fp8 + 2 * q_fp8)
     case = cases.prefill_case(g, [5, 1, 0, 19], [9, 3, 4, 37], fp8=fp8, q_fp8=q_fp8)
     _check_prefill(case, impl, device, topk=8, chunk=7)
+
+
+@pytest.mark.parametrize("impl,device", ROUTES)
+def test_prefill_many_requests_some_empty(impl, device):
+    """Eleven requests, five without tokens and two without keys: every token's request is
+    found from cu_seqlens_q (the Triton kernel bisects it), chunks cut across requests."""
+    g = seeded(12)
+    case = cases.prefill_case(g, [0, 3, 0, 0, 1, 2, 0, 5, 1, 0, 2],
+                              [2, 9, 0, 4, 6, 0, 3, 11, 1, 5, 7], heads=2)
+    _check_prefill(case, impl, device, topk=6, chunk=4)
 
 
 @pytest.mark.parametrize("impl,device", ROUTES)
@@ -109,9 +120,15 @@ def _decode(case, seq_lens, cache, bt, impl, device, topk, next_n, **kw):
 @pytest.mark.parametrize("impl,device", ROUTES)
 @pytest.mark.parametrize("fp8,q_fp8", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("next_n,block_size", [(1, 16), (2, 4)])
-def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, block_size):
+@pytest.mark.parametrize("heads_n", [True, False], ids=["heads_n", "heads_m"])
+def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, block_size,
+                                            heads_n, monkeypatch):
     """Unwritten cache bytes are 0xFF (NaN in both formats) and never chosen; MTP tokens see
-    one entry fewer every `ratio` positions back."""
+    one entry fewer every `ratio` positions back. Triton: both orientations of the decode
+    kernel's dot (``CONFIG["decode_heads_n"]``)."""
+    if impl == "reference" and not heads_n:
+        pytest.skip("a Triton launch option")
+    monkeypatch.setitem(triton_impl.CONFIG, "decode_heads_n", heads_n)
     g = seeded(20 + fp8 + 2 * next_n + 4 * q_fp8)
     case, seq_lens = cases.decode_case(g, [7, 1, 33, 12], next_n=next_n, fp8=fp8,
                                        q_fp8=q_fp8)
