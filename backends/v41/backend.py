@@ -12,9 +12,16 @@ RMS-normed, 32-token SWA pages, and a layer may read a compressed cache another 
 it, and does not list it among the caches it owns (``cache_specs``; ``read_specs`` lists
 every cache a step reads).
 
-Records: each cache's is a config value (bytes per token). Today the backend writes and
-reads the 584 B record (the one vLLM writes for V4.1 on SM90 / SM120); 528 B / 288 B are
-refused by name (``WIRED_RECORDS``) until their inserts, gathers and decode reads are wired.
+Records: each cache's is a config value (bytes per token): the SWA cache 584 B (V4.0's, what
+vLLM writes for V4.1 on SM90 / SM120) or 528 B (MXFP8), the compressed cache also 288 B
+(NVFP4). The write runs V4.1's inserts in the configured record (``fused_rope_insert_v41``,
+``compressed_insert_v41``), the decode reads each list in its cache's record
+(``kv_format`` / ``extra_kv_format``) and the prefill gathers each cache in its own.
+
+``compressed_kv`` is what V4.1's compressor hands its cache writer: one normed, not yet
+rotated row per token (``[num_tokens, 512]``); the write rotates row t at position
+``(pos // ratio) · ratio`` and stores it where ``compressed_slot_mapping[t] >= 0`` and
+``(pos + 1) % ratio == 0`` (docs/semantics.md §12).
 """
 from __future__ import annotations
 
@@ -23,39 +30,34 @@ from typing import Dict
 from sparse_mla.backends.common.spec import CacheSpec
 from sparse_mla.backends.flashmla.backend import FlashMLABackend
 from sparse_mla.backends.v41.config import V41LayerConfig
+from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops.common import formats
 
-
-# Records this backend writes and reads today (SWA insert, compressed insert, prefill gather,
-# decode). The 528 B / 288 B records join when the ops for all four exist (issue 52 item 3).
-WIRED_RECORDS = (584,)
+_RECORDS = {fmt.bytes_per_token: fmt for fmt in (formats.V4, formats.V41, formats.V41_FP4)}
 
 
 def record_format(record: int, cache: str) -> formats.PagedFormat:
-    """The ``formats`` paged record of ``record`` bytes per token that this backend runs."""
-    if record not in WIRED_RECORDS:
-        raise ValueError(f"{cache}_record={record}: the {record} B record is not wired into "
-                         f"this backend yet (it runs {list(WIRED_RECORDS)} B; the 528 B / "
-                         f"288 B records need their inserts, gathers and decode reads)")
-    for fmt in formats.PAGED_FORMATS.values():
-        if fmt.bytes_per_token == record and fmt.out_dim == formats.HEAD_DIM:
-            return fmt
-    raise ValueError(f"{cache}_record={record}: ops.common.formats has no {record} B record")
+    """The ``formats`` paged record of ``record`` bytes per token (584, 528 or 288)."""
+    try:
+        return _RECORDS[record]
+    except KeyError:
+        raise ValueError(f"{cache}_record must be one of {sorted(_RECORDS, reverse=True)} "
+                         f"(bytes per token), got {record!r}") from None
 
 
 class V41FlashMLABackend(FlashMLABackend):
     name = "v41_flashmla"
     CONFIG = V41LayerConfig
+    QFOLD = False   # the unfused write for now (the decode op's fold also takes RoPE only)
+    OPS = ("fused_rope_insert_v41", "compressed_insert_v41") + tuple(
+        op for op in FlashMLABackend.OPS
+        if op not in ("fused_qnorm_rope_insert_v4", "rope_insert_v4", "quantize_insert_v4"))
 
     def _records(self) -> Dict[str, formats.PagedFormat]:
         cfg = self.config
         rec = {"swa": record_format(cfg.swa_record, "swa")}
         if cfg.kind.compressed:
             rec["compressed"] = record_format(cfg.compressed_record, "compressed")
-            if rec["compressed"] is not rec["swa"]:
-                raise ValueError(f"swa_record={cfg.swa_record} with compressed_record="
-                                 f"{cfg.compressed_record}: the decode reads both lists with "
-                                 f"one record in this build; give both caches the same one")
         return rec
 
     def cache_specs(self) -> Dict[str, CacheSpec]:
@@ -76,4 +78,22 @@ class V41FlashMLABackend(FlashMLABackend):
             raise ValueError("compressed_kv and batch.compressed_slot_mapping must be None: "
                              "this layer reads a source layer's compressed cache and never "
                              "writes it (the source layer's step does)")
+        if compressed_kv is not None and compressed_kv.dim() == 2 \
+                and compressed_kv.shape[0] != q.shape[0]:
+            raise ValueError(f"compressed_kv must have one row per token ([{q.shape[0]}, 512]: "
+                             f"the write rotates each at its token's position), got "
+                             f"{list(compressed_kv.shape)}")
         super()._validate_inputs(q, caches, batch, kv, cos_sin_cache, compressed_kv, attention)
+
+    def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv):
+        cfg, T = self.config, q.shape[0]
+        q_rot = self.q_rot[:T]
+        ci.fused_rope_insert_v41(q, kv, caches["swa"], batch.swa_slot_mapping, batch.positions,
+                                 cos_sin_cache, q_rot, cfg.swa_block_size,
+                                 self.records["swa"].name, self.impl)
+        if compressed_kv is not None:
+            ci.compressed_insert_v41(compressed_kv, caches["compressed"],
+                                     batch.compressed_slot_mapping, batch.positions,
+                                     cos_sin_cache, cfg.kind.ratio, cfg.compressed_block_size,
+                                     self.records["compressed"].name, None, self.impl)
+        return q_rot

@@ -142,18 +142,19 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     width = list_width(module, n, s)
     bf16 = query.dtype != torch.float32
     sink = _sinks(s_aux, h, query.device)
-    keys = key[:, 0]                                                   # [B, N, D]
+    keys = key.select(1, 0)                                            # [B, N, D]
     if bf16:
         # query rows b*S.., keys b*N..; one batch needs no copy of q (the op takes any
         # strides but the last)
-        q = query[0].transpose(0, 1) if b == 1 else query.transpose(1, 2).reshape(b * s, h, d)
+        q = (query.select(0, 0).transpose(0, 1) if b == 1
+             else query.transpose(1, 2).reshape(b * s, h, d))
         kv = keys.reshape(b * n, 1, d)
         # while torch.compile traces: no kind here (the graph's op finds it when it runs)
         kind = None if op_route.tracing() else op_route.call_kind(q, kv, width, sink)
         route = op_route.route_for(kind)
         width = op_route.list_width(route, width)
     # bf16: one flat batch, each list offset into its own batch's keys
-    indices, lengths, bad = visible_index_lists(attention_mask[:, 0], width, flat=bf16,
+    indices, lengths, bad = visible_index_lists(attention_mask.select(1, 0), width, flat=bf16,
                                                 reuse=not op_route.tracing())
     checkable = not op_route.tracing() and checks.value_checks_enabled(attention_mask)
     if checkable and bool(bad.any()):

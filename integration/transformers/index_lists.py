@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.common.dispatch import triton_interpreting
+from sparse_mla.ops.common.triton_utils import launch_compiled
+
 # Rows per compaction chunk: bounds the temporaries (int64 scatter indices are 8 bytes per
 # mask element) at about 256 MiB whatever the prompt length.
 _CHUNK_ELEMENTS = 1 << 25
@@ -82,8 +85,7 @@ def _lists_torch(mask, width):
     return indices[..., :width], lengths, bad
 
 
-@triton.jit
-def _lists_kernel(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride_s, stride_n,
+def _lists_body(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride_s, stride_n,
                   col_offset, hidden_at_most, BLOCK: tl.constexpr):
     """One (batch, query) row per program: its visible columns compacted in order."""
     row = tl.program_id(0)
@@ -108,6 +110,20 @@ def _lists_kernel(mask_ptr, idx_ptr, len_ptr, bad_ptr, S, N, W, stride_b, stride
     tl.store(bad_ptr + row, ((count > W) | (biased > 0)).to(tl.int8))
 
 
+_lists_kernel = triton.jit(_lists_body)
+# The same kernel for decode-sized lists, specialized on nothing that changes between decode
+# steps (the key count grows by one a step, which moves Triton's divisibility-by-16 key, and
+# buffer alignment), bar a unit key stride, the calls it takes: compiled once per device and
+# mask dtype, it is launched without Triton's argument binding and cache lookup, which cost
+# more host time than the rest of a decode call's lists (docs/PERF.md, "HF attention call").
+_INT_ARGS = ("S", "N", "W", "stride_b", "stride_s", "col_offset")
+_lists_kernel_steady = triton.jit(
+    _lists_body, do_not_specialize=_INT_ARGS,
+    do_not_specialize_on_alignment=("mask_ptr", "idx_ptr", "len_ptr", "bad_ptr"))
+_STEADY: dict = {}
+_INT32 = 2 ** 31
+
+
 # Largest list (elements) kept for reuse, and how many shapes are kept: decode steps' lists
 # are a few thousand entries; a long prefill's would pin tens of MiB.
 _REUSE_ELEMENTS = 1 << 20
@@ -117,7 +133,8 @@ _BUFFERS: dict = {}
 
 def _buffers(device, b, s, width, reuse):
     if reuse and b * s * width <= _REUSE_ELEMENTS:
-        key = (device, torch.cuda.current_stream(device).cuda_stream, b, s, width)
+        key = (device, triton.runtime.driver.active.get_current_stream(device.index), b, s,
+               width)
         bufs = _BUFFERS.get(key)
         if bufs is None:
             if len(_BUFFERS) >= _REUSE_SHAPES:
@@ -135,6 +152,27 @@ def _lists_triton(mask, width, flat, reuse=False):
     if b * s:
         # is_masked's threshold, as a float the kernel compares the fp32-widened mask with
         hidden_at_most = float(torch.finfo(mask.dtype).min) / 2
-        _lists_kernel[(b * s,)](mask, indices, lengths, bad, s, n, width, *mask.stride(),
-                                n if flat else 0, hidden_at_most, BLOCK=1024, num_warps=4)
+        args = (mask, indices, lengths, bad, s, n, width, *mask.stride(), n if flat else 0,
+                hidden_at_most)
+        if reuse and _steady_fits(args) and not triton_interpreting():
+            _launch_steady(mask, args, (b * s,))
+        else:
+            _lists_kernel[(b * s,)](*args, BLOCK=1024, num_warps=4)
     return indices, lengths, bad.view(torch.bool)
+
+
+def _steady_fits(args) -> bool:
+    """Whether the unspecialized kernel takes these arguments as compiled: a unit key stride
+    (specialized, for its loads) and every integer within int32 (Triton types larger ones
+    i64, another signature)."""
+    return args[9] == 1 and all(-_INT32 <= v < _INT32 for v in args[4:11])
+
+
+def _launch_steady(mask, args, grid):
+    key = (mask.device, mask.dtype)
+    kernel = _STEADY.get(key)
+    if kernel is None:
+        kernel = _lists_kernel_steady.warmup(*args, BLOCK=1024, num_warps=4, grid=grid)
+        kernel = kernel.result() if hasattr(kernel, "result") else kernel
+        _STEADY[key] = kernel
+    launch_compiled(kernel, _lists_kernel_steady, grid, args, {"BLOCK": 1024})

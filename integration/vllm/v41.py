@@ -17,7 +17,7 @@ What the layer maps (every field from vLLM's own per-step metadata, as for V4):
 - the indexer's request-local top-k: the model's shared ``topk_indices_buffer`` (filled by
   the layer's index source), for C1A and C2A alike.
 - the cache record each side writes: ``swa_bytes_per_token`` / ``compressed_bytes_per_token``
-  (584 B off SM100).
+  (584 B off SM100; 528 B / 288 B where vLLM picks V4.1's records), every one wired.
 The compressed cache is written by vLLM's compressor on the kv-source layer only; the
 backend of a reading layer has ``owns_compressed=False`` and never writes it.
 """

@@ -85,7 +85,8 @@ class Harness:
         """Every cache byte outside the slots written so far still holds the poison."""
         for name, cache in self.caches.items():
             bs = self.cfg.swa_block_size if name == "swa" else self.cfg.compressed_block_size
-            mask = written_bytes_mask(cache, self.written[name], self.fmt, bs)
+            fmt = self.fmt[name] if isinstance(self.fmt, dict) else self.fmt
+            mask = written_bytes_mask(cache, self.written[name], fmt, bs)
             raw = storage_bytes(cache).cpu()
             stray = (raw[~mask] != 0xFF).nonzero()
             assert stray.numel() == 0, (f"{self.name}: {name} cache byte "

@@ -5,7 +5,9 @@ wrote, so a wrong slot, index or block table shows up as a wrong answer.
 Per token at position p: keys = its window, positions ``[max(p - W + 1, 0), p]``, plus its
 compressed set (C4A: the indexer's ids; C128A: entries ``0 .. (p+1)//128 - 1``), each key the
 row exactly as the cache holds it (584 B: bf16, then the UE8M0 tile quantizer; plain: bf16, or
-e4m3 of ``row / kv_scale`` times ``kv_scale``). Softmax with the head's sink, scale 512^-0.5.
+e4m3 of ``row / kv_scale`` times ``kv_scale``; DeepSeek-V4.1's 528 B / 288 B records from the
+fp32 row, written here from docs/semantics.md §12 with torch's own e4m3 cast and an e2m1
+table, not the project's encoders). Softmax with the head's sink, scale 512^-0.5.
 """
 from __future__ import annotations
 
@@ -38,14 +40,56 @@ def rms_norm(q: torch.Tensor, eps: float) -> torch.Tensor:
     return q * (1.0 / torch.sqrt(ms)).float()
 
 
+# e2m1 magnitudes by code (0..7) and the midpoints between neighbours: a midpoint rounds to
+# the even code (0, 1.0, 2.0, 4.0).
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+E2M1_MIDS = (E2M1[1:] + E2M1[:-1]) / 2
+
+
+def e4m3_rn(x: torch.Tensor) -> torch.Tensor:
+    """float32 values within ±448 → the nearest e4m3fn value, ties to even (torch's cast),
+    as float64."""
+    return x.float().to(torch.float8_e4m3fn).double()
+
+
+def mxfp8_key(x: torch.Tensor) -> torch.Tensor:
+    """The 528 B record of fp32 rows [n, 512]: per 32 dims the power of two 2^e with
+    e = ceil(log2(max(amax, 1e-4) / 448)), each value e4m3_rn(x · 2^-e) · 2^e."""
+    t = x.float().reshape(*x.shape[:-1], 16, 32)
+    amax = t.abs().amax(-1, keepdim=True).double().clamp_min(float(torch.tensor(1e-4)))
+    m, k = torch.frexp(amax / 448)           # amax / 448 = m · 2^k, m in [0.5, 1)
+    e = torch.where(m == 0.5, k - 1, k).double()
+    scaled = (t.double() * torch.exp2(-e)).clamp(-448, 448)
+    return (e4m3_rn(scaled) * torch.exp2(e)).reshape(x.shape)
+
+
+def nvfp4_key(x: torch.Tensor) -> torch.Tensor:
+    """The 288 B record of fp32 rows [n, 512]: per 16 dims s = e4m3_rn(clamp(amax · fl(1/6),
+    2^-9, 448)), each value e2m1_rn(fl(x / s)) · s, saturating at 6."""
+    t = x.float().reshape(*x.shape[:-1], 32, 16)
+    amax = t.abs().amax(-1, keepdim=True)
+    s = e4m3_rn((amax * torch.tensor(1 / 6, dtype=torch.float32)).clamp(2.0 ** -9, 448.0))
+    r = (t / s.float()).double()             # fp32 division, correctly rounded
+    mag = r.abs()
+    code = torch.searchsorted(E2M1_MIDS, mag, right=False)     # midpoints below |r|
+    tie = (code < 7) & (mag == E2M1_MIDS[code.clamp_max(6)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)
+    return (torch.sign(r) * E2M1[code] * s).reshape(x.shape)
+
+
 class Storage:
-    """How a cache format holds a row (``fmt``: "v4", "plain_bf16", "plain_fp8")."""
+    """How a cache format holds a row (``fmt``: "v4", "v41", "v41_fp4", "plain_bf16",
+    "plain_fp8")."""
 
     def __init__(self, fmt: str, kv_scale: float = 1.0, q_scale: float = 1.0):
         self.fmt, self.kv_scale, self.q_scale = fmt, kv_scale, q_scale
 
     def key(self, row: torch.Tensor) -> torch.Tensor:
         """[n, 512] float → the float64 values the attention reads back."""
+        if self.fmt == "v41":
+            return mxfp8_key(row.float())
+        if self.fmt == "v41_fp4":
+            return nvfp4_key(row.float())
         x = row.to(torch.bfloat16).float()
         if self.fmt == "v4":
             data, scales = quant.quantize_v4(x)

@@ -49,12 +49,18 @@ class Step:
 class Simulator:
     def __init__(self, cfg: LayerConfig, device, storage: oracle.Storage, seed: int = 0,
                  swa_blocks: int = 64, comp_blocks: int = 64, table_width: int = 32,
-                 theta: float = 10000.0, comp_seed: Optional[int] = None):
+                 theta: float = 10000.0, comp_seed: Optional[int] = None,
+                 comp_storage: Optional[oracle.Storage] = None, rotate_compressed: bool = False):
         """``theta``: the layer's RoPE base (layers of one model may differ). ``comp_seed``:
         draw the compressor's rows, the compressed blocks and the top-k from their own
         stream, so two layers given the same ``comp_seed`` see the same compressed entries
-        and top-k (DeepSeek-V4.1's layers sharing a source layer's cache and indexer)."""
+        and top-k (DeepSeek-V4.1's layers sharing a source layer's cache and indexer).
+        ``comp_storage``: the compressed cache's record where it differs from ``storage``.
+        ``rotate_compressed``: the compressor's rows arrive unrotated and the write rotates
+        entry c at position c · ratio (DeepSeek-V4.1); otherwise they are stored as given."""
         self.cfg, self.device, self.storage = cfg, torch.device(device), storage
+        self.comp_storage = comp_storage or storage
+        self.rotate_compressed = rotate_compressed
         self.g = torch.Generator().manual_seed(seed)
         self.gc = self.g if comp_seed is None else torch.Generator().manual_seed(comp_seed)
         self.cos_sin = cos_sin_table(cfg.max_model_len + 8, theta)
@@ -134,7 +140,11 @@ class Simulator:
         if n_real:
             keys_kv = self.storage.key(oracle.rope(kv[:n_real].double(),
                                                   self.cos_sin[positions[:n_real]]))
-            keys_c = self.storage.key(comp_rows[:n_real].double())
+            c_rows = comp_rows[:n_real].double()
+            if self.rotate_compressed:
+                at = positions[:n_real] // ratio * ratio
+                c_rows = oracle.rope(c_rows, self.cos_sin[at])
+            keys_c = self.comp_storage.key(c_rows)
             for r in {id(r): r for r in reqs}.values():
                 for p, v in r.rows.items():
                     if isinstance(v, int):
@@ -194,8 +204,15 @@ class Simulator:
         self.free_comp.extend(r.comp_blocks)
 
 
+# Paged records (docs/semantics.md §2.2, §12), written down here rather than read from
+# ops.common.formats: (data row bytes, scale row bytes); a page holds all its data rows, then
+# all its scale rows.
+PAGE_ROWS = {"v4": (576, 8), "v41": (512, 16), "v41_fp4": (256, 32)}
+
+
 def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) -> torch.Tensor:
-    """A bool mask over the cache's whole allocation: the bytes of ``slots``' rows."""
+    """A bool mask over the cache's whole allocation: the bytes of ``slots``' rows (``fmt``:
+    a ``PAGE_ROWS`` record, or "plain")."""
     flat = torch.empty(0, dtype=torch.uint8, device=cache.device)
     flat.set_(cache.untyped_storage())
     mask = torch.zeros(flat.numel(), dtype=torch.bool)
@@ -203,11 +220,12 @@ def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) ->
     s0 = cache.stride(0) * cache.element_size()
     for s in set(slots):
         b, o = divmod(s, block_size)
-        if fmt == "v4":
-            a = base + b * s0 + o * 576
-            mask[a:a + 576] = True
-            a = base + b * s0 + block_size * 576 + o * 8
-            mask[a:a + 8] = True
+        if fmt != "plain":
+            data, scales = PAGE_ROWS[fmt]
+            a = base + b * s0 + o * data
+            mask[a:a + data] = True
+            a = base + b * s0 + block_size * data + o * scales
+            mask[a:a + scales] = True
         else:
             row = D * cache.element_size()
             a = base + b * s0 + o * cache.stride(1) * cache.element_size()

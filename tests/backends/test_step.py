@@ -89,17 +89,21 @@ def test_padded_decode_requests(device):
     assert torch.count_nonzero(out[4:]) == 0
 
 
-def test_explain_names_the_ops_of_the_last_step():
+@pytest.mark.parametrize("fold", [True, False])
+def test_explain_names_the_ops_of_the_last_step(fold):
+    """A decode step writes its kv rows alone where the decode op folds q's norm and RoPE
+    (``QFOLD``, on for this backend), the fused q + kv insert where it does not."""
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
+    h.backend.QFOLD = fold
     h.step([], [(0, 20)])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
     assert ran["flashmla_sparse_prefill"] == "reference"
     assert "flashmla_sparse_decode" not in ran and "global_topk_indices_and_lens" not in ran
     h.step([(0, 1)], [])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
-    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4",
-                        "swa_indices_and_lens", "global_topk_indices_and_lens",
-                        "flashmla_sparse_decode"}
+    insert = "rope_insert_v4" if fold else "fused_qnorm_rope_insert_v4"
+    assert set(ran) == {insert, "quantize_insert_v4", "swa_indices_and_lens",
+                        "global_topk_indices_and_lens", "flashmla_sparse_decode"}
     assert set(ran.values()) == {"reference"}
 
 

@@ -27,6 +27,20 @@ import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla
 from sparse_mla.integration.transformers import models
 
 
+def _timed_indexer(fn, key, store, synced):
+    """``DeepseekV4Indexer.forward`` recording its time per query count, as ``_timed``."""
+    def timed(module, hidden_states, *a, **k):
+        if synced:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(module, hidden_states, *a, **k)
+        if synced:
+            torch.cuda.synchronize()
+        store[(key, "indexer", hidden_states.shape[1])].append(time.perf_counter() - t0)
+        return out
+    return timed
+
+
 def _timed(fn, key, store, synced):
     """``fn`` recording its time per layer type and query count: with a device sync on each
     side (``synced``), or the host time of the call alone."""
@@ -52,6 +66,9 @@ def main(argv=None):
     p.add_argument("--cprofile", action="store_true",
                    help="also a Python profile of sparse_mla's decode steps "
                         "(host time by function)")
+    p.add_argument("--parts", action="store_true",
+                   help="also the host time of each piece of one decode call of each layer type "
+                        "(the call's own arguments replayed in a loop)")
     args = p.parse_args(argv)
     config = models.bench_config()
     model = models.random_model(config, torch.bfloat16, device="cuda")
@@ -61,6 +78,7 @@ def main(argv=None):
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
     eager_fn = mod.eager_attention_forward
     sparse_fn = AttentionInterface._global_mapping["sparse_mla"]
+    indexer_fn = mod.DeepseekV4Indexer.forward
 
     for impl in ("eager", "sparse_mla"):
         model.set_attn_implementation(impl)
@@ -70,10 +88,12 @@ def main(argv=None):
         for how, store in stores.items():
             synced = how == "synced"
             mod.eager_attention_forward = _timed(eager_fn, "eager", store, synced)
+            mod.DeepseekV4Indexer.forward = _timed_indexer(indexer_fn, impl, store, synced)
             AttentionInterface._global_mapping["sparse_mla"] = _timed(sparse_fn, "sparse_mla",
                                                                       store, synced)
             models.greedy(model, ids, new_tokens=args.decode)
             mod.eager_attention_forward = eager_fn
+            mod.DeepseekV4Indexer.forward = indexer_fn
             AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -128,8 +148,8 @@ def main(argv=None):
         print("-- the same, by cumulative time, sparse_mla's functions")
         stats.sort_stats("cumulative").print_stats("sparse_mla|attention|index_lists|dispatch|"
                                                     "checks|opdef|triton", args.rows * 2)
-    print("\nattention function per call (median ms): impl, layer type, queries, synced, "
-          "host, calls")
+    print("\nattention function (and the indexer's forward) per call (median ms): impl, layer "
+          "type, queries, synced, host, calls")
     med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
     synced, host = stores["synced"], stores["host"]
     for key in sorted(synced):
@@ -138,11 +158,95 @@ def main(argv=None):
     # one generate filled each store: its decode steps' attention calls, all layers
     steps = max(1, args.decode - 1)
     for impl, ms in step_ms.items():
-        attn = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1) * 1e3 / steps
-        print(f"decode step, {impl}: {ms:.2f} ms; its attention calls' host time {attn:.3f} ms "
-              f"({100 * attn / ms:.1f} %)")
+        for part in ("attention calls", "indexer forwards"):
+            t = sum(sum(v) for k, v in host.items() if k[0] == impl and k[2] == 1
+                    and (k[1] == "indexer") == (part == "indexer forwards")) * 1e3 / steps
+            print(f"decode step, {impl}: {ms:.2f} ms; its {part}' host time {t:.3f} ms "
+                  f"({100 * t / ms:.1f} %)")
+    if args.parts:
+        model.set_attn_implementation("sparse_mla")
+        _parts(model, ids, sparse_fn)
     return 0
 
+
+def _host_us(fn, reps=300):
+    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+def _parts(model, ids, sparse_fn):
+    """Host time of the pieces of one decode call per layer type: the call's arguments are
+    captured during a generate, then each piece runs alone in a loop (its outputs unused)."""
+    captured = {}
+
+    def capture(module, *a, **k):
+        if a[0].shape[2] == 1:
+            captured.setdefault(module.layer_type, (module, a, k))
+        return sparse_fn(module, *a, **k)
+
+    AttentionInterface._global_mapping["sparse_mla"] = capture
+    try:
+        models.greedy(model, ids, new_tokens=2)
+    finally:
+        AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
+    small = torch.zeros(64, device="cuda")
+    print("\n-- host time per piece of one decode call (us, median of 5 x 300 calls)")
+    print(f"   yardstick: one small torch launch (add_) {_host_us(lambda: small.add_(1)):.1f}")
+    for layer_type, (module, a, k) in captured.items():
+        _time_pieces(layer_type, module, a, k, sparse_fn)
+
+
+def _time_pieces(layer_type, module, a, k, sparse_fn):
+    from sparse_mla.integration.transformers import attention, index_lists, op_route
+    from sparse_mla.ops.common import checks
+    query, key, value, mask = a[:4]
+    b, h, s, d = query.shape
+    n = key.shape[2]
+    q = query[0].transpose(0, 1)
+    kv = key[:, 0].reshape(b * n, 1, d)
+    sink = attention._sinks(k.get("s_aux"), h, query.device)
+    width = attention.list_width(module, n, s)
+    kind = op_route.call_kind(q, kv, width, sink)
+    route = op_route.route_for(kind)
+    width = op_route.list_width(route, width)
+    idx, lens, bad = index_lists.visible_index_lists(mask[:, 0], width, flat=True, reuse=True)
+    out = op_route.attend(kind, route, q, kv, idx.view(s, 1, width), lens.view(s), sink, 0.04)
+    pieces = {
+        "whole call": lambda: sparse_fn(module, *a, **k),
+        "input checks": lambda: attention._check_inputs(module, query, key, value, mask, 0.0),
+        "sinks (kept)": lambda: attention._sinks(k.get("s_aux"), h, query.device),
+        "call kind + route": lambda: op_route.route_for(op_route.call_kind(q, kv, width, sink)),
+        "index lists (Triton)": lambda: index_lists.visible_index_lists(
+            mask[:, 0], width, flat=True, reuse=True),
+        "attend (kept route)": lambda: op_route.attend(
+            kind, route, q, kv, idx.view(s, 1, width), lens.view(s), sink, 0.04),
+        "NaN poison (masked_fill_)": lambda: out.masked_fill_(bad.view(s, 1, 1), float("nan")),
+        "list width (config reads)": lambda: attention.list_width(module, n, s),
+        "value-check switch": lambda: checks.value_checks_enabled(mask),
+    }
+    if route is None:
+        route_name = "none"
+    else:
+        route_name = "FlashMLA direct" if route.direct_flash_mla else route.choice.impl
+    print(f"   {layer_type} (route {route_name}, width {width}, keys {n}):")
+    for name, fn in pieces.items():
+        print(f"     {name:28s} {_host_us(fn):7.1f}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        sparse_fn(module, *a, **k)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"   {layer_type}: Python profile of 300 whole calls, by own time")
+    pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats("tottime").print_stats(18)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -91,6 +91,11 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     for p in fn.params:
         if p.is_constexpr and p.has_default and p.name not in constexprs:
             constexprs[p.name] = p.default
+        # run-time parameters defaulting to None (the q fold's) are constexpr None where the
+        # variant leaves them out, as the JIT makes them
+        if not p.is_constexpr and p.has_default and p.default is None \
+                and p.name not in pointers:
+            constexprs[p.name] = None
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats
                                                                 else "i32")
            for n in names}
@@ -101,11 +106,13 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False):
+def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False, qrot=0):
     kernels = load("portable")
     pointers = {"q_ptr": "*fp16" if f16 else "*bf16", "i0_ptr": "*i32", "i1_ptr": "*i32",
                 "l0_ptr": "*i32", "l1_ptr": "*i32", "part_o": "*fp32", "part_ml": "*fp32",
                 "scale_ptr": "*fp32"}
+    if qrot:    # the q fold (ops/attention/qrot.py): positions, the RoPE table
+        pointers.update(qpos_ptr="*i64", qcs_ptr="*fp32", q_max_pos="i32")
     pointers["c0_ptr"] = pointers["c1_ptr"] = "*bf16" if fmt == "plain_bf16" else "*u8"
     dv = 2 if tiny else 1
     cx = dict(FMT=FMT_CODES[fmt], HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=False,
@@ -115,6 +122,8 @@ def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False):
               ONE_TILE=one_tile, FMT1=-1)
     if soft:
         cx["SOFT"] = True
+    if qrot:
+        cx.update(QROT=qrot, QEPS=float.fromhex("0x1.0c6f7ap-20"))   # 1e-6 in fp32
     stages = 1 if tiny else (3 if fmt == "v32" else 2)
     return _compile(kernels._split_kernel, cx, pointers, {"scale2"}, arch,
                     {"num_warps": 8 // dv, "num_stages": stages})
@@ -148,6 +157,10 @@ def variants():
             out[f"portable/tiny_v4_{'one_tile' if one_tile else 'loop'}_sm{arch}"] = (
                 lambda arch=arch, one_tile=one_tile: _split("v4", arch, tiny=True,
                                                             one_tile=one_tile))
+    for arch in FEW_ARCHS:      # the q fold (absent from a tree older than it)
+        out[f"portable/split_v4_qfold_sm{arch}"] = lambda arch=arch: _split("v4", arch, qrot=2)
+        out[f"portable/tiny_v4_qfold_sm{arch}"] = (
+            lambda arch=arch: _split("v4", arch, tiny=True, one_tile=True, qrot=2))
     for fmt in ("v4", "v32", "plain_fp8"):
         for arch in (80, 90):
             out[f"portable/split_{fmt}_soft_sm{arch}"] = (

@@ -36,11 +36,13 @@ EARLY_SLOTS = gl.constexpr(True)
 
 
 def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
-                      final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster):
+                      final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster,
+                      qrot=0, qeps=0.0):
     """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
-    ``fmt`` is the cache format's code (``launch.FMT_CODES``). Shared by the
-    launch and by the compile-only check (``variants``), so both build the same kernel."""
-    return dict(
+    ``fmt`` is the cache format's code (``launch.FMT_CODES``); ``qrot`` / ``qeps`` the q fold's
+    (``qrot.QRot.code`` / ``eps32``). Shared by the launch and by the compile-only check
+    (``variants``), so both build the same kernel."""
+    return dict(QROT=qrot, QEPS=qeps,
         FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
         TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,
         P_REGS=PRODUCER_REGS_CLUSTER if cluster else PRODUCER_REGS, Q_FP8=q_fp8, FINAL=final,

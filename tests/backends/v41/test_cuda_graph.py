@@ -1,6 +1,7 @@
-"""A uniform DeepSeek-V4.1 decode step (s_q 1 and 2; every layer kind, and a layer reading
-another layer's compressed cache) captured once in a CUDA graph and replayed with the batch
-metadata updated in place: every replay equals the oracle and the same step run eagerly."""
+"""A uniform DeepSeek-V4.1 decode step (s_q 1 and 2; every layer kind and record choice, and
+a layer reading another layer's compressed cache) captured once in a CUDA graph and replayed
+with the batch metadata updated in place: every replay equals the oracle and the same step
+run eagerly."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from sparse_mla.backends.v41 import V41Kind
 from sparse_mla.tests.backends.test_cuda_graph import _copy_in
-from sparse_mla.tests.backends.v41.cases import KINDS, Harness, config
+from sparse_mla.tests.backends.v41.cases import KINDS, RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import requires_cuda
 
 REQS = [(0, 150), (1, 90), (2, 40), (3, 200)]
@@ -26,9 +27,10 @@ def _capture(h, static, out):
 @requires_cuda
 @pytest.mark.parametrize("s_q", (1, 2))
 @pytest.mark.parametrize("heads", (8, 64))
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_decode_step_graph_replays(kind, heads, s_q):
-    cfg = config(kind, heads=heads)
+def test_decode_step_graph_replays(kind, records, heads, s_q):
+    cfg = config(kind, heads=heads, records=records)
     graphed, eager = (Harness(cfg, "cuda", seed=21) for _ in range(2))
     dec = [(r, s_q) for r, _ in REQS]
     for h in (graphed, eager):
@@ -51,12 +53,14 @@ def test_decode_step_graph_replays(kind, heads, s_q):
 
 
 @requires_cuda
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
-def test_reader_layer_graph_replays(kind):
+def test_reader_layer_graph_replays(kind, records):
     """The source layer runs eagerly each step (it writes the shared entries); the reader's
     decode step is a graph replayed over the source's cache."""
-    source = Harness(config(kind), "cuda", seed=41)
-    reader = Harness(config(kind, owns_compressed=False), "cuda", seed=42, source=source)
+    source = Harness(config(kind, records=records), "cuda", seed=41)
+    reader = Harness(config(kind, owns_compressed=False, records=records), "cuda", seed=42,
+                     source=source)
     dec = [(r, 1) for r, _ in REQS]
     for kw in (dict(decodes=[], prefills=REQS), dict(decodes=dec, prefills=[])):
         for h in (source, reader):

@@ -5,18 +5,21 @@ from __future__ import annotations
 import pytest
 
 from sparse_mla.backends.v41 import V41Kind
-from sparse_mla.tests.backends.v41.cases import Harness, config
+from sparse_mla.tests.backends.v41.cases import RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import INTERPRETING
 
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1 only "
                                 "(the backends_v41_interpret_test target)")
 
 
-@pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
-def test_triton_route_matches_oracle(kind):
-    source = Harness(config(kind, heads=2, max_num_tokens=256), "cpu", seed=1, impl="triton")
-    reader = Harness(config(kind, heads=2, max_num_tokens=256, owns_compressed=False), "cpu",
-                     seed=2, impl="triton", source=source)
+@pytest.mark.parametrize("kind, records", [(V41Kind.C1A, RECORDS[0]), (V41Kind.C2A, RECORDS[0]),
+                                           (V41Kind.C1A, RECORDS[1]), (V41Kind.C2A, RECORDS[2])],
+                         ids=lambda v: getattr(v, "name", None) or record_ids(v))
+def test_triton_route_matches_oracle(kind, records):
+    source = Harness(config(kind, heads=2, max_num_tokens=256, records=records), "cpu", seed=1,
+                     impl="triton")
+    reader = Harness(config(kind, heads=2, max_num_tokens=256, owns_compressed=False,
+                            records=records), "cpu", seed=2, impl="triton", source=source)
     for label, kw in (("prefills", dict(decodes=[], prefills=[(0, 40), (1, 100)])),
                       ("mixed", dict(decodes=[(0, 2), (1, 1)], prefills=[(2, 30)],
                                      pad_tokens=1))):

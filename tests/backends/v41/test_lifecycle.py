@@ -8,7 +8,7 @@ import pytest
 
 from sparse_mla.backends.v41 import V41Kind
 from sparse_mla.tests.backends.test_lifecycle import schedule
-from sparse_mla.tests.backends.v41.cases import Harness, config
+from sparse_mla.tests.backends.v41.cases import RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -29,14 +29,18 @@ def _live(*layers):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("kind", (V41Kind.C1A, V41Kind.C2A), ids=lambda k: k.name)
-def test_lifecycle_source_and_reader(device, kind):
-    source = Harness(config(kind), device, seed=11)
-    reader = Harness(config(kind, owns_compressed=False), device, seed=12, source=source)
+def test_lifecycle_source_and_reader(device, kind, records):
+    source = Harness(config(kind, records=records), device, seed=11)
+    reader = Harness(config(kind, owns_compressed=False, records=records), device, seed=12,
+                     source=source)
     assert _live(source, reader) == 32
     assert not reader.written["compressed"] and source.written["compressed"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lifecycle_swa_only(device):
-    assert _live(Harness(config(V41Kind.SWA_ONLY), device, seed=11)) == 32
+@pytest.mark.parametrize("swa_record", (584, 528))
+def test_lifecycle_swa_only(device, swa_record):
+    assert _live(Harness(config(V41Kind.SWA_ONLY, swa_record=swa_record), device,
+                         seed=11)) == 32

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1's configs and steps refuse what V4.1 does not have, by name, before any
-cache byte is written: ratios other than 0 / 1 / 2, a per-head q RMSNorm, records the build
-cannot read, a reader layer handed rows for the cache it only reads, a compressed layer
+cache byte is written: ratios other than 0 / 1 / 2, a per-head q RMSNorm, records a cache
+cannot hold (288 B SWA), caches laid out for another record, compressor rows that are not
+one per token, a reader layer handed rows for the cache it only reads, a compressed layer
 without the indexer's top-k or with ids past its entries."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sparse_mla.backends.common import LayerKind
 from sparse_mla.backends.flashmla import FlashMLABackend
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
 from sparse_mla.tests.backends import cases as v4_cases
-from sparse_mla.tests.backends.v41.cases import Harness, config
+from sparse_mla.tests.backends.v41.cases import RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import storage_bytes
 
 
@@ -50,36 +51,53 @@ def test_v4_configs_and_backends_do_not_mix():
         FlashMLABackend(v4_cases.config(LayerKind.C4A), planner=v41.planner)
 
 
-def test_records_not_wired_are_refused_by_name():
-    """528 / 288 B are valid config values, refused by the backend until it writes and reads
-    them (never a 584 B write into a cache declared 528 B)."""
-    for field, record in (("swa_record", 528), ("compressed_record", 528),
-                          ("compressed_record", 288)):
-        cfg = config(V41Kind.C2A, **{field: record})
-        with pytest.raises(ValueError, match=f"{field}={record}: the {record} B record is "
-                                             f"not wired"):
-            V41FlashMLABackend(cfg)
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
+@pytest.mark.parametrize("cache", ("swa", "compressed"))
+def test_a_cache_in_another_record_is_refused(cache, records):
+    """Caches allocated for another record choice (another bytes-per-token last dim) are
+    refused by name before any byte is written: never a write of one record into a cache
+    laid out for another."""
+    h, st = _setup(records=records)
+    other = next(r for r in RECORDS if r[cache == "compressed"] != records[cache == "compressed"])
+    spec = V41FlashMLABackend(config(V41Kind.C2A, max_num_tokens=256, records=other)
+                              ).cache_specs()[cache]
+    wrong = spec.allocate(h.caches[cache].shape[0], fill=0xFF)
+    _expect_refusal(h, st, rf"caches\['{cache}'\] must have shape \[num_blocks, "
+                           rf"{h.caches[cache].shape[1]}, {h.caches[cache].shape[2]}\]",
+                    caches={**h.caches, cache: wrong})
+    assert torch.equal(storage_bytes(wrong), torch.full_like(storage_bytes(wrong), 0xFF))
 
 
-def _setup(kind=V41Kind.C2A, reader=False):
-    source = Harness(config(kind, max_num_tokens=256), "cpu", seed=2)
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
+def test_compressed_rows_one_per_token(records):
+    """V4.1's compressed write rotates each row at its token's position: a compressor output
+    of another length is refused."""
+    h, st = _setup(records=records)
+    _expect_refusal(h, st, r"compressed_kv must have one row per token",
+                    compressed_kv=st.compressed_kv[:-1],
+                    compressed_slot_mapping=st.batch.compressed_slot_mapping[:-1])
+
+
+def _setup(kind=V41Kind.C2A, reader=False, records=(584, 584)):
+    source = Harness(config(kind, max_num_tokens=256, records=records), "cpu", seed=2)
     h = source
     if reader:
-        h = Harness(config(kind, max_num_tokens=256, owns_compressed=False), "cpu", seed=3,
-                    source=source)
+        h = Harness(config(kind, max_num_tokens=256, owns_compressed=False, records=records),
+                    "cpu", seed=3, source=source)
     for x in {id(source): source, id(h): h}.values():
         x.step([], [(0, 40), (1, 30)])
     st = h.sim.step([(0, 1)], [(1, 20)])
     return h, st
 
 
-def _expect_refusal(h, st, match, compressed_kv="step", exc=ValueError, **changes):
+def _expect_refusal(h, st, match, compressed_kv="step", exc=ValueError, caches=None,
+                    **changes):
     batch = dataclasses.replace(st.batch, **changes)
     ckv = st.compressed_kv if compressed_kv == "step" else compressed_kv
     before = {n: storage_bytes(c).cpu() for n, c in h.caches.items()}
     out = torch.zeros(st.q.shape, dtype=torch.bfloat16)
     with pytest.raises(exc, match=match):
-        h.backend.forward(st.q, st.kv, h.caches, batch, h.cos_sin, h.sink, out, ckv)
+        h.backend.forward(st.q, st.kv, caches or h.caches, batch, h.cos_sin, h.sink, out, ckv)
     for n, c in h.caches.items():
         assert torch.equal(storage_bytes(c).cpu(), before[n]), f"{n} cache written before the error"
 

@@ -18,14 +18,15 @@ from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
 from vllm.models.deepseek_v41.sparse_mla import DeepseekV4FlashMLAMetadata
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+from vllm.v1.kv_cache_interface import (MLAAttentionSpec, SlidingWindowMLASpec,
+                                        get_kv_quant_mode)
 
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind
 from sparse_mla.integration.vllm import mapping, plugin, v41
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.tests.backends.cases import check_rows
 from sparse_mla.tests.backends.test_step import SCRIPT
-from sparse_mla.tests.backends.v41.cases import Harness
+from sparse_mla.tests.backends.v41.cases import FORMAT, RECORDS, Harness, record_ids
 
 H, TOPK, MAX_TOKENS, MAX_SEQS, MAX_LEN, VLLM_BS = 8, 64, 640, 8, 1024, 64
 
@@ -78,24 +79,37 @@ def test_layer_config_from_vllm_values():
 
 
 # -- cache pages ------------------------------------------------------------------------------
+# Per record choice (swa, compressed): vLLM's cache dtype name and the page alignment its V4.1
+# layer uses (attention.py: 576 for the 584 B record, 512 with the V4.1 records).
+VLLM_CACHE = {(584, 584): ("fp8_ds_mla", 576), (528, 528): ("fp8_ds_mla", 512),
+              (528, 288): ("nvfp4_ds_mla", 512)}
+
+
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("ratio", (1, 2))
-def test_cache_pages_are_vllms(ratio):
-    """Our 584 B pages are the pages vLLM sizes for V4.1 off SM100 (state_content_bytes 584,
-    alignment 576): the SWA cache's 32-token page and the compressed cache's page of
-    ``block_size // ratio`` entries."""
-    be = V41FlashMLABackend(_layer_config(ratio))
+def test_cache_pages_are_vllms(ratio, records):
+    """Our pages are the pages vLLM's V4.1 layer sizes for each record choice
+    (``state_content_bytes`` the record, alignment 576 or 512): the SWA cache's 32-token
+    page and the compressed cache's page of ``block_size // ratio`` entries."""
+    be = V41FlashMLABackend(_layer_config(ratio, swa_record=records[0],
+                                          compressed_record=records[1]))
     ours = be.cache_specs()
+    dtype_str, align = VLLM_CACHE[records]
+    mode = get_kv_quant_mode(dtype_str)
     swa = SlidingWindowMLASpec(block_size=32, num_kv_heads=1, max_tp_shards=1, head_size=512,
                                dtype=torch.uint8, sliding_window=128,
-                               cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
-                               alignment=576, model_version="deepseek_v4")
+                               cache_dtype_str=dtype_str, state_content_bytes=records[0],
+                               alignment=align, model_version="deepseek_v4",
+                               kv_quant_mode=mode)
     comp = MLAAttentionSpec(block_size=VLLM_BS, num_kv_heads=1, head_size=512,
                             dtype=torch.uint8, tokens_per_state=ratio,
-                            cache_dtype_str="fp8_ds_mla", alignment=576,
-                            model_version="deepseek_v4", state_content_bytes=584)
+                            cache_dtype_str=dtype_str, alignment=align,
+                            model_version="deepseek_v4", state_content_bytes=records[1],
+                            kv_quant_mode=mode)
     assert ours["swa"].page_bytes == swa.page_size_bytes
     assert ours["compressed"].page_bytes == comp.page_size_bytes
     assert ours["compressed"].block_size == VLLM_BS // ratio
+    assert (ours["swa"].bytes_per_token, ours["compressed"].bytes_per_token) == records
 
 
 # -- metadata and forward -------------------------------------------------------------------
@@ -166,7 +180,8 @@ def _layer(h, ratio, prefix, source=None, monkeypatch=None):
     layer.n_local_heads, layer.compress_ratio = H, ratio
     layer.window_size, layer.scale, layer.eps = 128, 512 ** -0.5, 1e-6
     layer.max_model_len = MAX_LEN
-    layer.swa_bytes_per_token = layer.compressed_bytes_per_token = 584
+    layer.swa_bytes_per_token = h.cfg.swa_record
+    layer.compressed_bytes_per_token = h.cfg.compressed_record
     layer.is_kv_source = ratio > 0 and source is None
     layer.compressed_cache_prefix = (source.prefix if source is not None else prefix) \
         if ratio else None
@@ -188,13 +203,15 @@ def _layer(h, ratio, prefix, source=None, monkeypatch=None):
 
 
 def _run_layer(layer, h, st, md):
-    """One step as vLLM's layer runs it: the compressor's insert (vLLM's, on the kv source;
-    here the 584 B insert op), the layer's SWA insert, the index source's top-k, then
-    forward_mqa."""
+    """One step as vLLM's layer runs it: the compressor's insert (vLLM's, on the kv source:
+    RoPE at the entry's position, then the cache's record; here the V4.1 insert op), the
+    layer's SWA insert, the index source's top-k, then forward_mqa."""
     T, b = st.q.shape[0], st.batch
     if layer.is_kv_source and b.compressed_slot_mapping is not None:
-        ci.quantize_insert_v4(st.compressed_kv, h.caches["compressed"],
-                              b.compressed_slot_mapping, h.cfg.compressed_block_size)
+        ci.compressed_insert_v41(st.compressed_kv, h.caches["compressed"],
+                                 b.compressed_slot_mapping, b.positions, h.cos_sin,
+                                 layer.compress_ratio, h.cfg.compressed_block_size,
+                                 FORMAT[h.cfg.compressed_record])
         h.written["compressed"].update(st.comp_slots)
     ctx = ForwardContext(no_compile_layers={}, attn_metadata=md, slot_mapping={})
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
@@ -207,17 +224,20 @@ def _run_layer(layer, h, st, md):
     return out
 
 
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("ratio", (0, 1, 2))
-def test_forward_mqa_matches_oracle(ratio, monkeypatch):
+def test_forward_mqa_matches_oracle(ratio, records, monkeypatch):
     """A kv-source layer and (compressed kinds) a layer reading its cache, through the
     plugin's layer methods under vLLM's forward context, every step of SCRIPT against the
-    step oracle; the reader never writes the source's cache."""
-    cfg = _layer_config(ratio)
+    step oracle; the reader never writes the source's cache. Every record choice: the
+    layer's ``swa_bytes_per_token`` / ``compressed_bytes_per_token`` pick the backend's."""
+    rec = dict(swa_record=records[0], compressed_record=records[1])
+    cfg = _layer_config(ratio, **rec)
     src_h = Harness(cfg, "cpu", seed=7)
     src = _layer(src_h, ratio, "model.layers.1.attn", monkeypatch=monkeypatch)
     pairs = [(src, src_h)]
     if ratio:
-        rd_h = Harness(_layer_config(ratio, owns_compressed=False), "cpu", seed=8,
+        rd_h = Harness(_layer_config(ratio, owns_compressed=False, **rec), "cpu", seed=8,
                        source=src_h)
         pairs.append((_layer(rd_h, ratio, "model.layers.3.attn", source=src,
                              monkeypatch=monkeypatch), rd_h))
@@ -238,12 +258,11 @@ def test_forward_mqa_matches_oracle(ratio, monkeypatch):
 
 
 def test_records_are_per_cache_values():
-    """528 / 288 B records pass through the layer's config and are refused by the backend by
-    name until it writes and reads them."""
-    for kw, rec in ((dict(swa_record=528, compressed_record=528), 528),
-                    (dict(compressed_record=288), 288)):
+    """The layer's record choice reaches the backend config and its cache specs."""
+    for kw in (dict(swa_record=528, compressed_record=528), dict(compressed_record=288),
+               dict(swa_record=528, compressed_record=288)):
         cfg = _layer_config(2, **kw)
-        assert (cfg.swa_record, cfg.compressed_record) == (kw.get("swa_record", 584),
-                                                           kw["compressed_record"])
-        with pytest.raises(ValueError, match=f"the {rec} B record is not wired"):
-            V41FlashMLABackend(cfg)
+        want = (kw.get("swa_record", 584), kw["compressed_record"])
+        assert (cfg.swa_record, cfg.compressed_record) == want
+        specs = V41FlashMLABackend(cfg).cache_specs()
+        assert (specs["swa"].bytes_per_token, specs["compressed"].bytes_per_token) == want
