@@ -320,6 +320,14 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
         def select(x=x, keys=keys, lim=lim):
             triton_select.select_topk(keys, x["out"], lim)
 
+        def select_4bit(select=select):
+            saved = triton_select.CONFIG["bits"]
+            triton_select.CONFIG["bits"] = 4
+            try:
+                select()
+            finally:
+                triton_select.CONFIG["bits"] = saved
+
         def whole(x=x):
             ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], x["out"], RATIO, x["next_n"])
@@ -328,6 +336,7 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
                                     ("scores kernel, heads on the dot's N", scores_heads_n),
                                     ("top-k by torch.topk over the keys", topk),
                                     ("top-k select kernel", select),
+                                    ("top-k select kernel, 4-bit digits", select_4bit),
                                     ("op (scores + top-k)", whole)),
                             lambda t, moved=moved: f"{100 * moved / t / copy_bw:.0f}% copy")
         if hf:
