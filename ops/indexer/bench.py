@@ -17,6 +17,7 @@ time and peak memory. ``--sweep`` first times the kernels under other launch sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -225,6 +226,19 @@ def _prefill_keys(x, keys, lim):
                              x["cu_seqlens_k"], x["positions"], RATIO, 0, keys, lim)
 
 
+@contextlib.contextmanager
+def _config(**kw):
+    """triton_impl.CONFIG with ``kw`` for the block's duration."""
+    from sparse_mla.ops.indexer import triton_impl
+    saved = dict(triton_impl.CONFIG)
+    triton_impl.CONFIG.update(kw)
+    try:
+        yield
+    finally:
+        triton_impl.CONFIG.clear()
+        triton_impl.CONFIG.update(saved)
+
+
 def _host_us(fn, reps=100):
     """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round; few
     enough calls that the launch queue never fills)."""
@@ -296,14 +310,33 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
             triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], RATIO, x["next_n"], BLOCK, width)
 
+        def scores_heads_n(scores=scores):
+            with _config(decode_heads_n=True):
+                scores()
+
+        def topk(x=x, keys=keys):
+            triton_impl.select_from_keys(keys, x["out"])
+
         def select(x=x, keys=keys, lim=lim):
             triton_select.select_topk(keys, x["out"], lim)
+
+        def select_4bit(select=select):
+            saved = triton_select.CONFIG["bits"]
+            triton_select.CONFIG["bits"] = 4
+            try:
+                select()
+            finally:
+                triton_select.CONFIG["bits"] = saved
 
         def whole(x=x):
             ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], x["out"], RATIO, x["next_n"])
         shape = f"decode B={batch} s_q={next_n} C={cand}"
-        rows += _stage_rows(shape, (("scores kernel", scores), ("top-k select kernel", select),
+        rows += _stage_rows(shape, (("scores kernel", scores),
+                                    ("scores kernel, heads on the dot's N", scores_heads_n),
+                                    ("top-k by torch.topk over the keys", topk),
+                                    ("top-k select kernel", select),
+                                    ("top-k select kernel, 4-bit digits", select_4bit),
                                     ("op (scores + top-k)", whole)),
                             lambda t, moved=moved: f"{100 * moved / t / copy_bw:.0f}% copy")
         if hf:
@@ -339,8 +372,11 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
                                      x["cu_seqlens_q"], x["cu_seqlens_k"], x["positions"],
                                      x["out"], RATIO, 0, x["max_seqlen_k"])
         shape = f"prefill T={tokens} C={cand} {'fp8' if fp8 else 'bf16'} keys"
+        def topk(x=x, keys=keys):
+            triton_impl.select_from_keys(keys, x["out"])
         mm_pct = lambda t, flops=flops: f"{100 * flops / t / mm:.0f}% mm"  # noqa: E731
         rows += _stage_rows(shape, (("scores kernel (all rows at once)", scores),
+                                    ("top-k by torch.topk (all rows at once)", topk),
                                     ("top-k select kernel (all rows at once)", select)), mm_pct)
         del keys
         rows += _stage_rows(shape, (("op (scores + top-k, chunked)", whole),), mm_pct)
@@ -363,17 +399,16 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
 
 PREFILL_SHAPES = ((64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
 PREFILL_CHUNK_MIB = (32, 64, 256, 1024)
-# (BN, warps, programs per SM, heads on the dot's N axis)
-DECODE_SHAPES = ((64, 8, 4, True), (64, 8, 4, False), (64, 4, 4, True), (128, 8, 4, True),
-                 (64, 8, 2, True), (64, 8, 8, True))
+# (BN, warps, heads on the dot's N axis)
+DECODE_SHAPES = ((64, 4, False), (64, 4, True), (64, 8, True), (128, 8, True), (32, 4, True))
 SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16))
 
 
 def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
     """The kernels' time under other launch shapes (triton_impl.CONFIG and
     triton_select.CONFIG keys), to pick them from one GPU run: prefill scores (BT, BN, warps,
-    stages), the prefill op by chunk size, decode scores (BN, warps, programs per SM, the
-    dot's orientation) and the select kernel (block, warps)."""
+    stages), the prefill op by chunk size, decode scores (BN, warps, the dot's orientation)
+    and the select kernel (block, warps)."""
     from sparse_mla.ops.indexer import triton_impl, triton_select
     saved = dict(triton_impl.CONFIG), dict(triton_select.CONFIG)
     try:
@@ -428,11 +463,10 @@ def _sweep_decode(device, batch, cand):
     moved = decode_bytes(x, cand)
     rate = lambda t: f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"  # noqa: E731
     rows = []
-    for bn, warps, per_sm, heads_n in DECODE_SHAPES:
-        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps,
-                                  decode_programs_per_sm=per_sm, decode_heads_n=heads_n)
+    for bn, warps, heads_n in DECODE_SHAPES:
+        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps, decode_heads_n=heads_n)
         _attempt(rows, "decode scores",
-                 f"BN={bn} warps={warps} programs/SM={per_sm} heads on {'N' if heads_n else 'M'}",
+                 f"BN={bn} warps={warps} heads on {'N' if heads_n else 'M'}",
                  lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
                                                  x["seq_lens"], x["block_table"], RATIO, 1,
                                                  BLOCK, width), rate)

@@ -21,22 +21,22 @@ from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_
 
 _LAUNCH = dict(enable_fp_fusion=False)
 
-# prefill: BT tokens x BN entries per program; decode: tiles of BN entries of one request per
-# program, as many programs per request as fill ``decode_programs_per_sm`` per SM (a program
-# keeps its first token's q in registers across its tiles), heads on the dot's N axis where
-# ``decode_heads_n`` (the head sum within accumulator rows, the keys' rows loaded as stored).
-# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
-# The prefill shape is the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
-# an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
-# The top-k select reads a chunk's keys five times: ``prefill_chunk_bytes`` of keys per chunk
-# (``chunk=0``) trades the L2 hits of a small chunk against the launches of many.
+# prefill: BT tokens x BN entries per program; decode: BN entries of one request per program
+# (one program per tile: looping a program over tiles with its q kept ran 2x slower on an
+# H200), heads on the dot's N axis where ``decode_heads_n``. A prefill program reads every
+# head's q rows once per BN entries, so a wider BN moves less. The launch shapes are the
+# fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on an H200 (docs/perf-log.md,
+# "Session 37: the indexer's launch shapes").
+# The top-k: triton_select's kernel for chunks of at most ``select_max_rows`` tokens (decode,
+# short prefills: one launch, a program per row), ``torch.topk`` over the keys for larger
+# chunks, where it was faster on an H200 (8,192 x 16k: 3.6 ms against 4.3). A prefill chunk
+# (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
-          "prefill_chunk_bytes": 64 << 20,
-          "decode_bn": 64, "decode_warps": 8, "decode_programs_per_sm": 4,
-          "decode_heads_n": True,
+          "prefill_chunk_bytes": 1 << 30, "select_max_rows": 2048,
+          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": False,
           "insert_tokens": 4, "insert_warps": 1}
-# the interpreter: small tiles keep it quick; two tiles per decode program test the split
-INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16, "decode_tiles": 2}
+# the interpreter: small tiles keep it quick
+INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
 
 
 def _config(device):
@@ -58,21 +58,12 @@ def _cache_args(k_cache, block_size):
     return True, cache, checks.block_stride(k_cache, fmt.FP8, block_size), fmt.DIM
 
 
-def _sm_count(device):
-    if device.type != "cuda":
-        return 1
-    return _SMS.setdefault(device.index, torch.cuda.get_device_properties(device)
-                           .multi_processor_count)
-
-
-_SMS = {}
-
-
 def select(keys: torch.Tensor, out: torch.Tensor, lim: torch.Tensor | None = None) -> None:
-    """``out`` [n, K] <- the top-K columns of ``keys`` [n, width] (triton_select.py), columns
-    from ``lim[row]`` on not candidates; ``keys`` is overwritten. Through ``torch.topk``
-    where K is too wide for the kernel (every column of ``keys`` must then be written)."""
-    if triton_select.selectable(out.shape[1]):
+    """``out`` [n, K] <- the top-K columns of ``keys`` [n, width], columns from ``lim[row]``
+    on not candidates (the scores kernels also write them as such): triton_select.py's kernel
+    (``keys`` overwritten) where K and n allow (``CONFIG``), else ``torch.topk``."""
+    cfg = _config(keys.device)
+    if triton_select.selectable(out.shape[1]) and keys.shape[0] <= cfg["select_max_rows"]:
         triton_select.select_topk(keys, out, lim)
     else:
         select_from_keys(keys, out)
@@ -143,15 +134,11 @@ def prefill_keys(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
         num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **_LAUNCH)
 
 
-def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width,
-                fill=False):
+def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block_size, width):
     """(selection keys [B * next_n, width], lim [B * next_n] int32) of a decode step (the
-    scores half of the op): token t's candidates are columns below ``lim[t]``, the only ones
-    written unless ``fill`` (then the rest hold "not a candidate")."""
+    scores half of the op): token t's candidates are columns below ``lim[t]``."""
     n = q.shape[0]
     keys = torch.empty(n, width, dtype=torch.int64, device=q.device)
-    if fill:
-        keys.fill_(NOT_A_CANDIDATE)
     lim = torch.empty(n, dtype=torch.int32, device=q.device)
     batch = n // next_n
     if batch == 0 or width == 0:
@@ -160,16 +147,13 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     hp = max(16, triton.next_power_of_2(q.shape[1]))
     bn = cfg["decode_bn"]
-    tiles = triton.cdiv(width, bn)
-    per = cfg.get("decode_tiles") or triton.cdiv(tiles, min(tiles, triton.cdiv(
-        cfg["decode_programs_per_sm"] * _sm_count(q.device), batch)))
-    decode_keys_kernel[(batch, triton.cdiv(tiles, per))](
+    decode_keys_kernel[(batch, triton.cdiv(width, bn))](
         _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
         k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
-        keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, next_n, per, HP=hp,
-        BN=bn, HEADS_N=cfg["decode_heads_n"], QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8,
-        SOFT=soft_fp8(q.device),
-        DOT_F32=triton_interpreting(), num_warps=cfg["decode_warps"], **_LAUNCH)
+        keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, next_n, HP=hp, BN=bn,
+        HEADS_N=cfg["decode_heads_n"], QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8,
+        SOFT=soft_fp8(q.device), DOT_F32=triton_interpreting(),
+        num_warps=cfg["decode_warps"], **_LAUNCH)
     return keys, lim
 
 
@@ -177,5 +161,5 @@ def topk_decode(q, weights, k_cache, seq_lens, block_table, ratio, next_n, out, 
                 max_candidates):
     width = fmt.decode_width(block_table, block_size, max_candidates)
     keys, lim = decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n,
-                            block_size, width, fill=not triton_select.selectable(out.shape[1]))
+                            block_size, width)
     select(keys, out, lim)

@@ -136,70 +136,33 @@ def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_
 
 
 @triton.jit
-def _decode_tile_keys(q, w, kt, scale, j, ok, nc, KFP8: tl.constexpr, HEADS_N: tl.constexpr):
-    """Keys [BN] of one token against a key tile: q [HP, 128] . kt [128, BN], or with
-    ``HEADS_N`` kt [BN, 128] . q [128, HP] (heads on the dot's N axis: the head sum stays
-    within a row of the accumulator); w [HP] the token's weights."""
-    if HEADS_N:
-        score = tl.sum(tl.maximum(tl.dot(kt, q), 0.0) * w[None, :], axis=1)
-    else:
-        score = tl.sum(tl.maximum(tl.dot(q, kt), 0.0) * w[:, None], axis=0)
-    if KFP8:
-        score = score * scale
-    return _keys(score, j, ok & (j < nc))
-
-
-@triton.jit
-def _decode_q(q_ptr, q_s0, q_s1, t, H, HP: tl.constexpr, HEADS_N: tl.constexpr,
-              QFP8: tl.constexpr, SOFT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Token ``t``'s q as a dot operand: [HP, 128], or [128, HP] with ``HEADS_N``."""
-    h = tl.arange(0, HP)
-    d = tl.arange(0, D)
-    if HEADS_N:
-        q = tl.load(q_ptr + t * q_s0 + h[None, :] * q_s1 + d[:, None], mask=(h < H)[None, :],
-                    other=0)
-    else:
-        q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :], mask=(h < H)[:, None],
-                    other=0)
-    return _operand(q, QFP8, SOFT, DOT_F32)
-
-
-@triton.jit
 def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
                        bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, lim_ptr, H, width,
-                       ratio, BS, NEXT_N, TILES, HP: tl.constexpr, BN: tl.constexpr,
+                       ratio, BS, NEXT_N, HP: tl.constexpr, BN: tl.constexpr,
                        HEADS_N: tl.constexpr, QFP8: tl.constexpr, KFP8: tl.constexpr,
                        SOFT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Keys of request pid0's NEXT_N tokens x tiles [pid1*TILES, +TILES) of BN ids over the
-    paged cache. Token i sits at position seq - NEXT_N + i and may select ids < (position +
-    1) // ratio whose block is in [0, num_blocks); all heads of one token are one dot
-    (``_decode_tile_keys``). Only ids below what the last token may select are written;
-    ``lim[t]`` (written by pid1 0) bounds token t's candidates, so a reader stops there.
-    The first token's q stays in registers across the tiles; the others (MTP) are reloaded
-    per tile."""
+    """Keys of request pid0's NEXT_N tokens x ids [pid1*BN, +BN) over the paged cache. Token
+    i sits at position seq - NEXT_N + i and may select ids < (position + 1) // ratio whose
+    block is in [0, num_blocks); all heads of one token are one [HP, 128] x [128, BN] dot, or
+    with ``HEADS_N`` one [BN, 128] x [128, HP] dot (the head sum within accumulator rows).
+    pid1 0 writes each token's candidate bound min(width, (position + 1) // ratio) to
+    ``lim``."""
     b = tl.program_id(0)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    stop = tl.minimum(tl.where(seq > 0, seq // ratio, 0), width)
     if tl.program_id(1) == 0:
         for i in range(NEXT_N):
             pos1 = seq - NEXT_N + i + 1
             nc_i = tl.minimum(tl.where(pos1 > 0, pos1 // ratio, 0), width)
             tl.store(lim_ptr + b * NEXT_N + i, nc_i.to(tl.int32))
+    last = tl.where(seq > 0, seq // ratio, 0)         # what the last token may select
+    col = j // BS
+    ok = (j < width) & (j < last) & (col < bt_cols)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
+    ok &= (blk >= 0) & (blk < num_blocks)
     h = tl.arange(0, HP)
     d = tl.arange(0, D)
-    t0 = (b * NEXT_N).to(tl.int64)
-    q0 = _decode_q(q_ptr, q_s0, q_s1, t0, H, HP, HEADS_N, QFP8, SOFT, DOT_F32)
-    w0 = tl.load(w_ptr + t0 * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
-    pos0 = seq - NEXT_N + 1
-    nc0 = tl.where(pos0 > 0, pos0 // ratio, 0)
-    first = tl.program_id(1) * TILES
-    end = tl.minimum(first + TILES, tl.cdiv(stop, BN))
-    for tile in range(first, end):
-        j = tile * BN + tl.arange(0, BN)
-        col = j // BS
-        ok = (j < stop) & (col < bt_cols)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
-        ok &= (blk >= 0) & (blk < num_blocks)
+    if tl.program_id(1) * BN < last:
         off = j % BS
         base = cache_ptr + blk * c_s0
         if KFP8:
@@ -210,23 +173,33 @@ def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, nu
             kt = tl.load(base[:, None] + row[:, None] + d[None, :], mask=ok[:, None], other=0)
         else:
             kt = tl.load(base[None, :] + row[None, :] + d[:, None], mask=ok[None, :], other=0)
-        scale = 1.0
+        kt = _operand(kt, KFP8, SOFT, DOT_F32)
         if KFP8:
             scale = tl.load((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)),
                             mask=ok, other=0.0)
-        kt = _operand(kt, KFP8, SOFT, DOT_F32)
-        tl.store(key_ptr + t0 * key_s0 + j,
-                 _decode_tile_keys(q0, w0, kt, scale, j, ok, nc0, KFP8, HEADS_N),
-                 mask=j < stop)
-        for i in range(1, NEXT_N):
-            t = t0 + i
-            q = _decode_q(q_ptr, q_s0, q_s1, t, H, HP, HEADS_N, QFP8, SOFT, DOT_F32)
+        for i in range(NEXT_N):
+            t = (b * NEXT_N + i).to(tl.int64)
             w = tl.load(w_ptr + t * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
+            if HEADS_N:
+                q = tl.load(q_ptr + t * q_s0 + h[None, :] * q_s1 + d[:, None],
+                            mask=(h < H)[None, :], other=0)
+                dot = tl.dot(kt, _operand(q, QFP8, SOFT, DOT_F32))
+                score = tl.sum(tl.maximum(dot, 0.0) * w[None, :], axis=1)
+            else:
+                q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :],
+                            mask=(h < H)[:, None], other=0)
+                dot = tl.dot(_operand(q, QFP8, SOFT, DOT_F32), kt)
+                score = tl.sum(tl.maximum(dot, 0.0) * w[:, None], axis=0)
+            if KFP8:
+                score = score * scale
             pos1 = seq - NEXT_N + i + 1
             nc = tl.where(pos1 > 0, pos1 // ratio, 0)
+            tl.store(key_ptr + t * key_s0 + j, _keys(score, j, ok & (j < nc)), mask=j < width)
+    else:
+        for i in range(NEXT_N):
+            t = (b * NEXT_N + i).to(tl.int64)
             tl.store(key_ptr + t * key_s0 + j,
-                     _decode_tile_keys(q, w, kt, scale, j, ok, nc, KFP8, HEADS_N),
-                     mask=j < stop)
+                     tl.full((BN,), MIN_KEY, tl.int64), mask=j < width)
 
 
 @triton.jit

@@ -2,9 +2,10 @@
 writes them), without sorting the row.
 
 One program per row, in passes over the row's keys (L2-resident after the scores kernel):
-1. four radix passes over the 32 score bits of the key (8 bits each, a 256-bin histogram of
-   the candidates whose higher bits match the prefix found so far) find T, the score bits of
-   the K-th largest candidate, and ``need``, how many candidates scoring exactly T it takes;
+1. radix passes over the 32 score bits of the key (``CONFIG["bits"]`` each: four of 8 bits,
+   a 256-bin histogram of the candidates whose higher bits match the prefix found so far)
+   find T, the score bits of the K-th largest candidate, and ``need``, how many candidates
+   scoring exactly T it takes;
 2. one pass keeps every candidate scoring above T and the first ``need`` scoring T in column
    order (the lower ids: the tie rule), compacted to the front of the row in place;
 3. those K keys are sorted (a bitonic sort of a power of two in registers) and written out as
@@ -24,7 +25,7 @@ from sparse_mla.ops.indexer.triton_kernels import NOT_A_CANDIDATE
 MIN_KEY = tl.constexpr(NOT_A_CANDIDATE)
 # Largest K the kernel sorts in registers; wider selections go through torch.topk.
 MAX_K = 2048
-CONFIG = {"block": 4096, "warps": 8}
+CONFIG = {"block": 4096, "warps": 8, "bits": 8}
 INTERPRET_CONFIG = {"block": 32}
 
 
@@ -37,38 +38,40 @@ def _score_bits(key):
 
 @triton.jit
 def select_topk_kernel(key_ptr, key_s0, lim_ptr, width, out_ptr, out_s0, K,
-                       BLOCK: tl.constexpr, KP: tl.constexpr, HAS_LIM: tl.constexpr):
+                       BLOCK: tl.constexpr, KP: tl.constexpr, HAS_LIM: tl.constexpr,
+                       BITS: tl.constexpr = 8):
     """``out[row, :K]`` <- ids of the row's K largest keys, in key order, then -1. Columns at
     or past ``lim[row]`` (``width`` without ``lim``) are not read. Overwrites the row's first
-    columns with the selected keys."""
+    columns with the selected keys. ``BITS`` per radix pass (32 / BITS passes of 2^BITS
+    bins)."""
     row = tl.program_id(0).to(tl.int64)
     base = key_ptr + row * key_s0
     n = width
     if HAS_LIM:
         n = tl.minimum(tl.maximum(tl.load(lim_ptr + row), 0), width)
     cols = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros((), tl.int64)
     krem = tl.zeros((), tl.int32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros((256,), tl.int32)
+    for p in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (p + 1)
+        hist = tl.zeros((1 << BITS,), tl.int32)
         for s in range(0, n, BLOCK):
             j = s + cols
             key = tl.load(base + j, mask=j < n, other=MIN_KEY)
             u = _score_bits(key)
-            match = (key != MIN_KEY) & ((u >> (shift + 8)) == prefix)
-            digit = tl.where(match, (u >> shift) & 255, 0).to(tl.int32)
+            match = (key != MIN_KEY) & ((u >> (shift + BITS)) == prefix)
+            digit = tl.where(match, (u >> shift) & ((1 << BITS) - 1), 0).to(tl.int32)
             # masked-out columns land in bin 0 and are taken back out of it
             miss = BLOCK - tl.sum(match.to(tl.int32), axis=0)
-            hist += tl.histogram(digit, 256) - tl.where(bins == 0, miss, 0)
+            hist += tl.histogram(digit, 1 << BITS) - tl.where(bins == 0, miss, 0)
         if p == 0:
             krem = tl.minimum(tl.sum(hist, axis=0), K)
         # at_least[d]: matching candidates whose digit is d or more
         at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
         d = tl.max(tl.where(at_least >= krem, bins, 0), axis=0)
         krem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-        prefix = prefix * 256 + d.to(tl.int64)
+        prefix = (prefix << BITS) + d.to(tl.int64)
     taken = tl.zeros((), tl.int32)
     ties = tl.zeros((), tl.int32)
     for s in range(0, n, BLOCK):
@@ -112,4 +115,4 @@ def select_topk(keys: torch.Tensor, out: torch.Tensor, lim: torch.Tensor | None 
     select_topk_kernel[(n,)](
         keys, keys.stride(0), keys if lim is None else lim, width, out, out.stride(0), k,
         BLOCK=cfg["block"], KP=triton.next_power_of_2(k), HAS_LIM=lim is not None,
-        num_warps=cfg["warps"])
+        BITS=cfg["bits"], num_warps=cfg["warps"])

@@ -56,11 +56,10 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "split_v4_qfold": 8000, "tiny_v4_qfold": 11600, "split_v41_rope_qfold": 14300,
                # the indexer's scores kernels (prefill: 4 warps, the H200 sweep's fastest, spills
                # more than 8 did and ran 1.7x faster: docs/perf-log.md, "Session 37: the
-               # indexer's launch shapes"; decode keeps its first token's q across its tiles:
-               # most on sm_100, 0.66 KB)
+               # indexer's launch shapes")
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
-               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 820,
-               "indexer_decode_qbf16_k8": 820, "indexer_decode_qbf16_kbf16": 290}
+               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 64,
+               "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The indexer family on a GPU machine without Bazel (the lead's H200), about 150 s: its tests
-# with their CUDA parametrizations (hardware e4m3, then the software route forced with
-# SPARSE_MLA_SOFT_FP8=1), the compile check of its kernels for every arch (shared memory and
-# spill bounds of tests/ops/test_arch_compile.py), then the benchmark: the launch-shape sweep
-# and the comparison table last (decode b 64 over 16k candidates as % of copy bandwidth per
-# stage, scores kernel / top-k select / whole op; an 8192-token prefill over 16k as % of bf16
-# matmul; HF's eager indexer math beside them: time and peak memory). The HF integration's
-# indexer test runs too.
+# The indexer family on a GPU machine without Bazel (the lead's H200). By default (about 120 s):
+# its tests with their CUDA parametrizations, then the comparison table last (decode b 64 over
+# 16k candidates as % of copy bandwidth per stage: scores kernel / top-k select / whole op; an
+# 8192-token prefill over 16k as % of bf16 matmul; HF's eager indexer math beside them: time
+# and peak memory; host microseconds per op call as HF's hook makes it).
 # Logs under ${OUT:-/tmp/gpu_indexer}.
-#   bash tools/dev/gpu_indexer.sh         the above
-#   bash tools/dev/gpu_indexer.sh --hf    also HF's bench model at 16k and 64k prompts, eager
-#                                         vs sparse_mla (whose indexer runs the op)
-#   bash tools/dev/gpu_indexer.sh --cli   also the main job's indexer rows (the CLI)
+#   bash tools/dev/gpu_indexer.sh          the above
+#   bash tools/dev/gpu_indexer.sh --full   also the tests with the software e4m3 route forced
+#                                          (SPARSE_MLA_SOFT_FP8=1), the per-arch compile check
+#                                          of the indexer's kernels, the HF integration's
+#                                          indexer test and the launch-shape sweep
+#   bash tools/dev/gpu_indexer.sh --hf     also HF's bench model at 16k and 64k prompts
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
@@ -20,13 +19,18 @@ out=${OUT:-/tmp/gpu_indexer}
 mkdir -p "$out"
 t0=$SECONDS
 stamp() { echo "[$(( SECONDS - t0 )) s] $*"; }
+full=0; [ "${1:-}" = "--full" ] && full=1
+# compiles dominate the tests: several processes where pytest-xdist is installed
+par=""; python3 -c "import xdist" 2>/dev/null && par="-n 4"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$out/gpu.txt"
-python3 -m pytest -q -rs -p no:cacheprovider tests/ops/indexer 2>&1 | tee "$out/pytest.log" \
-  | tail -4
+python3 -m pytest -q -rs -p no:cacheprovider $par tests/ops/indexer 2>&1 \
+  | tee "$out/pytest.log" | tail -4
 rc_tests=${PIPESTATUS[0]}
+rc_hf=0
 stamp "tests (hardware e4m3)"
+if [ "$full" = 1 ]; then
 # the software route changes the e4m3 code only: the insert and the tests with fp8 inputs
 SPARSE_MLA_SOFT_FP8=1 python3 -m pytest -q -rs -p no:cacheprovider tests/ops/indexer \
   -k "(triton or cuda) and (insert or poisoned or mixed_batch or missing)" 2>&1 \
@@ -61,20 +65,16 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/integration/transformers/test
   2>&1 | tee "$out/pytest_hf.log" | tail -3
 rc_hf=${PIPESTATUS[0]}
 stamp "HF indexer test"
+fi
 if [ "${1:-}" = "--hf" ]; then
   python3 -m sparse_mla.tools.bench_hf --lengths 16384 65536 --decode-prompt 4096 \
     --decode-tokens 8 --reps 1 2>"$out/bench_hf.err" | tee "$out/bench_hf.txt"
   stamp "HF"
 fi
-rc_cli=0
-if [ "${1:-}" = "--cli" ]; then
-  python3 -m sparse_mla.tools.cli --ops indexer --no-model 2>"$out/cli.err" | tee "$out/cli.txt"
-  rc_cli=${PIPESTATUS[0]}
-  stamp "CLI"
-fi
-python3 -m sparse_mla.ops.indexer.bench --sweep 2>"$out/bench.err" | tee "$out/bench.txt"
+sweep=""; [ "$full" = 1 ] && sweep="--sweep"
+python3 -m sparse_mla.ops.indexer.bench $sweep 2>"$out/bench.err" | tee "$out/bench.txt"
 rc_bench=${PIPESTATUS[0]}
 [ "$rc_bench" = 0 ] || tail -5 "$out/bench.err"
 stamp "bench"
-echo "pytest rc=$rc_tests hf rc=$rc_hf cli rc=$rc_cli bench rc=$rc_bench"
-[ "$rc_tests" = 0 ] && [ "$rc_hf" = 0 ] && [ "$rc_cli" = 0 ] && [ "$rc_bench" = 0 ]
+echo "pytest rc=$rc_tests hf rc=$rc_hf bench rc=$rc_bench"
+[ "$rc_tests" = 0 ] && [ "$rc_hf" = 0 ] && [ "$rc_bench" = 0 ]

@@ -51,6 +51,19 @@ def tied_rows(g, n, w, levels):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("w,k,levels", [(70, 8, 3), (45, 24, 8), (129, 64, 2), (33, 1, 5)])
 def test_select_breaks_ties_at_the_threshold_by_lower_id(device, w, k, levels):
+    _ties(device, w, k, levels)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_select_radix_widths(device, bits, monkeypatch):
+    """Other digit widths (``CONFIG["bits"]``): the same rows."""
+    monkeypatch.setitem(triton_select.CONFIG, "bits", bits)
+    _ties(device, 70, 8, 3)
+    test_select_random_scores_and_radix_digits(device)
+
+
+def _ties(device, w, k, levels):
     g = seeded(w + k)
     scores = tied_rows(g, 6, w, levels)
     cand = torch.rand(6, w, generator=g) < 0.8

@@ -37,9 +37,14 @@ def _check_prefill(case, impl, device, topk, **kw):
 
 @pytest.mark.parametrize("impl,device", ROUTES)
 @pytest.mark.parametrize("fp8,q_fp8", [(False, False), (True, False), (True, True)])
-def test_prefill_mixed_batch(impl, device, fp8, q_fp8):
+@pytest.mark.parametrize("select_max_rows", [2048, 0], ids=["select", "torch_topk"])
+def test_prefill_mixed_batch(impl, device, fp8, q_fp8, select_max_rows, monkeypatch):
     """Requests of 5, 1, 0 and 19 tokens over 9, 3, 4 and 37 keys (one with none allowed,
-    one token per request short of K), three chunks, tiles spanning requests."""
+    one token per request short of K), three chunks, tiles spanning requests. Triton: the
+    top-k by the select kernel and by ``torch.topk`` (``CONFIG["select_max_rows"]``)."""
+    if impl == "reference" and not select_max_rows:
+        pytest.skip("a Triton launch option")
+    monkeypatch.setitem(triton_impl.CONFIG, "select_max_rows", select_max_rows)
     g = seeded(11 + fp8 + 2 * q_fp8)
     case = cases.prefill_case(g, [5, 1, 0, 19], [9, 3, 4, 37], fp8=fp8, q_fp8=q_fp8)
     _check_prefill(case, impl, device, topk=8, chunk=7)
@@ -120,15 +125,17 @@ def _decode(case, seq_lens, cache, bt, impl, device, topk, next_n, **kw):
 @pytest.mark.parametrize("impl,device", ROUTES)
 @pytest.mark.parametrize("fp8,q_fp8", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("next_n,block_size", [(1, 16), (2, 4)])
-@pytest.mark.parametrize("heads_n", [True, False], ids=["heads_n", "heads_m"])
+@pytest.mark.parametrize("heads_n", [False, True], ids=["heads_m", "heads_n"])
 def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, block_size,
                                             heads_n, monkeypatch):
     """Unwritten cache bytes are 0xFF (NaN in both formats) and never chosen; MTP tokens see
     one entry fewer every `ratio` positions back. Triton: both orientations of the decode
-    kernel's dot (``CONFIG["decode_heads_n"]``)."""
-    if impl == "reference" and not heads_n:
-        pytest.skip("a Triton launch option")
+    kernel's dot (``CONFIG["decode_heads_n"]``), the top-k by the select kernel (heads_m) and
+    by ``torch.topk`` (heads_n)."""
+    if impl == "reference" and heads_n:
+        pytest.skip("Triton launch options")
     monkeypatch.setitem(triton_impl.CONFIG, "decode_heads_n", heads_n)
+    monkeypatch.setitem(triton_impl.CONFIG, "select_max_rows", 0 if heads_n else 2048)
     g = seeded(20 + fp8 + 2 * next_n + 4 * q_fp8)
     case, seq_lens = cases.decode_case(g, [7, 1, 33, 12], next_n=next_n, fp8=fp8,
                                        q_fp8=q_fp8)
