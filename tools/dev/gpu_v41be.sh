@@ -20,6 +20,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 T=tests/backends/v41
 if [ "${V41BE_FULL:-0}" = 1 ]; then
+  : "${V41BE_TEST_S:=900}" "${V41BE_BENCH_S:=600}"
   sel=(-k cuda "$T")
 else
   sel=()
