@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek-V4.1 backend (issue 52, items 3-4) on a GPU machine without Bazel (H200: torch 2.11,
 # Triton 3.6). Tests first, a short table last; logs under ${OUT:-/tmp/gpu_v41be}.
-#   bash tools/dev/gpu_v41be.sh               # lean: ~60 s
+#   bash tools/dev/gpu_v41be.sh               # lean: tests <= 50 s, bench <= 20 s
 #   V41BE_FULL=1 bash tools/dev/gpu_v41be.sh  # every CUDA test of tests/backends/v41, and the
 #                                             # whole decode table (kinds x records x h x b)
 # Lean tests (one process, the same 8-head shapes, so kernels compile once per record): the
@@ -20,6 +20,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 T=tests/backends/v41
 if [ "${V41BE_FULL:-0}" = 1 ]; then
+  : "${V41BE_TEST_S:=900}" "${V41BE_BENCH_S:=600}"
   sel=(-k cuda "$T")
 else
   sel=()
@@ -38,9 +39,10 @@ else
         "tests/backends/test_step.py::test_mixed_steps_match_oracle[C4A-flashmla-cuda]")
 fi
 start=$SECONDS
-python3 -m pytest -q -rs -p no:cacheprovider "${sel[@]}" > "$out/tests.log" 2>&1
+timeout "${V41BE_TEST_S:-50}" python3 -m pytest -q -rs -p no:cacheprovider "${sel[@]}" \
+  > "$out/tests.log" 2>&1
 rc_tests=$?
-echo "tests: rc=$rc_tests, $(tail -1 "$out/tests.log"), $((SECONDS - start)) s"
+echo "tests: rc=$rc_tests (124: its timeout), $(tail -1 "$out/tests.log"), $((SECONDS - start)) s"
 [ "$rc_tests" = 0 ] || grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -5
 
 # Decode step, s_q 1, window 128, top-k 512, 8,192 tokens of context. "step" = write + plan +
@@ -51,7 +53,7 @@ echo "tests: rc=$rc_tests, $(tail -1 "$out/tests.log"), $((SECONDS - start)) s"
 # per window token (page / 32 slots) and the compressed record per context token (page /
 # entries / ratio); "B_vs584" compares the compressed cache (SWA-only layers: the SWA cache).
 start=$SECONDS
-timeout "${V41BE_BENCH_S:-45}" python3 - <<'PY' > "$out/bench.txt" 2>&1
+timeout "${V41BE_BENCH_S:-20}" python3 - <<'PY' > "$out/bench.txt" 2>&1
 import os
 
 import torch
@@ -68,7 +70,7 @@ if os.environ.get("V41BE_FULL") == "1":
     SHAPES = [(k, h, b) for k in (V41Kind.SWA_ONLY, V41Kind.C1A, V41Kind.C2A)
               for h in (64, 128) for b in (1, 64, 256)]
 else:
-    SHAPES = [(V41Kind.C1A, 64, 64), (V41Kind.C2A, 64, 64)]
+    SHAPES = [(V41Kind.C1A, 64, 64)]
 
 
 def fill(cache, fmt, n_slots, bs):
