@@ -9,7 +9,7 @@ insert) + index planning + attention; "attn" = the attention op alone on the ste
 lists; "layer" = the same with the step's shared plan (token → request, windows, C128A lists)
 already built, what each further layer of the kind pays (``forward(planned=True)``); "glue" =
 step or layer - attn (the target: <= 10 µs at b 256). With the q fold (the backend's
-``QFOLD``; ``--qfold off`` / ``both`` for the unfused step or both) the step hands decode rows'
+``QFOLD``, off by default; ``--qfold on`` / ``both`` for the folded step or both) the step hands decode rows'
 raw q to the op, whose kernel norms and rotates it: "attn_fold" (parts line) is that op alone;
 "attn" stays the op on the rotated q, so the glue columns also hold what the fold adds to the
 kernel. Rows are named "... fold" / "... unfused". "FlashMLA" runs the same step / layer
@@ -293,8 +293,9 @@ def main(argv=None):
                     help="head counts (default 64 128)")
     ap.add_argument("--s-q", type=int, nargs="+", default=(1, 2),
                     help="decode tokens per request (default 1 2)")
-    ap.add_argument("--qfold", choices=("on", "off", "both"), default="on",
-                    help="decode steps with the q fold (default), without, or both")
+    ap.add_argument("--qfold", choices=("on", "off", "both"), default="off",
+                    help="decode steps with the q fold, without (default: the backend's own "
+                         "default), or both")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_backend needs a CUDA GPU")

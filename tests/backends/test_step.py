@@ -45,6 +45,16 @@ def test_mixed_steps_match_oracle(device, backend, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_folded_steps_match_oracle(device, kind):
+    """The q fold (off by default) through whole steps: decode rows' raw q to the decode op,
+    kv rows through the kv-only insert; the same oracle as the unfused steps."""
+    h = Harness("flashmla", config(kind), device, seed=stable_seed("fold", kind.name))
+    h.backend.QFOLD = True
+    run_script(h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 def test_swa_block_256(device, backend, kind):
@@ -92,7 +102,7 @@ def test_padded_decode_requests(device):
 @pytest.mark.parametrize("fold", [True, False])
 def test_explain_names_the_ops_of_the_last_step(fold):
     """A decode step writes its kv rows alone where the decode op folds q's norm and RoPE
-    (``QFOLD``, on for this backend), the fused q + kv insert where it does not."""
+    (``QFOLD``, off by default), the fused q + kv insert where it does not."""
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
     h.backend.QFOLD = fold
     h.step([], [(0, 20)])
