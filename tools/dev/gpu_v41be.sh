@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # DeepSeek-V4.1 backend (issue 52, items 3-4) on a GPU machine without Bazel (H200: torch 2.11,
 # Triton 3.6). Tests first, a short table last; logs under ${OUT:-/tmp/gpu_v41be}.
-#   bash tools/dev/gpu_v41be.sh               # lean: tests <= 50 s, bench <= 20 s
-#   V41BE_FULL=1 bash tools/dev/gpu_v41be.sh  # every CUDA test of tests/backends/v41, and the
-#                                             # whole decode table (kinds x records x h x b)
+#   bash tools/dev/gpu_v41be.sh          # lean: tests <= 50 s, bench <= 20 s
+#   bash tools/dev/gpu_v41be.sh --full   # every CUDA test of tests/backends/v41, and the
+#                                        # whole decode table (kinds x records x h x b)
 # Lean tests (one process, the same 8-head shapes, so kernels compile once per record): the
 # step oracle per layer kind x record choice (584 + 584, 528 + 528, 528 + 288 B), one CUDA-graph
 # replay per record choice (C2A), a layer reading a source's 528 + 288 B cache (eager and
@@ -19,8 +19,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$out/gpu.txt"
 
 T=tests/backends/v41
-if [ "${V41BE_FULL:-0}" = 1 ]; then
-  : "${V41BE_TEST_S:=900}" "${V41BE_BENCH_S:=600}"
+full=0
+[ "${1:-}" = "--full" ] && full=1
+test_s=50 bench_s=20
+if [ $full = 1 ]; then
+  test_s=900 bench_s=600
   sel=(-k cuda "$T")
 else
   sel=()
@@ -39,7 +42,7 @@ else
         "tests/backends/test_step.py::test_mixed_steps_match_oracle[C4A-flashmla-cuda]")
 fi
 start=$SECONDS
-timeout "${V41BE_TEST_S:-50}" python3 -m pytest -q -rs -p no:cacheprovider "${sel[@]}" \
+timeout "$test_s" python3 -m pytest -q -rs -p no:cacheprovider "${sel[@]}" \
   > "$out/tests.log" 2>&1
 rc_tests=$?
 echo "tests: rc=$rc_tests (124: its timeout), $(tail -1 "$out/tests.log"), $((SECONDS - start)) s"
@@ -53,8 +56,8 @@ echo "tests: rc=$rc_tests (124: its timeout), $(tail -1 "$out/tests.log"), $((SE
 # per window token (page / 32 slots) and the compressed record per context token (page /
 # entries / ratio); "B_vs584" compares the compressed cache (SWA-only layers: the SWA cache).
 start=$SECONDS
-timeout "${V41BE_BENCH_S:-20}" python3 - <<'PY' > "$out/bench.txt" 2>&1
-import os
+timeout "$bench_s" python3 - "$full" <<'PY' > "$out/bench.txt" 2>&1
+import sys
 
 import torch
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
@@ -66,7 +69,7 @@ CTX, dev = bb.CTX, "cuda"
 RECORDS = ((584, 584), (528, 528), (528, 288))
 vendor = bb._vendor_available()
 print(f"# {harness.device_name(dev)}; FlashMLA wheel: {'yes' if vendor else 'no'}", flush=True)
-if os.environ.get("V41BE_FULL") == "1":
+if sys.argv[1] == "1":
     SHAPES = [(k, h, b) for k in (V41Kind.SWA_ONLY, V41Kind.C1A, V41Kind.C2A)
               for h in (64, 128) for b in (1, 64, 256)]
 else:
