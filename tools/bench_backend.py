@@ -2,27 +2,27 @@
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.tools.bench_backend [--quick]
 
-Decode rows: a uniform decode batch (b requests, s_q tokens each, 8,192 tokens of context),
-C4A (top-k 512 at h64, 1,024 at h128) and C128A layers, FlashMLA's 584 B caches. Times are
+Decode rows: a uniform decode batch (b requests, s_q tokens each, 8,192 tokens of context), C4A
+(top-k 512 at h64, 1,024 at h128) and C128A layers, FlashMLA's 584 B caches. Times are
 CUDA-graph replays (GPU µs per step): "step" = write (q-norm + RoPE + SWA insert + compressed
-insert) + index planning + attention; "attn" = the attention op alone on the step's index
-lists; "layer" = the same with the step's shared plan (token → request, windows, C128A lists)
-already built, what each further layer of the kind pays (``forward(planned=True)``); "glue" =
-step or layer - attn (the target: <= 10 µs at b 256). With the q fold (the backend's
-``QFOLD``, off by default; ``--qfold on`` / ``both`` for the folded step or both) the step hands decode rows'
-raw q to the op, whose kernel norms and rotates it: "attn_fold" (parts line) is that op alone;
+insert) + index planning + attention; "attn" = the attention op alone on the step's index lists;
+"layer" = the same with the step's shared plan (token → request, windows, C128A lists) already
+built, what each further layer of the kind pays (``forward(planned=True)``); "glue" = step or
+layer - attn (the target: <= 10 µs at b 256). With the q fold (the backend's ``QFOLD``, off by
+default; ``--qfold on`` / ``both`` for the folded step or both) the step hands decode rows' raw
+q to the op, whose kernel norms and rotates it: "attn_fold" (parts line) is that op alone;
 "attn" stays the op on the rotated q, so the glue columns also hold what the fold adds to the
-kernel. Rows are named "... fold" / "... unfused". "FlashMLA" runs the same step / layer
-with FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
+kernel. Rows are named "... fold" / "... unfused". "FlashMLA" runs the same step / layer with
+FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
 imports, its layer timed the way vLLM runs it: vLLM's FlashMLA backends build one
-``get_mla_metadata()`` per step and hand it to every layer (FlashMLA plans it at the first
-call: the step column, the first layer of a kind, includes that planner), and hand FlashMLA
-their index lists as they are (``_as_vllm_runs_it``). "layer ratio" = that FlashMLA layer
-µs / ours: the fair one. "planner/call" is the second column: the FlashMLA layer as the op's
-stateless vendor route runs it, fresh metadata (its planner) and the lists' sanitising
-launches on every call: what a vLLM user would not pay.
-"max|diff|" = their outputs apart. Prefill row: one 8,192-token chunk after 8,192 tokens of
-context (FlashMLA's prefill has no scheduler metadata: one column).
+``get_mla_metadata()`` per step and hand it to every layer (FlashMLA plans it at the first call:
+the step column, the first layer of a kind, includes that planner), and hand FlashMLA their
+index lists as they are (``_as_vllm_runs_it``). "layer ratio" = that FlashMLA layer µs / ours:
+the fair one. "planner/call" is the second column: the FlashMLA layer as the op's stateless
+vendor route runs it, fresh metadata (its planner) and the lists' sanitising launches on every
+call: what a vLLM user would not pay. "max|diff|" = their outputs apart. Prefill row: one
+8,192-token chunk after 8,192 tokens of context (FlashMLA's prefill has no scheduler metadata:
+one column).
 """
 from __future__ import annotations
 
