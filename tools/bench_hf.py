@@ -12,15 +12,17 @@ implementations taking turns run by run after two warm-ups each; and the peak me
 allocated during one forward; "OOM" where it does not fit. Decode: ``generate`` of
 ``--decode-tokens`` greedy tokens after a ``--decode-prompt`` prompt (prefill included, as
 the issue's baseline; taking turns in the same way), and the tokens/s of the decode steps
-alone (generate time minus the prefill time measured above). Also printed: whether both
-generated the same tokens.
+alone: one over the median time from one token to the next (a streamer notes when
+generate hands each token out, which it does after copying it to the host), the median over
+the timed runs. Rates from a generate's time minus a prefill's swung by 30 % and more between
+runs where the prefill is long (eager's 16k prompt: ±0.3 s against 31 steps of 12-25 ms).
+Also printed: whether both generated the same tokens.
 ``--tiny``: the tests' tiny model and short lengths (a CPU smoke run).
 ``--compile [BACKEND]``: the same tables with ``model.forward`` under ``torch.compile``
 (``BACKEND``, default inductor; dynamic shapes) for both implementations: HF's DeepSeek-V4
 cannot use a static cache (``_can_compile_fullgraph = False``), so generate does not compile
 by itself, and the compiled forward keeps HF's graph breaks; the compile happens in the
-warm-ups. ``--decode-only``: skip the prefill table (the decode rate still needs the decode
-prompt's prefill time).
+warm-ups. ``--decode-only``: skip the prefill table.
 """
 import argparse
 import statistics
@@ -51,6 +53,25 @@ def _prefill_fn(model, ids):
     return run
 
 
+class _TokenClock:
+    """A ``generate`` streamer noting when each token is handed out: the prompt first, then
+    the first token (prefill), then one per decode step."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def step_median(self):
+        """Median seconds of a decode step (None without one)."""
+        gaps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        return statistics.median(gaps) if gaps else None
+
+
 def _peak(model, ids, device, impl):
     """Peak bytes allocated during one prefill forward (CPU: None); raises on OOM."""
     model.set_attn_implementation(impl)
@@ -70,10 +91,11 @@ def _alternating(model, device, reps, runs):
     falls on both alike. Measured first-impl-then-the-other, the same eager forward read very
     different times ahead of sparse_mla and behind it (docs/perf-log.md, "Session 35: HF
     transformers, eager vs sparse_mla, measured taking turns")."""
-    times = {impl: [] for impl in runs}
+    times = {key: [] for key in runs}
     for rep in range(reps + 2):
-        for impl, fn in runs.items():
-            model.set_attn_implementation(impl)
+        for key, fn in runs.items():
+            # a key is the implementation, or (implementation, what else the run varies)
+            model.set_attn_implementation(key[0] if isinstance(key, tuple) else key)
             if device == "cuda":
                 # the other implementation's freed blocks would otherwise fragment this one's
                 # (eager's long prompts only fit once it is emptied: docs/perf-log.md,
@@ -81,8 +103,8 @@ def _alternating(model, device, reps, runs):
                 torch.cuda.empty_cache()
             t = _timed(fn, device)[0]
             if rep >= 2:
-                times[impl].append(t)
-    return {impl: statistics.median(ts) for impl, ts in times.items()}
+                times[key].append(t)
+    return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def _prefill(model, ids, device, reps):
@@ -142,14 +164,10 @@ def main(argv=None) -> int:
           + (f"; model.forward under torch.compile({args.compile}, dynamic)" if args.compile
              else ""), flush=True)
     g = torch.Generator().manual_seed(0)
-    rows, prefill_s = [], {}
-    for n in sorted(set(args.lengths) | {args.decode_prompt}):
+    rows = []
+    for n in sorted(set(args.lengths)):
         ids = torch.randint(3, config.vocab_size, (1, n), generator=g).to(device)
         cells = _prefill(model, ids, device, 1 if n >= 16384 else args.reps)
-        for impl in IMPLS:
-            prefill_s[(impl, n)] = cells[impl][0] if cells[impl] else None
-        if n not in args.lengths:
-            continue
         e, s = cells["eager"], cells["sparse_mla"]
         fmt = lambda c: "OOM" if c is None else f"{c[0] * 1e3:,.1f} ms"  # noqa: E731
         mem = lambda c: "-" if c is None or c[1] is None else f"{c[1] / 2**30:.2f} GiB"  # noqa: E731
@@ -161,21 +179,27 @@ def main(argv=None) -> int:
         _table(head, rows)
 
     ids = torch.randint(3, config.vocab_size, (1, args.decode_prompt), generator=g).to(device)
-    out, rows, runs = {}, [], {}
+    out, rows, runs, clocks = {}, [], {}, {}
     for impl in IMPLS:
         model.set_attn_implementation(impl)
         try:
             # warm-up over the same steps: Triton compiles its launch variants here, once
             out[impl] = models.greedy(model, ids, new_tokens=args.decode_tokens)
-            runs[impl] = lambda: models.greedy(model, ids, new_tokens=args.decode_tokens)
+            clocks[impl] = []
+
+            def run(impl=impl):
+                clocks[impl].append(_TokenClock())
+                return models.greedy(model, ids, new_tokens=args.decode_tokens,
+                                     streamer=clocks[impl][-1])
+            runs[impl] = run
         except torch.cuda.OutOfMemoryError:
             rows.append((impl, "OOM", "-", "-"))
-    medians = _alternating(model, device, max(1, args.reps), runs) if runs else {}
+    reps = max(1, args.reps)
+    medians = _alternating(model, device, reps, runs) if runs else {}
     for impl in runs:
         t = medians[impl]
-        pre = prefill_s.get((impl, args.decode_prompt))
-        steps = args.decode_tokens - 1                  # the first token comes with the prefill
-        rate = f"{steps / (t - pre):,.1f}" if pre and t > pre else "-"
+        steps = [c.step_median() for c in clocks[impl][-reps:]]
+        rate = f"{1 / statistics.median(steps):,.1f}" if None not in steps else "-"
         rows.append((impl, f"{t * 1e3:,.1f} ms", f"{args.decode_tokens / t:,.1f}", rate))
     print()
     _table((f"generate {args.decode_tokens} after {args.decode_prompt}"

@@ -10,16 +10,31 @@ other implementation run HF's code untouched.
 The op takes HF's tensors as they are where they are exact inputs for it: bf16 q and keys of
 index_head_dim 128 (DeepSeek-V4's). Elsewhere (an fp32 model, a tiny test config with another
 head dim) HF's own forward runs, so results never change by the hook's choice.
+
+HF calls the indexer once per CSA layer per decode step with arguments that differ only in
+values and in the entry count, so, as the attention call does (op_route.py), the first call of
+a kind (device, q's shape and strides, the keys' layout, ratio, top-k, the dispatcher's
+environment) runs the op itself (full validation, dispatch) and keeps its choice; later calls
+run that choice through ``Dispatcher.run`` without the custom-op wrapper and the validation.
+What those skip holds by construction: q and keys are the kind's, the starts and ``out`` are
+built here for the entry count. With ``SPARSE_MLA_CHECK_VALUES`` on, every call runs the op.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
+from sparse_mla.ops.common import checks, dispatch
+from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV
 from sparse_mla.ops.indexer import format as indexer_format
 from sparse_mla.ops.indexer import indexer_topk_prefill
+
+OP = "indexer_topk_prefill"
+# kind -> (the op's choice for it, the op's dispatcher); see the module docstring
+_ROUTES: dict = {}
 
 NAME = "sparse_mla"
 
@@ -45,6 +60,17 @@ def _starts(b, n, dev):
     return torch.arange(0, (b + 1) * n, n, device=dev)
 
 
+def _kind(indexer, q, keys):
+    return (q.device, tuple(q.shape), tuple(q.stride()), keys.stride()[1:],
+            indexer.compress_rate, indexer.index_topk,
+            os.environ.get(dispatch.ENV_VAR, ""), os.environ.get(SOFT_FP8_ENV, ""))
+
+
+def forget() -> None:
+    """Drop the kept choices (tests)."""
+    _ROUTES.clear()
+
+
 def select(indexer, q, keys, hidden_states, position_ids):
     """``DeepseekV4Indexer``'s result from the scorer's inputs: [B, S, min(topk, T)] int64,
     request-local ids, -1 where there are fewer candidates (one op call, a request per
@@ -62,10 +88,19 @@ def select(indexer, q, keys, hidden_states, position_ids):
     # HF's positions of left padding may be negative; with ratio >= 2 position 0 selects
     # nothing either, so clamping keeps the result
     positions = position_ids.expand(b, s).reshape(-1).clamp_min(0)
-    indexer_topk_prefill(q.reshape(b * s, h, d), weights.reshape(b * s, h),
-                         keys.reshape(b * t, d), None,
-                         _starts(b, s, dev), _starts(b, t, dev),
-                         positions, out, indexer.compress_rate, 0, t)
+    args = (q.reshape(b * s, h, d), weights.reshape(b * s, h), keys.reshape(b * t, d), None,
+            _starts(b, s, dev), _starts(b, t, dev), positions)
+    kind = _kind(indexer, q, keys)
+    kept = _ROUTES.get(kind)
+    if kept is None or checks.value_checks_enabled(q):
+        indexer_topk_prefill(*args, out, indexer.compress_rate, 0, t)
+        choice = dispatch.last_choice(OP)
+        if choice is not None:
+            _ROUTES[kind] = (choice, dispatch.dispatcher(OP))
+    else:
+        choice, dispatcher = kept
+        # the op's own call of its dispatcher: ratio before out, then chunk and the width
+        dispatcher.run(choice, *args, indexer.compress_rate, out, 0, t)
     return out.view(b, s, k).long()
 
 

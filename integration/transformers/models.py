@@ -93,12 +93,13 @@ def random_model(config, dtype=torch.bfloat16, device="cpu", seed=0,
     return model.to(device).eval()
 
 
-def greedy(model, input_ids, attention_mask=None, new_tokens=20):
-    """Greedy ``generate``: prompt + ``new_tokens`` tokens (no early stop at eos)."""
+def greedy(model, input_ids, attention_mask=None, new_tokens=20, streamer=None):
+    """Greedy ``generate``: prompt + ``new_tokens`` tokens (no early stop at eos);
+    ``streamer``: HF's streamer hook, given the prompt, then each token as it is made."""
     with torch.no_grad():
         return model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=model.config.pad_token_id)
+                              pad_token_id=model.config.pad_token_id, streamer=streamer)
 
 
 # Largest top-1 minus top-2 logit gap that bf16 rounding can flip in these models. Eager

@@ -7,6 +7,7 @@ with the reference output and prints one table row per (case, implementation).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 
@@ -25,3 +26,19 @@ class BenchCase:
     # Implementations the reference may be too slow for at this size: then the harness
     # compares against the reference run on a copy of the inputs only if reference=True.
     reference: bool = True
+
+
+def host_us(fn: Callable[[], Any], reps: int = 100) -> float:
+    """Median over 5 rounds of the host time per call of ``fn`` in microseconds: no sync
+    inside a round (a few hundred calls at most, so the launch queue never fills), a CUDA
+    sync around each."""
+    import torch
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import torch
 
-from sparse_mla.ops.common.benchcase import BenchCase
+from sparse_mla.ops.common.benchcase import BenchCase, host_us
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import ops
@@ -239,20 +238,6 @@ def _config(**kw):
         triton_impl.CONFIG.update(saved)
 
 
-def _host_us(fn, reps=100):
-    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round; few
-    enough calls that the launch queue never fills)."""
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        rounds.append((time.perf_counter() - t0) / reps * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
-
-
 HOST_SHAPES = ((1, 1024), (1024, 256))     # (tokens, keys): an HF decode step, a 1k prefill
 
 
@@ -279,7 +264,7 @@ def _host_row(x, cand):
            lambda: hf_eager_topk(x["q"], x["weights"], x["k"], x["positions"]))
     for fn in fns:
         fn()
-    return [_host_us(fn) for fn in fns]
+    return [host_us(fn) for fn in fns]
 
 
 def _stage_rows(shape, stages, rate):

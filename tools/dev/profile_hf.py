@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
 from sparse_mla.integration.transformers import models
+from sparse_mla.ops.common.benchcase import host_us
 
 
 def _timed_indexer(fn, key, store, synced):
@@ -169,19 +170,6 @@ def main(argv=None):
     return 0
 
 
-def _host_us(fn, reps=300):
-    """Median over 5 rounds of the host time per call of ``fn`` (no sync inside a round)."""
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        rounds.append((time.perf_counter() - t0) / reps * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
-
-
 def _parts(model, ids, sparse_fn):
     """Host time of the pieces of one decode call per layer type: the call's arguments are
     captured during a generate, then each piece runs alone in a loop (its outputs unused)."""
@@ -199,7 +187,8 @@ def _parts(model, ids, sparse_fn):
         AttentionInterface._global_mapping["sparse_mla"] = sparse_fn
     small = torch.zeros(64, device="cuda")
     print("\n-- host time per piece of one decode call (us, median of 5 x 300 calls)")
-    print(f"   yardstick: one small torch launch (add_) {_host_us(lambda: small.add_(1)):.1f}")
+    yardstick = host_us(lambda: small.add_(1), reps=300)
+    print(f"   yardstick: one small torch launch (add_) {yardstick:.1f}")
     for layer_type, (module, a, k) in captured.items():
         _time_pieces(layer_type, module, a, k, sparse_fn)
 
@@ -238,7 +227,7 @@ def _time_pieces(layer_type, module, a, k, sparse_fn):
         route_name = "FlashMLA direct" if route.direct_flash_mla else route.choice.impl
     print(f"   {layer_type} (route {route_name}, width {width}, keys {n}):")
     for name, fn in pieces.items():
-        print(f"     {name:28s} {_host_us(fn):7.1f}")
+        print(f"     {name:28s} {host_us(fn, reps=300):7.1f}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

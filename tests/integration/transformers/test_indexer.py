@@ -125,3 +125,42 @@ def test_bf16_greedy_tokens_with_the_hooked_indexer():
     assert ours.shape == eager.shape
     for row, step, margin in divergences:
         assert margin < models.NEAR_TIE, (row, step, margin)
+
+
+def test_later_calls_of_a_kind_skip_the_op_wrapper(monkeypatch):
+    """The hook's kept choice (integration/transformers/indexer.py): the first call of a kind
+    runs the op (wrapper, validation, dispatch), later ones of that kind, whose entry count
+    changes as a decode step's does, run the kept implementation directly and select what the
+    op selects. With value checks on (always on the CPU; here switched off so that the kept
+    path runs) every call would run the op."""
+    from sparse_mla.integration.transformers import indexer as hook
+    config, indexer = _hf_indexer(5, 8)
+    monkeypatch.setattr(hook.checks, "value_checks_enabled", lambda *t: False)
+    hook.forget()
+    wrapper_calls = []
+    real = hook.indexer_topk_prefill
+
+    def counting(*a, **k):
+        wrapper_calls.append(a[2].shape[0] // b)   # the call's entry count
+        return real(*a, **k)
+    monkeypatch.setattr(hook, "indexer_topk_prefill", counting)
+    g = torch.Generator().manual_seed(5)
+    b, s, h = 2, 3, config.index_n_heads
+    q = torch.randn(b, s, h, 128, generator=g).to(torch.bfloat16)
+    hidden = torch.randn(b, s, config.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(60, 60 + s).unsqueeze(0)
+    with torch.no_grad():
+        for t in (11, 5, 14, 9):
+            keys = torch.randn(b, t, 128, generator=g).to(torch.bfloat16)
+            got = hook.select(indexer, q, keys, hidden, pos)
+            want = torch.empty(b * s, min(8, t), dtype=torch.int32)
+            w = indexer.scorer.weights_proj(hidden).float() * indexer.scorer.weights_scaling \
+                * indexer.scorer.softmax_scale
+            real(q.reshape(b * s, h, 128), w.reshape(b * s, h), keys.reshape(b * t, 128), None,
+                 torch.tensor([0, s, 2 * s]), torch.tensor([0, t, 2 * t]),
+                 pos.expand(b, s).reshape(-1), want, indexer.compress_rate, 0, t)
+            assert torch.equal(got, want.view(b, s, -1).long()), t
+            assert (got >= 0).any()
+    # the test's own reference calls go through the real op, not the counted name
+    assert wrapper_calls == [11], "the op's wrapper runs on the first call of the kind only"
+    hook.forget()

@@ -21,3 +21,19 @@ def test_benchmark_runs_both_implementations_side_by_side(capsys):
     prefill = [line.split() for line in out.splitlines() if line.split()[:1] in (["24"], ["40"])]
     assert len(prefill) == 2 and all(row[2] == "ms" and row[5] == "ms" for row in prefill)
     assert "same greedy tokens: True" in out
+    # decode rows: impl, total "ms", tokens/s with the prefill, tokens/s of the steps alone
+    decode = [line.split() for line in out.splitlines()
+              if line.split()[:1] in (["eager"], ["sparse_mla"])]
+    assert len(decode) == 2 and all(float(row[3]) > 0 and float(row[4]) > 0 for row in decode)
+
+
+def test_token_clock_times_each_decode_step():
+    """The benchmark's decode rate: generate hands out the prompt, then a token per step;
+    the clock's median is over the gaps between tokens, the prefill excluded."""
+    clock = bench_hf._TokenClock()
+    for t in (0.0, 5.0, 5.5, 6.25, 6.75):       # prompt, first token after a 5 s prefill
+        clock.stamps.append(t)
+    assert clock.step_median() == 0.5
+    short = bench_hf._TokenClock()
+    short.stamps = [0.0, 5.0]
+    assert short.step_median() is None
