@@ -53,25 +53,6 @@ def _prefill_fn(model, ids):
     return run
 
 
-class _TokenClock:
-    """A ``generate`` streamer noting when each token is handed out: the prompt first, then
-    the first token (prefill), then one per decode step."""
-
-    def __init__(self):
-        self.stamps = []
-
-    def put(self, value):
-        self.stamps.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def step_median(self):
-        """Median seconds of a decode step (None without one)."""
-        gaps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
-        return statistics.median(gaps) if gaps else None
-
-
 def _peak(model, ids, device, impl):
     """Peak bytes allocated during one prefill forward (CPU: None); raises on OOM."""
     model.set_attn_implementation(impl)
@@ -188,7 +169,7 @@ def main(argv=None) -> int:
             clocks[impl] = []
 
             def run(impl=impl):
-                clocks[impl].append(_TokenClock())
+                clocks[impl].append(harness.TokenClock())
                 return models.greedy(model, ids, new_tokens=args.decode_tokens,
                                      streamer=clocks[impl][-1])
             runs[impl] = run

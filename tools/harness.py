@@ -10,6 +10,9 @@ import time
 
 import torch
 
+# CUDA-graph timing lives with the op families' benchmark helpers (ops/ cannot import tools/)
+from sparse_mla.ops.common.benchcase import time_graph  # noqa: F401
+
 
 def sync(device):
     if device == "cuda":
@@ -28,27 +31,6 @@ def time_fn(fn, device, *, iters=None) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def time_graph(fn, reps=10):
-    """Median seconds per call with ``reps`` calls captured in one CUDA graph: the GPU time of
-    a step run under graphs (no Python or launch overhead). None if ``fn`` cannot be captured
-    (e.g. it synchronizes with the host)."""
-    import triton.testing
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except RuntimeError:
-        return None
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
-    return ms * 1e-3 / reps
 
 
 def copy_bandwidth(device) -> float:
@@ -72,3 +54,23 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name()
     import platform
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+class TokenClock:
+    """A ``generate`` streamer (``streamer=``) noting when each token is handed out: the
+    prompt first, then the first token (prefill), then one per decode step. Generate hands a
+    token out after copying it to the host, so the gaps are the decode steps' times."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def step_median(self):
+        """Median seconds of a decode step (None without one)."""
+        gaps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        return statistics.median(gaps) if gaps else None

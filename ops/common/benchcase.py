@@ -10,6 +10,8 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+import torch
+
 
 @dataclasses.dataclass
 class BenchCase:
@@ -32,7 +34,6 @@ def host_us(fn: Callable[[], Any], reps: int = 100) -> float:
     """Median over 5 rounds of the host time per call of ``fn`` in microseconds: no sync
     inside a round (a few hundred calls at most, so the launch queue never fills), a CUDA
     sync around each."""
-    import torch
     rounds = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -42,3 +43,24 @@ def host_us(fn: Callable[[], Any], reps: int = 100) -> float:
         rounds.append((time.perf_counter() - t0) / reps * 1e6)
         torch.cuda.synchronize()
     return sorted(rounds)[2]
+
+
+def time_graph(fn, reps=10):
+    """Median seconds per call with ``reps`` calls captured in one CUDA graph: the GPU time of
+    a step run under graphs (no Python or launch overhead). None if ``fn`` cannot be captured
+    (e.g. it synchronizes with the host)."""
+    import triton.testing
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except RuntimeError:
+        return None
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
+    return ms * 1e-3 / reps

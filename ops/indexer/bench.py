@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from sparse_mla.ops.common.benchcase import BenchCase, host_us
+from sparse_mla.ops.common.benchcase import BenchCase, host_us, time_graph
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import ops
@@ -295,8 +295,8 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
             triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], RATIO, x["next_n"], BLOCK, width)
 
-        def scores_heads_n(scores=scores):
-            with _config(decode_heads_n=True):
+        def scores_heads_m(scores=scores):
+            with _config(decode_heads_n=False):
                 scores()
 
         def topk(x=x, keys=keys):
@@ -318,12 +318,18 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
                                     x["block_table"], x["out"], RATIO, x["next_n"])
         shape = f"decode B={batch} s_q={next_n} C={cand}"
         rows += _stage_rows(shape, (("scores kernel", scores),
-                                    ("scores kernel, heads on the dot's N", scores_heads_n),
+                                    ("scores kernel, heads on the dot's M", scores_heads_m),
                                     ("top-k by torch.topk over the keys", topk),
                                     ("top-k select kernel", select),
                                     ("top-k select kernel, 4-bit digits", select_4bit),
                                     ("op (scores + top-k)", whole)),
                             lambda t, moved=moved: f"{100 * moved / t / copy_bw:.0f}% copy")
+        # the op's GPU time alone: in the loop above its host time per call (wrapper,
+        # validation, two launches) is about as long as its kernels (docs/PERF.md, "Lightning
+        # indexer decode: the op's time is its kernels"); vLLM replays decode as a graph
+        t = time_graph(whole)
+        rows.append((shape, "op (scores + top-k), CUDA-graph replay", t, "-",
+                     "-" if t is None else f"{100 * moved / t / copy_bw:.0f}% copy"))
         if hf:
             dense = _paged_dense(x, cand)
             pos = x["seq_lens"].long().repeat_interleave(next_n) - next_n + \

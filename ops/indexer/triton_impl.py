@@ -23,17 +23,19 @@ _LAUNCH = dict(enable_fp_fusion=False)
 
 # prefill: BT tokens x BN entries per program; decode: BN entries of one request per program
 # (one program per tile: looping a program over tiles with its q kept ran 2x slower on an
-# H200), heads on the dot's N axis where ``decode_heads_n``. A prefill program reads every
-# head's q rows once per BN entries, so a wider BN moves less. The launch shapes are the
-# fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on an H200 (docs/perf-log.md,
-# "Session 37: the indexer's launch shapes").
+# H200), heads on the dot's N axis where ``decode_heads_n`` ([BN, 128] keys as stored times
+# [128, heads] q: 0.106 / 0.194 ms against 0.151 / 0.273 with heads on M at b 64, 16k
+# entries, s_q 1 / 2 on an H200; docs/PERF.md "Lightning indexer after the select kernel").
+# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
+# The launch shapes are the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
+# an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
 # The top-k: triton_select's kernel for chunks of at most ``select_max_rows`` tokens (decode,
 # short prefills: one launch, a program per row), ``torch.topk`` over the keys for larger
 # chunks, where it was faster on an H200 (8,192 x 16k: 3.6 ms against 4.3). A prefill chunk
 # (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
           "prefill_chunk_bytes": 1 << 30, "select_max_rows": 2048,
-          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": False,
+          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": True,
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick
 INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
 from sparse_mla.integration.transformers import models
 from sparse_mla.ops.common.benchcase import host_us
+from sparse_mla.tools import harness
 
 
 def _timed_indexer(fn, key, store, synced):
@@ -102,15 +103,19 @@ def main(argv=None):
             model(ids)
         torch.cuda.synchronize()
         pre = time.perf_counter() - t0
+        clock = harness.TokenClock()
         t0 = time.perf_counter()
-        models.greedy(model, ids, new_tokens=args.decode)
+        models.greedy(model, ids, new_tokens=args.decode, streamer=clock)
         torch.cuda.synchronize()
         gen = time.perf_counter() - t0
-        per_step = (gen - pre) / max(1, args.decode - 1)
+        # the median gap between tokens: generate minus a separately timed prefill swung by
+        # 30 % and more between runs (docs/PERF.md, "HF DeepSeek-V4 after the indexer hook's
+        # kept choice")
+        per_step = clock.step_median() or float("nan")
         step_ms[impl] = per_step * 1e3
         print(f"\n== {impl}: prefill {args.prompt}: {pre * 1e3:.2f} ms; generate "
-              f"{args.decode}: {gen * 1e3:.2f} ms ({per_step * 1e3:.2f} ms/decode step)",
-              flush=True)
+              f"{args.decode}: {gen * 1e3:.2f} ms ({per_step * 1e3:.2f} ms/decode step, the "
+              f"median time between tokens)", flush=True)
         # host synchronizations of one generate, by the Python line that caused them
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -1,6 +1,6 @@
 """The main job's model section and the benchmark, on CPU with the tiny model."""
 from sparse_mla.integration.transformers import main_job
-from sparse_mla.tools import bench_hf
+from sparse_mla.tools import bench_hf, harness
 
 
 def test_model_section_generates_the_same_tokens_and_prints_times(capsys):
@@ -30,10 +30,10 @@ def test_benchmark_runs_both_implementations_side_by_side(capsys):
 def test_token_clock_times_each_decode_step():
     """The benchmark's decode rate: generate hands out the prompt, then a token per step;
     the clock's median is over the gaps between tokens, the prefill excluded."""
-    clock = bench_hf._TokenClock()
+    clock = harness.TokenClock()
     for t in (0.0, 5.0, 5.5, 6.25, 6.75):       # prompt, first token after a 5 s prefill
         clock.stamps.append(t)
     assert clock.step_median() == 0.5
-    short = bench_hf._TokenClock()
+    short = harness.TokenClock()
     short.stamps = [0.0, 5.0]
     assert short.step_median() is None
