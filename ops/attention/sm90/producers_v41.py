@@ -86,16 +86,7 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
             c_c = lo + i * BN + h * SUB     # the chunk in the staging buffer
             async_copy.wait_group(0)
-            x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
-            x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
-            x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
-            x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-            # (unused for 288 B rows, which fill four tiles: loaded under a branch, the tiles
-            # were carried out of it byte by byte)
-            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
-            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-            x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _staged(stage_raw, SUB, LB)
             rope = _rope(stage_rope, x0, SUB, LB, EXTRA)
             v_c = v
             s0_c = s0
@@ -152,14 +143,7 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         st = i % STAGES
         c_c = first + i * BN      # this CTA's chunk in the staging buffer
         async_copy.wait_group(0)
-        x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
-        x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
-        x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
-        x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-        x4 = stage_raw.slice(4 * SUB, SUB).load(LB)     # (unused for 288 B rows)
-        x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-        x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-        x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _staged(stage_raw, SUB, LB)
         rope = _rope(stage_rope, x0, SUB, LB, EXTRA)
         v_c = v
         s0_c = s0
@@ -193,6 +177,22 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         _send_half(ready, st, rank, tid, BN, SUB, _SEND_V41, V41_PANELS)
     async_copy.wait_group(0)    # the gather issued past the last tile (all rows masked)
     _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
+
+
+@gluon.jit
+def _staged(stage_raw, SUB: gl.constexpr, LB: gl.constexpr):
+    """The staged chunk's eight byte panels, all loaded whatever the record: a 288 B row fills
+    only the first four, and loaded under a branch the panels were carried out of it byte by
+    byte."""
+    x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
+    x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
+    x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
+    x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
+    x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
+    x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
+    x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+    x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @gluon.jit
