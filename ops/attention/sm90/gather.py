@@ -95,6 +95,17 @@ def _byte_tiles8(row, v2, cb):
 
 
 @gluon.jit
+def _staged_panels7(stage_raw, SUB: gl.constexpr, LB: gl.constexpr):
+    """The first seven 64-byte panels of the staged chunk (``stage_raw``: panel j's SUB rows
+    at rows [j SUB, j SUB + SUB)), loaded in layout ``LB``: a V4 / V3.2 producer's e4m3 dims
+    (the eighth panel, where a record has one, is the caller's)."""
+    return (stage_raw.slice(0 * SUB, SUB).load(LB), stage_raw.slice(1 * SUB, SUB).load(LB),
+            stage_raw.slice(2 * SUB, SUB).load(LB), stage_raw.slice(3 * SUB, SUB).load(LB),
+            stage_raw.slice(4 * SUB, SUB).load(LB), stage_raw.slice(5 * SUB, SUB).load(LB),
+            stage_raw.slice(6 * SUB, SUB).load(LB))
+
+
+@gluon.jit
 def _v4_records(cache, s0, bs, idx, valid):
     """Byte address of each slot's 576-byte V4 record (e4m3 dims, then RoPE dims) and its
     eight UE8M0 scale bytes, loaded as one int64 (0 where not ``valid``); a block holds

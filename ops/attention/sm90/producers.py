@@ -31,7 +31,8 @@ from sparse_mla.ops.attention.sm90.dequant import _panel, _store_e4m3, _store_v4
 from sparse_mla.ops.attention.sm90.gather import (V32_RECORD, _byte_tile, _byte_tiles8,
                                                   _early_slots, _gather_v4, _gather_v32,
                                                   _issue_v4, _load_v32_tail, _record,
-                                                  _rope_v32, _slots, _stage_v32, _usable)
+                                                  _rope_v32, _slots, _stage_v32,
+                                                  _staged_panels7, _usable)
 from sparse_mla.ops.attention.sm90.producers_v41 import _produce_v41, _produce_v41_pair
 
 
@@ -234,13 +235,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         st = i % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
             async_copy.wait_group(0)
-            x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
-            x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
-            x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
-            x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-            x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
-            x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-            x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
+            x0, x1, x2, x3, x4, x5, x6 = _staged_panels7(stage_raw, SUB, LB)
             rope = stage_rope.slice(0, SUB).load(LB)
             rope_o = rope
             if CLUSTER:

@@ -31,7 +31,8 @@ from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAI
 from sparse_mla.ops.attention.sm90.compat import barrier
 from sparse_mla.ops.attention.sm90.dequant import _store_fp4, _store_v4, _store_v41
 from sparse_mla.ops.attention.sm90.gather import (_early_slots, _issue_fp4, _issue_v4,
-                                                  _issue_v41, _slots, _usable)
+                                                  _issue_v41, _slots, _staged_panels7,
+                                                  _usable)
 
 
 @gluon.jit
@@ -184,15 +185,8 @@ def _staged(stage_raw, SUB: gl.constexpr, LB: gl.constexpr):
     """The staged chunk's eight byte panels, all loaded whatever the record: a 288 B row fills
     only the first four, and loaded under a branch the panels were carried out of it byte by
     byte."""
-    x0 = stage_raw.slice(0 * SUB, SUB).load(LB)
-    x1 = stage_raw.slice(1 * SUB, SUB).load(LB)
-    x2 = stage_raw.slice(2 * SUB, SUB).load(LB)
-    x3 = stage_raw.slice(3 * SUB, SUB).load(LB)
-    x4 = stage_raw.slice(4 * SUB, SUB).load(LB)
-    x5 = stage_raw.slice(5 * SUB, SUB).load(LB)
-    x6 = stage_raw.slice(6 * SUB, SUB).load(LB)
-    x7 = stage_raw.slice(7 * SUB, SUB).load(LB)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    x0, x1, x2, x3, x4, x5, x6 = _staged_panels7(stage_raw, SUB, LB)
+    return x0, x1, x2, x3, x4, x5, x6, stage_raw.slice(7 * SUB, SUB).load(LB)
 
 
 @gluon.jit
