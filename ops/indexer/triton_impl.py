@@ -23,9 +23,12 @@ _LAUNCH = dict(enable_fp_fusion=False)
 
 # prefill: BT tokens x BN entries per program; decode: BN entries of one request per program
 # (one program per tile: looping a program over tiles with its q kept ran 2x slower on an
-# H200), heads on the dot's N axis where ``decode_heads_n`` ([BN, 128] keys as stored times
-# [128, heads] q: 0.106 / 0.194 ms against 0.151 / 0.273 with heads on M at b 64, 16k
-# entries, s_q 1 / 2 on an H200; docs/PERF.md "Lightning indexer after the select kernel").
+# H200). Decode puts the heads on the dot's N axis ([BN, 128] keys as stored times [128,
+# heads] q) on the archs in ``decode_heads_n_archs``: 0.106 / 0.194 ms against 0.151 / 0.273
+# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (docs/PERF.md "Lightning
+# indexer after the select kernel"); elsewhere, and on the software e4m3 route, heads on M
+# (heads on N spills 200-216 B of registers at sm_120 under Triton 3.9, against 32-64 on M:
+# tests/ops/test_arch_compile.py). ``decode_heads_n`` True / False forces one orientation.
 # A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
 # The launch shapes are the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
 # an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
@@ -35,7 +38,8 @@ _LAUNCH = dict(enable_fp_fusion=False)
 # (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
           "prefill_chunk_bytes": 1 << 30, "select_max_rows": 2048,
-          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": True,
+          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": None,
+          "decode_heads_n_archs": (90,),
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick
 INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
@@ -45,6 +49,22 @@ def _config(device):
     if device.type == "cpu":
         return {**CONFIG, **INTERPRET_CONFIG}
     return CONFIG
+
+
+def decode_heads_n(arch: int, soft: bool) -> bool:
+    """Whether the decode scores kernel puts the heads on the dot's N axis at ``arch`` (major
+    x 10 + minor; 0: the interpreter) on the software e4m3 route or not (see ``CONFIG``)."""
+    forced = CONFIG["decode_heads_n"]
+    if forced is not None:
+        return bool(forced)
+    return arch in CONFIG["decode_heads_n_archs"] and not soft
+
+
+def _arch(device) -> int:
+    if device.type != "cuda" or triton_interpreting():
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _bytes(t):
@@ -149,12 +169,13 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     hp = max(16, triton.next_power_of_2(q.shape[1]))
     bn = cfg["decode_bn"]
+    soft = soft_fp8(q.device)
     decode_keys_kernel[(batch, triton.cdiv(width, bn))](
         _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
         k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
         keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, next_n, HP=hp, BN=bn,
-        HEADS_N=cfg["decode_heads_n"], QFP8=q.dtype == torch.float8_e4m3fn, KFP8=kfp8,
-        SOFT=soft_fp8(q.device), DOT_F32=triton_interpreting(),
+        HEADS_N=decode_heads_n(_arch(q.device), soft), QFP8=q.dtype == torch.float8_e4m3fn,
+        KFP8=kfp8, SOFT=soft, DOT_F32=triton_interpreting(),
         num_warps=cfg["decode_warps"], **_LAUNCH)
     return keys, lim
 

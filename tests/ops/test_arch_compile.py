@@ -225,14 +225,14 @@ def _family_variants(arch):
              PDL=p["pdl"]),
         {n: "*i32" for n in ("seq_lens", "cu", "topk_lens", "out_a", "out_b")}, set(),
         dict(num_warps=4))
-    out.update(_indexer_variants(soft))
+    out.update(_indexer_variants(arch, soft))
     out["flashmla_usable_ids"] = (
         "sparse_mla.ops.flashmla_decode.vendor", "_usable_ids_kernel", dict(BLOCK=1024),
         {"src": "*i32", "dst": "*i32"}, set(), dict(num_warps=4))
     return out
 
 
-def _indexer_variants(soft):
+def _indexer_variants(arch, soft):
     from sparse_mla.ops.indexer import triton_impl as ix
     from sparse_mla.ops.indexer import triton_select as sel
     cfg, fuse = ix.CONFIG, dict(enable_fp_fusion=False)
@@ -252,8 +252,8 @@ def _indexer_variants(soft):
                 dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
             out[f"indexer_decode_{name}"] = (
                 INDEXER, "decode_keys_kernel",
-                dict(HP=64, BN=cfg["decode_bn"], HEADS_N=cfg["decode_heads_n"], QFP8=q8,
-                     KFP8=k8, SOFT=soft, DOT_F32=False),
+                dict(HP=64, BN=cfg["decode_bn"], HEADS_N=ix.decode_heads_n(arch, soft),
+                     QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
                 {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64",
                  "lim_ptr": "*i32"},
                 set(), dict(num_warps=cfg["decode_warps"], **fuse))

@@ -145,6 +145,21 @@ def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, bl
     cases.assert_selection(got, want, s, allowed, TOL[impl])
 
 
+def test_decode_dot_orientation_by_arch(monkeypatch):
+    """Heads on the dot's N axis where it was measured faster (sm_90), on M elsewhere (sm_120
+    spills with N: test_arch_compile) and on the software e4m3 route (what sm_80 runs, also
+    when forced on a Hopper); ``decode_heads_n`` True / False overrides."""
+    monkeypatch.setitem(triton_impl.CONFIG, "decode_heads_n", None)
+    assert triton_impl.decode_heads_n(90, soft=False)
+    assert not triton_impl.decode_heads_n(90, soft=True)
+    for arch in (0, 80, 86, 89, 100, 120):
+        assert not triton_impl.decode_heads_n(arch, soft=arch < 89)
+    for forced in (True, False):
+        monkeypatch.setitem(triton_impl.CONFIG, "decode_heads_n", forced)
+        assert triton_impl.decode_heads_n(120, soft=False) is forced
+        assert triton_impl.decode_heads_n(90, soft=True) is forced
+
+
 @pytest.mark.parametrize("impl,device", ROUTES)
 def test_decode_skips_missing_and_out_of_range_blocks(impl, device):
     g = seeded(30)
