@@ -72,11 +72,10 @@ def _alternating(model, device, reps, runs):
     falls on both alike. Measured first-impl-then-the-other, the same eager forward read very
     different times ahead of sparse_mla and behind it (docs/perf-log.md, "Session 35: HF
     transformers, eager vs sparse_mla, measured taking turns")."""
-    times = {key: [] for key in runs}
+    times = {impl: [] for impl in runs}
     for rep in range(reps + 2):
-        for key, fn in runs.items():
-            # a key is the implementation, or (implementation, what else the run varies)
-            model.set_attn_implementation(key[0] if isinstance(key, tuple) else key)
+        for impl, fn in runs.items():
+            model.set_attn_implementation(impl)
             if device == "cuda":
                 # the other implementation's freed blocks would otherwise fragment this one's
                 # (eager's long prompts only fit once it is emptied: docs/perf-log.md,
@@ -84,8 +83,8 @@ def _alternating(model, device, reps, runs):
                 torch.cuda.empty_cache()
             t = _timed(fn, device)[0]
             if rep >= 2:
-                times[key].append(t)
-    return {key: statistics.median(ts) for key, ts in times.items()}
+                times[impl].append(t)
+    return {impl: statistics.median(ts) for impl, ts in times.items()}
 
 
 def _prefill(model, ids, device, reps):

@@ -22,13 +22,12 @@ built here for the entry count. With ``SPARSE_MLA_CHECK_VALUES`` on, every call 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
+from sparse_mla.integration.transformers.op_route import dispatch_env
 from sparse_mla.ops.common import checks, dispatch
-from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV
 from sparse_mla.ops.indexer import format as indexer_format
 from sparse_mla.ops.indexer import indexer_topk_prefill
 
@@ -62,8 +61,7 @@ def _starts(b, n, dev):
 
 def _kind(indexer, q, keys):
     return (q.device, tuple(q.shape), tuple(q.stride()), keys.stride()[1:],
-            indexer.compress_rate, indexer.index_topk,
-            os.environ.get(dispatch.ENV_VAR, ""), os.environ.get(SOFT_FP8_ENV, ""))
+            indexer.compress_rate, indexer.index_topk, dispatch_env())
 
 
 def forget() -> None:

@@ -62,10 +62,15 @@ class Route:
 _ROUTES: dict = {}
 
 
+def dispatch_env() -> tuple:
+    """The environment variables a dispatcher's automatic choice reads: part of every kind
+    whose choice is kept (here and in indexer.py)."""
+    return os.environ.get(dispatch.ENV_VAR, ""), os.environ.get(SOFT_FP8_ENV, "")
+
+
 def call_kind(q, kv, width, sink) -> CallKind:
     return CallKind(q.device, tuple(q.shape), tuple(q.stride()), kv.stride(-1),
-                    sink is not None, width > 0,
-                    (os.environ.get(dispatch.ENV_VAR, ""), os.environ.get(SOFT_FP8_ENV, "")))
+                    sink is not None, width > 0, dispatch_env())
 
 
 def tracing() -> bool:

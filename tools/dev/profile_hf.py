@@ -29,23 +29,19 @@ from sparse_mla.ops.common.benchcase import host_us
 from sparse_mla.tools import harness
 
 
-def _timed_indexer(fn, key, store, synced):
-    """``DeepseekV4Indexer.forward`` recording its time per query count, as ``_timed``."""
-    def timed(module, hidden_states, *a, **k):
-        if synced:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn(module, hidden_states, *a, **k)
-        if synced:
-            torch.cuda.synchronize()
-        store[(key, "indexer", hidden_states.shape[1])].append(time.perf_counter() - t0)
-        return out
-    return timed
+def _by_layer(module, a):
+    """An attention call's key: its layer type and query count."""
+    return module.layer_type, a[0].shape[2]
 
 
-def _timed(fn, key, store, synced):
-    """``fn`` recording its time per layer type and query count: with a device sync on each
-    side (``synced``), or the host time of the call alone."""
+def _by_indexer(module, a):
+    """An indexer forward's key: "indexer" and its query count."""
+    return "indexer", a[0].shape[1]
+
+
+def _timed(fn, key, store, synced, where=_by_layer):
+    """``fn`` recording its time per ``where(module, args)`` (layer type and query count):
+    with a device sync on each side (``synced``), or the host time of the call alone."""
     def timed(module, *a, **k):
         if synced:
             torch.cuda.synchronize()
@@ -53,7 +49,7 @@ def _timed(fn, key, store, synced):
         out = fn(module, *a, **k)
         if synced:
             torch.cuda.synchronize()
-        store[(key, module.layer_type, a[0].shape[2])].append(time.perf_counter() - t0)
+        store[(key, *where(module, a))].append(time.perf_counter() - t0)
         return out
     return timed
 
@@ -90,7 +86,8 @@ def main(argv=None):
         for how, store in stores.items():
             synced = how == "synced"
             mod.eager_attention_forward = _timed(eager_fn, "eager", store, synced)
-            mod.DeepseekV4Indexer.forward = _timed_indexer(indexer_fn, impl, store, synced)
+            mod.DeepseekV4Indexer.forward = _timed(indexer_fn, impl, store, synced,
+                                                   where=_by_indexer)
             AttentionInterface._global_mapping["sparse_mla"] = _timed(sparse_fn, "sparse_mla",
                                                                       store, synced)
             models.greedy(model, ids, new_tokens=args.decode)
