@@ -61,6 +61,9 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--no-tables", action="store_true",
                    help="skip the torch profiler tables (per-call times and syncs only)")
+    p.add_argument("--decode-tables", action="store_true",
+                   help="the torch profiler tables of the decode steps only (a long prompt's "
+                        "eager prefill under the profiler needs its 100+ GiB again)")
     p.add_argument("--cprofile", action="store_true",
                    help="also a Python profile of sparse_mla's decode steps "
                         "(host time by function)")
@@ -125,19 +128,23 @@ def main(argv=None):
               f"{dict(syncs.most_common(8))}")
         if args.no_tables:
             continue
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with torch.no_grad():
-                model(ids)
-            torch.cuda.synchronize()
-        print(f"-- {impl} prefill, by self CPU time")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
-        print(f"-- {impl} prefill, by device time")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows))
+        if not args.decode_tables:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with torch.no_grad():
+                    model(ids)
+                torch.cuda.synchronize()
+            print(f"-- {impl} prefill, by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+            print(f"-- {impl} prefill, by device time")
+            print(prof.key_averages().table(sort_by="self_device_time_total",
+                                            row_limit=args.rows))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             models.greedy(model, ids, new_tokens=args.decode)
             torch.cuda.synchronize()
         print(f"-- {impl} generate {args.decode}, by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(f"-- {impl} generate {args.decode}, by device time")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows))
     if args.cprofile:
         model.set_attn_implementation("sparse_mla")
         prof = cProfile.Profile()
