@@ -164,7 +164,11 @@ def main(argv=None) -> int:
         model.set_attn_implementation(impl)
         try:
             # warm-up over the same steps: Triton compiles its launch variants here, once
+            # (and torch.compile its graphs)
+            t0 = time.perf_counter()
             out[impl] = models.greedy(model, ids, new_tokens=args.decode_tokens)
+            print(f"  {impl}: first generate {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
             clocks[impl] = []
 
             def run(impl=impl):
@@ -173,22 +177,33 @@ def main(argv=None) -> int:
                                      streamer=clocks[impl][-1])
             runs[impl] = run
         except torch.cuda.OutOfMemoryError:
-            rows.append((impl, "OOM", "-", "-"))
+            rows.append((impl, "OOM", "-", "-", "-"))
     reps = max(1, args.reps)
     medians = _alternating(model, device, reps, runs) if runs else {}
     for impl in runs:
         t = medians[impl]
         steps = [c.step_median() for c in clocks[impl][-reps:]]
         rate = f"{1 / statistics.median(steps):,.1f}" if None not in steps else "-"
-        rows.append((impl, f"{t * 1e3:,.1f} ms", f"{args.decode_tokens / t:,.1f}", rate))
+        rows.append((impl, f"{t * 1e3:,.1f} ms", f"{args.decode_tokens / t:,.1f}", rate,
+                     _spread([g for c in clocks[impl][-reps:] for g in c.gaps()])))
     print()
     _table((f"generate {args.decode_tokens} after {args.decode_prompt}"
             + (" (compiled)" if args.compile else ""), "total", "tokens/s (with prefill)",
-            "decode tokens/s"), rows)
+            "decode tokens/s", "step ms p10 / p50 / p90"), rows)
     if len(out) == 2:
         same = torch.equal(out["eager"], out["sparse_mla"])
         print(f"same greedy tokens: {same}")
     return 0
+
+
+def _spread(gaps):
+    """p10 / p50 / p90 of the timed runs' decode steps, in ms: a host-bound step's time
+    moves by tens of percent on the lent machines, and one median hides whether both
+    implementations moved alike."""
+    if len(gaps) < 2:
+        return "-"
+    q = statistics.quantiles(gaps, n=10)
+    return f"{q[0] * 1e3:.2f} / {statistics.median(gaps) * 1e3:.2f} / {q[-1] * 1e3:.2f}"
 
 
 def _table(head, rows):

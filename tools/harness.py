@@ -70,7 +70,11 @@ class TokenClock:
     def end(self):
         pass
 
+    def gaps(self):
+        """Seconds of each decode step, in order."""
+        return [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+
     def step_median(self):
         """Median seconds of a decode step (None without one)."""
-        gaps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        gaps = self.gaps()
         return statistics.median(gaps) if gaps else None

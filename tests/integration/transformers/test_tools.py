@@ -25,6 +25,8 @@ def test_benchmark_runs_both_implementations_side_by_side(capsys):
     decode = [line.split() for line in out.splitlines()
               if line.split()[:1] in (["eager"], ["sparse_mla"])]
     assert len(decode) == 2 and all(float(row[3]) > 0 and float(row[4]) > 0 for row in decode)
+    # the step spread: p10 <= p50 <= p90 ms
+    assert all(float(row[5]) <= float(row[7]) <= float(row[9]) for row in decode)
 
 
 def test_token_clock_times_each_decode_step():
@@ -33,6 +35,7 @@ def test_token_clock_times_each_decode_step():
     clock = harness.TokenClock()
     for t in (0.0, 5.0, 5.5, 6.25, 6.75):       # prompt, first token after a 5 s prefill
         clock.stamps.append(t)
+    assert clock.gaps() == [0.5, 0.75, 0.5]
     assert clock.step_median() == 0.5
     short = harness.TokenClock()
     short.stamps = [0.0, 5.0]
