@@ -22,7 +22,8 @@ Also printed: whether both generated the same tokens.
 (``BACKEND``, default inductor; dynamic shapes) for both implementations: HF's DeepSeek-V4
 cannot use a static cache (``_can_compile_fullgraph = False``), so generate does not compile
 by itself, and the compiled forward keeps HF's graph breaks; the compile happens in the
-warm-ups. ``--decode-only``: skip the prefill table.
+warm-ups. ``--decode-only``: skip the prefill table; ``--impls``: with it, only the implementations
+named.
 """
 import argparse
 import statistics
@@ -119,7 +120,12 @@ def main(argv=None) -> int:
                    help="model.forward under torch.compile(backend=BACKEND, dynamic=True) for "
                         "both implementations")
     p.add_argument("--decode-only", action="store_true", help="no prefill table")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                   help="with --decode-only: time these implementations only (e.g. one "
+                        "process per implementation filling a shared inductor cache)")
     args = p.parse_args(argv)
+    if tuple(args.impls) != IMPLS and not args.decode_only:
+        p.error("--impls needs --decode-only (the prefill table compares both)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         config = models.tiny_config()
@@ -160,7 +166,7 @@ def main(argv=None) -> int:
 
     ids = torch.randint(3, config.vocab_size, (1, args.decode_prompt), generator=g).to(device)
     out, rows, runs, clocks = {}, [], {}, {}
-    for impl in IMPLS:
+    for impl in args.impls:
         model.set_attn_implementation(impl)
         try:
             # warm-up over the same steps: Triton compiles its launch variants here, once
