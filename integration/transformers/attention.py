@@ -23,6 +23,7 @@ model's precision relative to its own eager attention.
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -132,6 +133,70 @@ def attend_fp32(query, key, indices, sink, scale):
     return out
 
 
+def _refuse(bad, width, layer):
+    if bool(bad.any()):
+        row = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer {layer} has more "
+            f"than {width} visible keys or a finite nonzero bias; sparse_mla attention takes "
+            "masks of 0 / -inf entries with DeepSeek-V4's sliding-window + compressed "
+            "structure only")
+
+
+def _attend_bf16(q, kv, mask, width, sink, scale, layer="?", reuse=True):
+    """``out [B * S_q, H, 512]`` bf16 over ``mask``'s (``[B, S_q, N]``) visible columns:
+    the op, or the route kept for this kind of call (op_route.py) with the lists at its
+    width. Rows the lists cannot reproduce are refused (value checks on) or come out NaN
+    (loud, and no host sync to find them). ``reuse``: decode-sized lists in kept buffers
+    (index_lists.py)."""
+    b, s = mask.shape[:2]
+    kind = op_route.call_kind(q, kv, width, sink)
+    route = op_route.route_for(kind)
+    width = op_route.list_width(route, width)
+    # one flat batch, each list offset into its own batch's keys
+    indices, lengths, bad = visible_index_lists(mask, width, flat=True, reuse=reuse)
+    checkable = checks.value_checks_enabled(mask)
+    if checkable:
+        _refuse(bad, width, layer)
+    out = op_route.attend(kind, route, q, kv, indices.view(b * s, 1, width),
+                          lengths.view(b * s), sink, scale)
+    if not checkable:
+        out.masked_fill_(bad.view(b * s, 1, 1), float("nan"))
+    return out
+
+
+@torch.library.custom_op("sparse_mla_hf::attend", mutates_args=())
+def attend_traced(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, width: int,
+                  sink: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """``_attend_bf16`` as one opaque node of a torch.compile graph: lists, route and poison
+    run when the graph runs. (With the lists' Triton kernel in the graph, inductor failed to
+    schedule the model's prefill: KeyError in ``compute_ancestors``, torch 2.11, H200.) No
+    kept list buffers: a compiled graph may run under CUDA-graph capture, whose allocations
+    belong to the graph."""
+    return _attend_bf16(q, kv, mask, width, sink, scale, reuse=False)
+
+
+@attend_traced.register_fake
+def _(q, kv, mask, width, sink, scale):
+    return q.new_empty((q.shape[0], q.shape[1], HEAD_DIM))
+
+
+@torch.library.custom_op("sparse_mla_hf::index_lists", mutates_args=())
+def index_lists_traced(mask: torch.Tensor, width: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``visible_index_lists`` as one opaque node of a torch.compile graph (the fp32 path),
+    for the same reason; its outputs laid out as the fake ones say."""
+    indices, lengths, bad = visible_index_lists(mask, width)
+    return indices.contiguous(), lengths, bad.clone()
+
+
+@index_lists_traced.register_fake
+def _(mask, width):
+    b, s = mask.shape[:2]
+    return (mask.new_empty((b, s, width), dtype=torch.int32),
+            mask.new_empty((b, s), dtype=torch.int32), mask.new_empty((b, s), dtype=torch.bool))
+
+
 def sparse_mla_attention_forward(module, query, key, value, attention_mask, scaling=None,
                                  dropout=0.0, s_aux=None, **kwargs):
     """HF attention function: returns ``(out [B, S_q, H, 512], None)`` (no weights)."""
@@ -140,37 +205,25 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     n = key.shape[2]
     scale = float(HEAD_DIM ** -0.5 if scaling is None else scaling)
     width = list_width(module, n, s)
-    bf16 = query.dtype != torch.float32
     sink = _sinks(s_aux, h, query.device)
     keys = key.select(1, 0)                                            # [B, N, D]
-    if bf16:
+    mask = attention_mask.select(1, 0)
+    tracing = op_route.tracing()
+    if query.dtype != torch.float32:
         # query rows b*S.., keys b*N..; one batch needs no copy of q (the op takes any
         # strides but the last)
         q = (query.select(0, 0).transpose(0, 1) if b == 1
              else query.transpose(1, 2).reshape(b * s, h, d))
         kv = keys.reshape(b * n, 1, d)
-        # while torch.compile traces: no kind here (the graph's op finds it when it runs)
-        kind = None if op_route.tracing() else op_route.call_kind(q, kv, width, sink)
-        route = op_route.route_for(kind)
-        width = op_route.list_width(route, width)
-    # bf16: one flat batch, each list offset into its own batch's keys
-    indices, lengths, bad = visible_index_lists(attention_mask.select(1, 0), width, flat=bf16,
-                                                reuse=not op_route.tracing())
-    checkable = not op_route.tracing() and checks.value_checks_enabled(attention_mask)
-    if checkable and bool(bad.any()):
-        row = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer "
-            f"{getattr(module, 'layer_idx', '?')} has more than {width} visible keys or a "
-            "finite nonzero bias; sparse_mla attention takes masks of 0 / -inf entries with "
-            "DeepSeek-V4's sliding-window + compressed structure only")
-    if not bf16:
-        out = attend_fp32(query, keys, indices, sink, scale)
-    else:
-        args = (q, kv, indices.view(b * s, 1, width), lengths.view(b * s), sink, scale)
-        out = (op_route.attend_traced(*args) if kind is None
-               else op_route.attend(kind, route, *args)).view(b, s, h, d)
+        out = (attend_traced(q, kv, mask, width, sink, scale) if tracing
+               else _attend_bf16(q, kv, mask, width, sink, scale,
+                                 getattr(module, "layer_idx", "?")))
+        return out.view(b, s, h, d), None
+    indices, lengths, bad = (index_lists_traced if tracing else visible_index_lists)(mask, width)
+    checkable = not tracing and checks.value_checks_enabled(attention_mask)
+    if checkable:
+        _refuse(bad, width, getattr(module, "layer_idx", "?"))
+    out = attend_fp32(query, keys, indices, sink, scale)
     if not checkable:
-        # rows the lists cannot reproduce become NaN: loud, and no host sync to find them
         out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))
     return out, None

@@ -158,10 +158,6 @@ def _lists_triton(mask, width, flat, reuse=False):
             _launch_steady(mask, args, (b * s,))
         else:
             _lists_kernel[(b * s,)](*args, BLOCK=1024, num_warps=4)
-    if torch.compiler.is_compiling():
-        # inductor cannot lower an int8 -> bool view (torch 2.11: "torch.bool is not
-        # supported by torch.iinfo"); in a graph the comparison is one fused pointwise op
-        return indices, lengths, bad != 0
     return indices, lengths, bad.view(torch.bool)
 
 

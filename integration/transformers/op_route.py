@@ -16,9 +16,9 @@ its three outputs into the op's buffers. So:
   kv is the checked key tensor flattened, the lists and lengths come from
   ``visible_index_lists`` (int32, ids in [0, b * n) or -1, lengths in [0, width]).
 
-While torch.compile traces, the graph gets ``sparse_mla_hf::attend`` (``attend_traced``): a
-custom op around the same per-kind routing, so the compiled model pays the op's validation
-and dispatch once per kind too, not on every call.
+While torch.compile traces, the attention function puts the whole bf16 call (lists, route,
+poison) into the graph as one custom op (attention.py, ``sparse_mla_hf::attend``), so the
+compiled model pays the op's validation and dispatch once per kind too, not on every call.
 """
 from __future__ import annotations
 
@@ -77,10 +77,9 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def route_for(kind: Optional[CallKind]) -> Optional[Route]:
-    """The kept route of ``kind``, or None before its first call (or with no kind: while
-    torch.compile traces)."""
-    return None if kind is None else _ROUTES.get(kind)
+def route_for(kind: CallKind) -> Optional[Route]:
+    """The kept route of ``kind``, or None before its first call."""
+    return _ROUTES.get(kind)
 
 
 def list_width(route: Optional[Route], width: int) -> int:
@@ -96,25 +95,21 @@ def _flash_mla():
     return vendor._flash_mla()[0]
 
 
-def attend(kind: Optional[CallKind], route: Optional[Route], q, kv, indices, lengths, sink,
-           scale):
+def attend(kind: CallKind, route: Optional[Route], q, kv, indices, lengths, sink, scale):
     """``out [s_q, h, 512]`` bf16 of the prefill op on these arguments (``indices``
-    ``[s_q, 1, width]``, ``lengths`` ``[s_q]``), by ``route`` where the kind has one; the
-    op itself otherwise, whose choice becomes the kind's route (no kind: nothing kept)."""
+    ``[s_q, 1, width]`` at ``list_width(route, ..)``, ``lengths`` ``[s_q]``), by ``route``
+    where the kind has one; the op itself otherwise, whose choice becomes the kind's route."""
     s_q, h = q.shape[:2]
     if route is None:
         out, _, _ = flash_mla_sparse_fwd(q, kv, indices, scale, attn_sink=sink,
                                          topk_length=lengths)
-        choice = None if kind is None else dispatch.last_choice(OP)
+        choice = dispatch.last_choice(OP)
         if choice is not None:
             direct = (choice.impl == "vendor" and h in FLASH_MLA_HEADS
                       and _flash_mla() is not None)
             _ROUTES[kind] = Route(choice, direct, dispatch.dispatcher(OP))
         return out
     if route.direct_flash_mla:
-        pad = -indices.shape[-1] % FLASH_MLA_WIDTH
-        if pad:      # lists a compiled graph built at the plain width (eager builds them wide)
-            indices = torch.nn.functional.pad(indices, (0, pad), value=-1)
         dispatch.record_choice(route.choice)
         return _flash_mla().flash_mla_sparse_fwd(q, kv, indices, scale, 512, sink, lengths,
                                                  use_legacy=True)[0]
@@ -124,21 +119,6 @@ def attend(kind: Optional[CallKind], route: Optional[Route], q, kv, indices, len
     route.dispatcher.run(route.choice, q, kv, indices, out, max_logits, lse, lengths, sink,
                          scale)
     return out
-
-
-@torch.library.custom_op("sparse_mla_hf::attend", mutates_args=())
-def attend_traced(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                  lengths: torch.Tensor, sink: Optional[torch.Tensor],
-                  scale: float) -> torch.Tensor:
-    """``attend`` for a torch.compile graph: the kind's route found when it runs (on lists at
-    the plain width: the graph cannot know the route when it builds them)."""
-    kind = call_kind(q, kv, indices.shape[-1], sink)
-    return attend(kind, route_for(kind), q, kv, indices, lengths, sink, scale)
-
-
-@attend_traced.register_fake
-def _(q, kv, indices, lengths, sink, scale):
-    return q.new_empty((q.shape[0], q.shape[1], 512), dtype=torch.bfloat16)
 
 
 def forget() -> None:

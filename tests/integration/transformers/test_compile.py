@@ -1,8 +1,8 @@
-"""sparse_mla attention under torch.compile: the attention function traces as one graph (the op
-through its fake implementation, no host reads), and ``model.generate`` with a compiled
-``model.forward`` (HF's DeepSeek-V4 cannot compile generate itself: no static cache) gives the
-tokens of the uncompiled model. aot_eager on CPU (no C++ toolchain needed); the GPU run
-compiles with inductor (tools/bench_hf.py --compile)."""
+"""sparse_mla attention under torch.compile: the attention function traces as one graph (its
+index lists and op as custom ops through their fake implementations, no host reads), and
+``model.generate`` with a compiled ``model.forward`` (HF's DeepSeek-V4 cannot compile generate
+itself: no static cache) gives the tokens of the uncompiled model. aot_eager on CPU (no C++
+toolchain needed); on CUDA also inductor (and tools/bench_hf.py --compile)."""
 import pytest
 import torch
 
@@ -15,8 +15,8 @@ from sparse_mla.tests.integration.transformers.recording import record
 DEVICES = ["cpu"] + ([pytest.param("cuda", id="cuda")] if CUDA else [])
 
 
-def _model(device):
-    return models.random_model(models.greedy_config(), torch.bfloat16, device=device, seed=7)
+def _model(device, dtype=torch.bfloat16):
+    return models.random_model(models.greedy_config(), dtype, device=device, seed=7)
 
 
 def _ids(model, device, length=16):
@@ -24,19 +24,32 @@ def _ids(model, device, length=16):
     return torch.randint(3, model.config.vocab_size, (1, length), generator=g).to(device)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_attention_function_compiles_as_one_graph(device):
-    model = _model(device)
+def test_attention_function_compiles_as_one_graph(device, dtype):
+    """One graph whose sparse_mla nodes are custom ops: the bf16 call whole, the fp32 path's
+    index lists (each runs its eager code when the graph runs)."""
+    model = _model(device, dtype)
     ids = _ids(model, device)
     calls = record(model, lambda: models.greedy(model, ids, new_tokens=2))
     torch._dynamo.reset()
-    compiled = torch.compile(sparse_mla_attention_forward, fullgraph=True, backend="aot_eager")
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    compiled = torch.compile(sparse_mla_attention_forward, fullgraph=True, backend=backend)
     for c in calls[:len(calls) // 2 + 1]:     # the prefill's layers and a decode step's
         with torch.no_grad():
             want = sparse_mla_attention_forward(c.module, c.query, c.key, c.value, c.mask,
                                                 **c.kwargs)[0]
             got = compiled(c.module, c.query, c.key, c.value, c.mask, **c.kwargs)[0]
         assert torch.equal(got, want)
+    ours = {t for t in targets if "sparse_mla_hf" in t}
+    assert ours == ({"sparse_mla_hf.attend.default"} if dtype == torch.bfloat16
+                    else {"sparse_mla_hf.index_lists.default"}), targets
+    # the lists are built inside the op, not traced into the graph
+    assert not any("cumsum" in t or "triton" in t for t in targets), targets
 
 
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU lowering of the CUDA index lists")

@@ -172,11 +172,11 @@ def routes_dropped_after():
     op_route.forget()
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "graph-built lists"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "compiled graph's op"])
 def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, routes_dropped_after,
                                                         traced):
     """The FlashMLA route as a kind keeps it on a GPU (faked here by the reference): lists
-    built 128 wide (or padded to it, for lists a compiled graph built), -1 past each row's
+    built 128 wide (also by the custom op a compiled graph calls), -1 past each row's
     length, and the op's answer."""
     fake = _FakeFlashMLA()
     monkeypatch.setattr(op_route, "_flash_mla", lambda: fake)
@@ -190,11 +190,10 @@ def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, routes_drop
             b, h, s, d = c.query.shape
             q = c.query[0].transpose(0, 1)
             kv = c.key[:, 0].reshape(-1, 1, d)
-            idx, lens, _ = attention.visible_index_lists(
-                c.mask[:, 0], attention.list_width(c.module, c.key.shape[2], s), flat=True)
-            got = op_route.attend_traced(q, kv, idx.view(s, 1, -1), lens.view(s),
-                                         attention._sinks(c.kwargs.get("s_aux"), h, q.device),
-                                         c.kwargs["scaling"]).view(b, s, h, d)
+            got = attention.attend_traced(
+                q, kv, c.mask[:, 0], attention.list_width(c.module, c.key.shape[2], s),
+                attention._sinks(c.kwargs.get("s_aux"), h, q.device),
+                c.kwargs["scaling"]).view(b, s, h, d)
         else:
             got = _run(c)
         assert len(fake.widths) == calls_before + 1     # the kept route ran FlashMLA
