@@ -6,7 +6,8 @@
 # 2. tools/dev/profile_hf.py: the attention function's time per call, ours and eager's
 #    (synced and host only), decode after a 4,096-token prompt, and the host syncs of a generate;
 # 3. tools/bench_hf.py: decode after 4k and 16k, prefill 1k / 4k / 16k, eager vs sparse_mla,
-#    then decode after 4k with model.forward under torch.compile for both;
+#    then decode after 4k with model.forward under torch.compile for both (on a carried
+#    inductor cache: the "cache" step below);
 # 4. tools/bench_backend.py: FlashMLA layer with the step's metadata (fair) and per-call
 #    planner columns;
 # then a short table of the lines that matter. Logs under ${OUT:-/tmp/gpu_hfspeed}.
@@ -14,7 +15,7 @@
 # Each step is run even when an earlier one fails, under its own time limit (all of them
 # together 600 s: one device call); the last line gives every step's rc (124: its limit).
 # STEP names (e.g. "profile backend") run only those steps (tests profile prefill decode compiled
-# backend).
+# backend; and "cache", not among the defaults: see the compiled step).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$(bash tools/pyroot.sh)${PYTHONPATH:+:$PYTHONPATH}
@@ -69,8 +70,31 @@ for n in $decode_prompts; do
   step decode_$n $((n > 8192 ? 65 : 45)) python3 -m sparse_mla.tools.bench_hf --decode-only \
     --decode-prompt "$n" --decode-tokens $tokens --reps 3
 done
-step compiled 140 python3 -m sparse_mla.tools.bench_hf --decode-only --compile \
-  --decode-prompt 4096 --decode-tokens $tokens --reps 2
+# model.forward under inductor: ~40 s per graph, 8 graphs per implementation after a 4k
+# prompt (HF's cache states), so both cold do not fit one call. "cache" fills inductor's cache
+# with one process per implementation side by side (~6 min: a call of its own) and packs it;
+# a later call's "compiled" step, given it (INDUCTOR_CACHE=the .tar.xz, carried), times both
+# in one process on it (a cache serves the same GPU model and software only).
+cache_dir=/tmp/gpu_hfspeed_inductor
+case " $steps " in
+  *" cache "*)
+    echo "== cache: bench_hf --compile --impls eager | sparse_mla, side by side"
+    t0=$SECONDS
+    for impl in eager sparse_mla; do
+      TORCHINDUCTOR_CACHE_DIR=$cache_dir timeout 500 python3 -m sparse_mla.tools.bench_hf \
+        --decode-only --compile --impls $impl --decode-prompt 4096 --decode-tokens $tokens \
+        --reps 2 >"$out/cache_$impl.log" 2>&1 &
+    done
+    wait
+    tar -C "$cache_dir" -cJf "$out/inductor.tar.xz" . && rc[cache]=0 || rc[cache]=1
+    echo "   rc=${rc[cache]} in $((SECONDS - t0)) s: $(du -h "$out/inductor.tar.xz" | cut -f1)"
+    ;;
+esac
+if [ -n "${INDUCTOR_CACHE:-}" ]; then
+  mkdir -p "$cache_dir" && tar -C "$cache_dir" -xJf "$INDUCTOR_CACHE"
+fi
+step compiled 400 env TORCHINDUCTOR_CACHE_DIR=$cache_dir python3 -m sparse_mla.tools.bench_hf \
+  --decode-only --compile --decode-prompt 4096 --decode-tokens $tokens --reps 2
 step backend 80 python3 -m sparse_mla.tools.bench_backend $backend_args
 
 echo
@@ -82,7 +106,7 @@ grep -E "^  (eager|sparse_mla) .* q=1 " "$out/profile.log" || echo "   (none: se
 grep -E "host syncs|^decode step," "$out/profile.log" | sed 's/: {.*//'
 echo "-- prefill (bench_hf):"
 grep -E "^(prompt|[0-9]+ )" "$out/prefill.log" || echo "   (none: see prefill.log)"
-for f in $(ls "$out"/decode_*.log "$out"/compiled.log 2>/dev/null); do
+for f in $(ls "$out"/decode_*.log "$out"/cache_*.log "$out"/compiled.log 2>/dev/null); do
   echo "-- $(basename "$f" .log):"
   grep -E "^(generate|eager|sparse_mla|same greedy)" "$f" || echo "   (none: see $f)"
 done
@@ -91,7 +115,7 @@ grep -E "^C(4|128)A" "$out/backend.log" \
   | sed -E 's/ +parts.*//; s/ +max\|diff\|.*//' || echo "   (none: see backend.log)"
 line="rc:"
 for k in tests profile prefill $(for n in $decode_prompts; do echo decode_$n; done) \
-  compiled backend; do
+  cache compiled backend; do
   line="$line $k=${rc[$k]:-?}"
 done
 echo "$line"
