@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 54 items 1 and 3 on one GPU (the lead's H200 call; no Bazel, no internet):
-#   bash tools/dev/gpu_hfspeed.sh [--quick] [STEP ...]
+#   bash tools/dev/gpu_hfspeed.sh [--quick] [--inductor-cache FILE.tar.xz] [STEP ...]
 # 1. tests/integration/transformers on CUDA (hot path: op once per kind, kept route = op,
 #    no host sync per call; greedy tokens = eager's);
 # 2. tools/dev/profile_hf.py: the attention function's time per call, ours and eager's
@@ -23,6 +23,8 @@ export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+inductor_cache=
+if [ "${1:-}" = "--inductor-cache" ]; then inductor_cache=$2; shift 2; fi
 steps="${*:-tests profile prefill decode compiled backend}"
 out=${OUT:-/tmp/gpu_hfspeed}
 mkdir -p "$out"
@@ -73,7 +75,7 @@ done
 # model.forward under inductor: ~40 s per graph, 8 graphs per implementation after a 4k
 # prompt (HF's cache states), so both cold do not fit one call. "cache" fills inductor's cache
 # with one process per implementation side by side (~6 min: a call of its own) and packs it;
-# a later call's "compiled" step, given it (INDUCTOR_CACHE=the .tar.xz, carried), times both
+# a later call's "compiled" step, given it (--inductor-cache the .tar.xz, carried), times both
 # in one process on it (a cache serves the same GPU model and software only).
 cache_dir=/tmp/gpu_hfspeed_inductor
 case " $steps " in
@@ -90,8 +92,8 @@ case " $steps " in
     echo "   rc=${rc[cache]} in $((SECONDS - t0)) s: $(du -h "$out/inductor.tar.xz" | cut -f1)"
     ;;
 esac
-if [ -n "${INDUCTOR_CACHE:-}" ]; then
-  mkdir -p "$cache_dir" && tar -C "$cache_dir" -xJf "$INDUCTOR_CACHE"
+if [ -n "$inductor_cache" ]; then
+  mkdir -p "$cache_dir" && tar -C "$cache_dir" -xJf "$inductor_cache"
 fi
 step compiled 400 env TORCHINDUCTOR_CACHE_DIR=$cache_dir python3 -m sparse_mla.tools.bench_hf \
   --decode-only --compile --decode-prompt 4096 --decode-tokens $tokens --reps 2
