@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
+from sparse_mla.integration.transformers import indexer as indexer_hook
 from sparse_mla.integration.transformers import models, op_route
 from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
 from sparse_mla.tests.helpers import CUDA
@@ -16,7 +17,9 @@ DEVICES = ["cpu"] + ([pytest.param("cuda", id="cuda")] if CUDA else [])
 
 
 def _model(device, dtype=torch.bfloat16):
-    return models.random_model(models.greedy_config(), dtype, device=device, seed=7)
+    # index_head_dim 128: the indexer hook takes part (its prefill op in the graph)
+    return models.random_model(models.greedy_config(index_head_dim=128), dtype, device=device,
+                               seed=7)
 
 
 def _ids(model, device, length=16):
@@ -79,6 +82,7 @@ def test_generate_with_compiled_forward_gives_the_same_tokens(device):
     want = models.greedy(model, ids, new_tokens=3)
     torch._dynamo.reset()
     op_route.forget()
+    indexer_hook.forget()
     forward = model.forward
     model.forward = torch.compile(forward, backend="aot_eager", dynamic=True)
     try:
@@ -86,5 +90,7 @@ def test_generate_with_compiled_forward_gives_the_same_tokens(device):
     finally:
         model.forward = forward
     assert torch.equal(got, want)
-    # the graph's sparse_mla_hf::attend kept routes as it ran (the op once per kind)
+    # the graph's sparse_mla_hf::attend kept routes as it ran (the op once per kind), and
+    # its indexer_pick_scores ran the indexer op in the prefill
     assert op_route._ROUTES
+    assert indexer_hook._ROUTES

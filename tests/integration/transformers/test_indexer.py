@@ -164,3 +164,60 @@ def test_later_calls_of_a_kind_skip_the_op_wrapper(monkeypatch):
     # the test's own reference calls go through the real op, not the counted name
     assert wrapper_calls == [11], "the op's wrapper runs on the first call of the kind only"
     hook.forget()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_compiled_indexer_selects_with_the_op(device):
+    """Under torch.compile (fullgraph) the hooked forward traces, the op as one custom op
+    whose 0 / 1 scores HF's own mask and top-k turn into the op's picks: the eager indexer's
+    sets. CUDA: lowered by inductor."""
+    import sparse_mla.integration.transformers  # noqa: F401  (installs the hook)
+    config, indexer = _hf_indexer(3, 4)
+    indexer = indexer.to(device)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 57, config.hidden_size, generator=g).to(torch.bfloat16).to(device)
+    q_res = torch.randn(2, 57, config.q_lora_rank, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.arange(57, device=device).unsqueeze(0)
+    eager = _module_run(indexer, config, "eager", hidden, q_res, pos)
+    targets = set()
+
+    def recording(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward if device == "cpu" else torch._inductor.compile(gm, example_inputs)
+    torch._dynamo.reset()
+    config._attn_implementation = "sparse_mla"
+    with torch.no_grad():
+        got = torch.compile(indexer, fullgraph=True, backend=recording)(hidden, q_res, pos,
+                                                                       None, 0)
+    assert {t for t in targets if "sparse_mla_hf" in t} == \
+        {"sparse_mla_hf.indexer_pick_scores.default"}, targets
+    assert got.shape == eager.shape and got.dtype == eager.dtype
+    assert (got >= 0).any()
+    for b in range(2):
+        for t in range(57):
+            assert sorted(x for x in got[b, t].tolist() if x >= 0) == \
+                sorted(x for x in eager[b, t].tolist() if x >= 0), (b, t)
+
+
+def test_traced_scorer_keeps_hf_scores_for_one_query_per_row():
+    """The scorer a compiled graph gets: HF's own scores at one query per row (a decode
+    step: a small fused kernel in the graph), the op's 0 / 1 picks over prefill rows (1 at
+    exactly the op's picks)."""
+    from sparse_mla.integration.transformers import indexer as hook
+    config, indexer = _hf_indexer(6, 4)
+    g = torch.Generator().manual_seed(6)
+    b, s, h, t = 2, 5, config.index_n_heads, 12
+    q = torch.randn(b, s, h, 128, generator=g).to(torch.bfloat16)
+    keys = torch.randn(b, t, 128, generator=g).to(torch.bfloat16)
+    hidden = torch.randn(b, s, config.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(40, 40 + s).unsqueeze(0)
+    with torch.no_grad():
+        one = hook._Scoring(indexer, pos[:, :1]).scorer(q[:, :1], keys, hidden[:, :1])
+        assert torch.equal(one, indexer.scorer(q[:, :1], keys, hidden[:, :1]))
+        rows = hook._Scoring(indexer, pos).scorer(q, keys, hidden)
+        picks = hook.select(indexer, q, keys, hidden, pos)
+    assert rows.shape == (b, s, t) and set(rows.unique().tolist()) == {0.0, 1.0}
+    for i in range(b):
+        for j in range(s):
+            assert set(rows[i, j].nonzero().view(-1).tolist()) == \
+                {x for x in picks[i, j].tolist() if x >= 0}, (i, j)
