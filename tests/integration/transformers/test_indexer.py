@@ -169,8 +169,10 @@ def test_later_calls_of_a_kind_skip_the_op_wrapper(monkeypatch):
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
 def test_compiled_indexer_selects_with_the_op(device):
     """Under torch.compile (fullgraph) the hooked forward traces, the op as one custom op
-    whose 0 / 1 scores HF's own mask and top-k turn into the op's picks: the eager indexer's
-    sets. CUDA: lowered by inductor."""
+    whose 0 / 1 scores HF's own mask and top-k turn into the op's picks: the uncompiled
+    hook's sets on the same device, and on the CPU (the op's exact reference) HF's eager
+    sets too. On CUDA HF's fp32 scores and the Triton op may order a near-tie differently
+    (test_selects_what_hf_selects checks those within rounding). CUDA: lowered by inductor."""
     import sparse_mla.integration.transformers  # noqa: F401  (installs the hook)
     config, indexer = _hf_indexer(3, 4)
     indexer = indexer.to(device)
@@ -179,6 +181,7 @@ def test_compiled_indexer_selects_with_the_op(device):
     q_res = torch.randn(2, 57, config.q_lora_rank, generator=g).to(torch.bfloat16).to(device)
     pos = torch.arange(57, device=device).unsqueeze(0)
     eager = _module_run(indexer, config, "eager", hidden, q_res, pos)
+    hooked = _module_run(indexer, config, "sparse_mla", hidden, q_res, pos)
     targets = set()
 
     def recording(gm, example_inputs):
@@ -193,10 +196,12 @@ def test_compiled_indexer_selects_with_the_op(device):
         {"sparse_mla_hf.indexer_pick_scores.default"}, targets
     assert got.shape == eager.shape and got.dtype == eager.dtype
     assert (got >= 0).any()
+    picked = lambda rows, b, t: sorted(x for x in rows[b, t].tolist() if x >= 0)  # noqa: E731
     for b in range(2):
         for t in range(57):
-            assert sorted(x for x in got[b, t].tolist() if x >= 0) == \
-                sorted(x for x in eager[b, t].tolist() if x >= 0), (b, t)
+            assert picked(got, b, t) == picked(hooked, b, t), (b, t)
+            if device == "cpu":
+                assert picked(got, b, t) == picked(eager, b, t), (b, t)
 
 
 def test_traced_scorer_keeps_hf_scores_for_one_query_per_row():
