@@ -32,7 +32,7 @@ import functools
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
-from sparse_mla.integration.transformers.op_route import dispatch_env
+from sparse_mla.integration.transformers.op_route import dispatch_env, tracing
 from sparse_mla.ops.common import checks, dispatch
 from sparse_mla.ops.indexer import format as indexer_format
 from sparse_mla.ops.indexer import indexer_topk_prefill
@@ -168,7 +168,7 @@ def _hooked(original):
         if not _active(self):
             return original(self, hidden_states, q_residual, position_ids, past_key_values,
                             layer_idx)
-        if torch.compiler.is_compiling():
+        if tracing():
             return original(_Scoring(self, position_ids), hidden_states, q_residual,
                             position_ids, past_key_values, layer_idx)
         scorer_forward = self.scorer.forward
