@@ -80,7 +80,10 @@ def _alternating(model, device, reps, runs):
             if device == "cuda":
                 # the other implementation's freed blocks would otherwise fragment this one's
                 # (eager's long prompts only fit once it is emptied: docs/perf-log.md,
-                # "Session 35: HF transformers, eager vs sparse_mla, measured taking turns")
+                # "Session 35: HF transformers, eager vs sparse_mla, measured taking turns").
+                # So each timed run starts from an empty allocator cache and pays its own
+                # cudaMalloc calls: eager's prefill allocates far more than ours, which this
+                # charges to eager (not measured; decode steps allocate little)
                 torch.cuda.empty_cache()
             t = _timed(fn, device)[0]
             if rep >= 2:
