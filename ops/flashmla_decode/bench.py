@@ -122,13 +122,16 @@ DECODE_SHAPES = [(h, topk, s_q, b) for h, topk in ((64, 512), (128, 1024)) for s
                  for b in (2, 64, 74, 128, 148, 256)]
 # tensor-parallel shards of the h64 layers (TP 2 / 4), at batch 2 and 64
 SHARD_SHAPES = [(h, 512, 2, b) for h in (32, 16) for b in (2, 64)]
+# C128A layers: the window and the 64 compressed rows of 8,192 tokens of context (192 keys a
+# token), where bench_backend found FlashMLA's layer faster than ours from batch 64
+SHORT_SHAPES = [(h, 64, 1, b) for h in (64, 128) for b in (64, 256)]
 
 
 def cases(device: str, small: bool):
     if small:
         return [_decode_case(2, 1, 8, 64, device), _prefill_case(8, 4, 64, 64, device, True)]
     out = [_decode_case(b, s_q, h, topk, device, check=b * s_q <= 64)
-           for h, topk, s_q, b in DECODE_SHAPES + SHARD_SHAPES]
+           for h, topk, s_q, b in DECODE_SHAPES + SHARD_SHAPES + SHORT_SHAPES]
     out.append(_decode_case(64, 2, 128, 2048, device, fmt="v32", check=False))
     out.append(v41_decode_case(64, 1, 64, "v41", "v41_fp4", device, check=True))
     out.append(_prefill_case(4096, 128, 32768, 2048, device, check=False))
