@@ -25,6 +25,14 @@ tests/ops/attention/test_sm90_compile.py):
   Triton 3.8 ran V4 h128 slower on an H100 (docs/perf-log.md, "Session 35: Triton 3.8").
   ``PANEL_VIEWS`` stores through [panels, rows, 64] views of the stage instead
   (``dequant._panel``); 3.6 keeps the slices (its code is unchanged).
+* 3.7 only: the V4 cluster producer's two branches on the CTA's rank (static row starts) were
+  never merged. Its stores are inline asm, which LLVM can neither hoist nor sink with
+  differing operands, and only the rank-1 branch's store addresses (row offset 4096 B set)
+  get a ``nonnull`` attribute, so the two branches' stores are not identical and both keep a
+  copy of the dequantization (PTX: 104 e4m3 conversions for 56). ptxas then scheduled all of
+  it after the stage hand-off's waits. On 3.6 and 3.8 LLVM folds the branches into one path
+  with a ``rank << 12`` row offset. ``RANK_VIEWS`` builds that one path in the source
+  instead (``dequant._panel``'s ``half``).
 """
 from __future__ import annotations
 
@@ -58,6 +66,17 @@ def reinterpret(buf, dtype: gl.constexpr, outer: gl.constexpr, rows: gl.constexp
     return view
 
 
+@gluon.jit
+def reinterpret2(buf, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr,
+                 layout: gl.constexpr):
+    """``buf`` viewed as ``[rows, cols]`` of ``dtype`` in ``layout`` (the same bytes)."""
+    if _PUBLIC_REINTERPRET:
+        view = buf.reinterpret(dtype, [rows, cols], layout)
+    else:
+        view = buf._reinterpret(dtype, [rows, cols], layout)
+    return view
+
+
 def add_allocate_warp_groups(passes, pm):
     """``passes.ttgpuir.add_allocate_warp_groups`` as ``make_llir`` calls it (the concurrency
     sanitizer off: the kernel never runs under it)."""
@@ -74,3 +93,11 @@ PANEL_VIEWS = gl.constexpr({"0": False, "1": True}.get(
 """Whether the kernel stores into a stage's 64-dim panels through panel views (see the module
 doc, 3.7): on from Triton 3.7. ``SPARSE_MLA_GLUON_PANEL_VIEWS=0`` / ``=1`` forces it off / on
 for A/B timing (read once, at import)."""
+
+RANK_VIEWS = TRITON == (3, 7)
+"""Whether the V4 cluster producer stores its half and its peer's half of a stage through views
+indexed by the CTA's rank at run time (one code path) instead of one branch per rank with
+static row starts (see the module doc, 3.7 only): on for Triton 3.7 only (3.6 and 3.8+ fold
+the branches themselves). A plain flag, read by ``tuning.launch_constexprs`` at each launch
+and passed to the kernel as the ``RANK_VIEWS`` constexpr, so flipping it between launches
+builds the other kernel (tools/dev/ab_triton37.py times both in one process)."""

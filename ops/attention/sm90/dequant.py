@@ -57,29 +57,41 @@ def _scaled(x, scale):
 
 
 @gluon.jit
-def _store_v4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc):
-    """Dequantized V4 rows into rows [r0, r0 + rows) of stage ``kb``: seven e4m3 64-dim
-    tiles, then the bf16 RoPE dims."""
-    _panel(kb, 0, r0, rows).store(_dequant(x0, sc, 0))
-    _panel(kb, 1, r0, rows).store(_dequant(x1, sc, 1))
-    _panel(kb, 2, r0, rows).store(_dequant(x2, sc, 2))
-    _panel(kb, 3, r0, rows).store(_dequant(x3, sc, 3))
-    _panel(kb, 4, r0, rows).store(_dequant(x4, sc, 4))
-    _panel(kb, 5, r0, rows).store(_dequant(x5, sc, 5))
-    _panel(kb, 6, r0, rows).store(_dequant(x6, sc, 6))
-    _panel(kb, 7, r0, rows).store(rope)
+def _store_v4(kb, r0: gl.constexpr, rows: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc,
+              half=None):
+    """Dequantized V4 rows into rows [r0, r0 + rows) of stage ``kb`` (with ``half``: rows
+    [half · rows, half · rows + rows), ``_panel``): seven e4m3 64-dim tiles, then the bf16
+    RoPE dims."""
+    _panel(kb, 0, r0, rows, half).store(_dequant(x0, sc, 0))
+    _panel(kb, 1, r0, rows, half).store(_dequant(x1, sc, 1))
+    _panel(kb, 2, r0, rows, half).store(_dequant(x2, sc, 2))
+    _panel(kb, 3, r0, rows, half).store(_dequant(x3, sc, 3))
+    _panel(kb, 4, r0, rows, half).store(_dequant(x4, sc, 4))
+    _panel(kb, 5, r0, rows, half).store(_dequant(x5, sc, 5))
+    _panel(kb, 6, r0, rows, half).store(_dequant(x6, sc, 6))
+    _panel(kb, 7, r0, rows, half).store(rope)
 
 
 @gluon.jit
-def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr):
+def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr, half=None):
     """Dims [64 j, 64 j + 64) of rows [r0, r0 + rows) of a [BN, 512] stage, for a store.
     With ``PANEL_VIEWS`` the view is panel j of the stage seen as the [8, BN, 64] panels
     its 128-byte swizzle lays out (the same bytes): Triton 3.7+ folds a column slice's
     offset into the swizzle's XOR, so each panel's store address was a register of its own
     (seven more live in the producer loop, where 3.6 used one with immediate offsets), and
     ptxas then kept the V4 dequantization behind the stage hand-off's wait instead of
-    overlapping it (``compat``, 3.7; docs/perf-log.md, "Session 35: Triton 3.8")."""
-    if PANEL_VIEWS:
+    overlapping it (``compat``, 3.7; docs/perf-log.md, "Session 35: Triton 3.8").
+
+    ``half`` (a run-time index, ``compat.RANK_VIEWS``: a cluster CTA's rank or its peer's)
+    replaces ``r0``: rows [half · rows, half · rows + rows), the stage seen as its
+    [8 · BN / rows, rows, 64] pieces of panels (the same bytes; ``rows`` a multiple of the
+    swizzle's 8 rows), so one code path serves both ranks where static row starts need a
+    branch per rank."""
+    if half is not None:
+        PIECES: gl.constexpr = kb.shape[0] // rows
+        view = reinterpret(kb, kb.dtype, 8 * PIECES, rows, 64, gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(j * PIECES + half)
+    elif PANEL_VIEWS:
         view = reinterpret(kb, kb.dtype, 8, kb.shape[0], 64, gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(j)
         if rows != kb.shape[0]:

@@ -76,9 +76,10 @@ def _ws_kernel(
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
         num_warps: gl.constexpr, qpos_ptr=None, qcs_ptr=None, q_max_pos=None,
-        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0):
+        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0, RANK_VIEWS: gl.constexpr = False):
     # QROT (the q fold, qrot.QRot): q is raw bf16, normed / rotated by _lead as it loads it;
-    # its arguments default to None, so launches without it build the kernel as before
+    # its arguments default to None, so launches without it build the kernel as before.
+    # RANK_VIEWS: the V4 cluster producer's stores indexed by rank at run time (compat, 3.7)
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
@@ -186,5 +187,5 @@ def _ws_kernel(
                     peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                     i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, STAGED, SUB, unit, CLUSTER, EARLY)),
+                    STAGES, P_WARPS, STAGED, SUB, unit, CLUSTER, EARLY, RANK_VIEWS)),
     ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -26,7 +26,7 @@ from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAI
                                                    _cluster_sync, _pair_drain, _pair_handoff,
                                                    _send_half, _send_pair_v32, _store_pair_v32,
                                                    _thread_ids)
-from sparse_mla.ops.attention.sm90.compat import async_load, barrier
+from sparse_mla.ops.attention.sm90.compat import async_load, barrier, reinterpret2
 from sparse_mla.ops.attention.sm90.dequant import _panel, _store_e4m3, _store_v4, _store_v32
 from sparse_mla.ops.attention.sm90.gather import (V32_RECORD, _byte_tile, _byte_tiles8,
                                                   _early_slots, _gather_v4, _gather_v32,
@@ -43,7 +43,8 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
              P_WARPS: gl.constexpr, STAGED: gl.constexpr,
-             SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
+             SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr,
+             RANK_VIEWS: gl.constexpr = False):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), V4.1 rows (``FMT`` 5: 528 B in both sources, 7 / 8: 528 B
     main rows with 288 B / 584 B extra rows) through it too (``producers_v41``), else a tile
@@ -69,7 +70,7 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                     t, lo, hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                    P_WARPS, rank, CLUSTER, EARLY)
+                    P_WARPS, rank, CLUSTER, EARLY, RANK_VIEWS)
     else:
         _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
                        n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
@@ -191,7 +192,8 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                 n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr):
+                rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr,
+                RANK_VIEWS: gl.constexpr = False):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
@@ -258,7 +260,12 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                     _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
                 else:
                     mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            if CLUSTER:     # static slice starts: one branch per rank
+            if CLUSTER and RANK_VIEWS:  # rows by rank at run time, one path (compat, 3.7)
+                _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4, x5,
+                             x6, rope, sc_c, v_c, SUB, rank)
+                _store_peer_rows(k_bufs.index(st), bias_bufs.index(st), 0, rope_o, v_oc, SUB,
+                                 1 - rank)
+            elif CLUSTER:     # static slice starts: one branch per rank
                 if rank == 0:
                     _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4,
                                  x5, x6, rope, sc_c, v_c, SUB)
@@ -287,18 +294,32 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
 
 @gluon.jit
 def _store_chunk(kb, bias, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, rope, sc, valid,
-                 SUB: gl.constexpr):
-    """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias."""
-    _store_v4(kb, r0, SUB, x0, x1, x2, x3, x4, x5, x6, rope, sc)
-    bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+                 SUB: gl.constexpr, half=None):
+    """One dequantized chunk of V4 rows into rows [r0, r0 + SUB) of a stage, and its bias
+    (``half``, a run-time index: rows [half · SUB, half · SUB + SUB) instead, ``_panel``)."""
+    _store_v4(kb, r0, SUB, x0, x1, x2, x3, x4, x5, x6, rope, sc, half)
+    _bias_rows(bias, r0, SUB, half).store(gl.where(valid, 0.0, float("-inf")))
 
 
 @gluon.jit
-def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr):
-    """What a cluster CTA writes itself of the peer's V4 rows [r0, r0 + SUB): their RoPE
-    dims (copied from the cache, no decoding) and their bias."""
-    _panel(kb, 7, r0, SUB).store(rope)
-    bias.slice(r0, SUB).store(gl.where(valid, 0.0, float("-inf")))
+def _store_peer_rows(kb, bias, r0: gl.constexpr, rope, valid, SUB: gl.constexpr, half=None):
+    """What a cluster CTA writes itself of the peer's V4 rows [r0, r0 + SUB) (or, with
+    ``half``, [half · SUB, half · SUB + SUB)): their RoPE dims (copied from the cache, no
+    decoding) and their bias."""
+    _panel(kb, 7, r0, SUB, half).store(rope)
+    _bias_rows(bias, r0, SUB, half).store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _bias_rows(bias, r0: gl.constexpr, SUB: gl.constexpr, half):
+    """Rows [r0, r0 + SUB) of a stage's bias, or with ``half`` (run time) rows
+    [half · SUB, half · SUB + SUB): the bias seen as [BN / SUB, SUB]."""
+    if half is not None:
+        view = reinterpret2(bias, bias.dtype, bias.shape[0] // SUB, SUB,
+                            gl.SwizzledSharedLayout(1, 1, 1, [0])).index(half)
+    else:
+        view = bias.slice(r0, SUB)
+    return view
 
 
 @gluon.jit

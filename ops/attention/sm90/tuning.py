@@ -42,8 +42,11 @@ def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scal
     """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
     ``fmt`` is the cache format's code (``launch.FMT_CODES``); ``qrot`` / ``qeps`` the q fold's
     (``qrot.QRot.code`` / ``eps32``). Shared by the launch and by the compile-only check
-    (``variants``), so both build the same kernel."""
+    (``variants``), so both build the same kernel. ``RANK_VIEWS`` is ``compat.RANK_VIEWS``
+    read now (V4 clusters only), so a flip between launches builds the other kernel."""
+    from sparse_mla.ops.attention.sm90 import compat
     return dict(QROT=qrot, QEPS=qeps,
+        RANK_VIEWS=bool(compat.RANK_VIEWS and cluster and staged and fmt == 0),
         FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
         TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,
         P_REGS=PRODUCER_REGS_CLUSTER if cluster else PRODUCER_REGS, Q_FP8=q_fp8, FINAL=final,
