@@ -118,6 +118,13 @@ SMALL_HEAD_BLOCK_SM90 = 64
 # faster at h64 and h128, and no measured shape got slower (docs/perf-log.md, "V4 rows staged
 # by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
+# The combine launch that follows an sm_90 launch of more than one split, in key tiles, charged
+# by ``choose_splits`` / ``plan_phases`` to every plan that splits (0: not charged, the model
+# the bench tables were measured with). At 3 tiles a token (C128A rows: window 128 + 64) a
+# split saves one tile and adds the partials and a combine launch of about the same cost:
+# at 1, V4 b64 s_q1 h64 keeps one split where 0 chose two (docs/perf-log.md, "Short key
+# lists"); no other bench_flashmla row changes (tests/ops/attention/test_split_model.py).
+SPLIT_COMBINE_TILES = 0
 # Shared memory one block may use (the opt-in maximum) by GPU capability: what the portable
 # kernel's launch shape must fit. tests/ops/test_arch_compile.py compiles every kernel for each
 # arch here and checks its use against this; a capability not listed takes the device's own
@@ -184,15 +191,16 @@ def launch_config(T, n_hb, tiles, warp_specialized=False, shared=None, ws_tiny=T
 DEFAULT_SMS = 132       # CPU / interpreter launches: the H100/H200 SM count
 
 
-def choose_splits(units, tiles, sms, overhead, max_splits=None):
+def choose_splits(units, tiles, sms, overhead, max_splits=None, combine=0):
     """Splits per (token, head block) unit minimising the modelled makespan: programs run one
     per SM (the accumulator fills the register file) in waves of ``sms``, each costing its
-    tiles plus ``overhead``. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
+    tiles plus ``overhead``, plus ``combine`` tiles for the combine launch of any plan with
+    more than one split. E.g. 74 units × 10 tiles on 132 SMs: 1 split leaves 58 SMs idle
     (cost 11), 5 splits cost 3 waves × 3 = 9. Ties go to fewer splits (less partial traffic).
     At most ``max_splits`` (where given)."""
     best, best_cost = 1, None
     for s in range(1, max(1, min(tiles, max_splits or tiles)) + 1):
-        cost = wave_cost(units, s, tiles, sms, overhead)
+        cost = wave_cost(units, s, tiles, sms, overhead) + (combine if s > 1 else 0)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -223,22 +231,26 @@ def _tiles(k0, k1, width):
     return triton.cdiv(k0, width) + triton.cdiv(k1, width)
 
 
-def plan_phases(T, n_hb, tiles, sms, overhead):
+def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
     """The sm_90 kernel's launches as [(first token, end token, splits)]: one launch split by
     ``choose_splits``, or, where that leaves a last wave mostly idle, two: the tokens that
     fill whole waves one program per unit (no partials), then the rest split finely enough
     to spread over the card (plus their combine: one more program's cost). E.g. 148 units
     of 18 tiles on 132 SMs: one launch costs 3 waves × (9 + 5) = 42 (two splits); 132 units
-    unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36."""
+    unsplit then 16 units × 6 splits cost 23 + 5 + (3 + 5) = 36. ``combine``: the tiles
+    charged to a launch of several splits for its combine (None: ``SPLIT_COMBINE_TILES``)."""
+    if combine is None:
+        combine = SPLIT_COMBINE_TILES
     units = T * n_hb
-    s = choose_splits(units, tiles, sms, overhead)
+    s = choose_splits(units, tiles, sms, overhead, combine=combine)
+    one = wave_cost(units, s, tiles, sms, overhead) + (combine if s > 1 else 0)
     full = units // sms * sms // n_hb       # tokens whose units fill whole waves
     if 0 < full < T:
         rest = (T - full) * n_hb
-        s_rest = choose_splits(rest, tiles, sms, overhead)
+        s_rest = choose_splits(rest, tiles, sms, overhead, combine=combine)
         cost = (wave_cost(full * n_hb, 1, tiles, sms, overhead) + overhead
-                + wave_cost(rest, s_rest, tiles, sms, overhead))
-        if s_rest > 1 and cost < wave_cost(units, s, tiles, sms, overhead):
+                + wave_cost(rest, s_rest, tiles, sms, overhead) + combine)
+        if s_rest > 1 and cost < one:
             return [(0, full, 1), (full, T, s_rest)]
     return [(0, T, s)]
 

@@ -2,6 +2,7 @@
 import pytest
 
 from sparse_mla.ops.attention import launch as core
+from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention.plan import choose_splits, plan_phases
 
 
@@ -79,3 +80,31 @@ def test_combine_residency(ctas, sms, pdl, want):
 def test_combine_residency_off(monkeypatch):
     monkeypatch.setattr(core, "COMBINE_SPREAD", None)
     assert core.combine_residency(512, 132, True) is None
+
+
+# bench_flashmla's V4 decode rows as (tokens, head blocks, 64-key tiles): window 128 (2 tiles)
+# + top-k (ops/flashmla_decode/bench.py: DECODE_SHAPES, SHARD_SHAPES, SHORT_SHAPES), V3.2's
+# top-k 2048 row and the V4.1 row (window 128 + 512)
+_BENCH_ROWS = {
+    **{f"v4 b={b} s_q={s} h={h} +{k}": (b * s, -(-h // 64), 2 + k // 64)
+       for h, k in ((64, 512), (128, 1024)) for s in (1, 2)
+       for b in (2, 64, 74, 128, 148, 256)},
+    **{f"v4 b={b} s_q=2 h={h} +512": (b * 2, 1, 10) for h in (32, 16) for b in (2, 64)},
+    **{f"v4 b={b} s_q=1 h={h} +64": (b, -(-h // 64), 3) for h in (64, 128) for b in (64, 256)},
+    "v32 b=64 s_q=2 h=128 2048": (128, 2, 32), "v41 b=64 s_q=1 h=64 +512": (64, 1, 10)}
+
+
+def test_combine_charge_is_off_by_default():
+    assert plan.SPLIT_COMBINE_TILES == 0
+    for T, n_hb, tiles in _BENCH_ROWS.values():
+        assert plan_phases(T, n_hb, tiles, 132, 5) == plan_phases(T, n_hb, tiles, 132, 5, 0)
+
+
+def test_combine_charge_of_one_tile_moves_only_the_short_b64_h64_row():
+    """Charged one tile, the combine makes V4 b64 s_q1 h64 over 3 tiles (C128A) one split
+    (3 tiles, no combine) instead of two (2 + 1 tiles and a combine); every other row of
+    bench_flashmla keeps its plan."""
+    moved = {name: plan_phases(*row, 132, 5, combine=1)
+             for name, row in _BENCH_ROWS.items()
+             if plan_phases(*row, 132, 5, combine=1) != plan_phases(*row, 132, 5)}
+    assert moved == {"v4 b=64 s_q=1 h=64 +64": [(0, 64, 1)]}
