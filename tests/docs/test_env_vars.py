@@ -18,6 +18,7 @@ import ast
 import os
 import pathlib
 import re
+import subprocess
 
 import sparse_mla
 
@@ -29,6 +30,20 @@ SHELL_BUILTINS = {"BASH_SOURCE", "PIPESTATUS", "RANDOM", "LINENO", "PWD", "OLDPW
 
 
 def _files():
+    """The tree's files: in a git checkout the ones git tracks and the untracked ones it does
+    not ignore (a developer's ignored scratch scripts are not the project's), else all."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+             "--exclude-standard"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        listed = None
+    if listed is not None:
+        for rel in listed.decode().split("\0"):
+            path = ROOT / rel
+            if rel and path.is_file() and not SKIP_DIRS.intersection(path.parts):
+                yield path
+        return
     for dirpath, dirnames, filenames in os.walk(ROOT):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith("bazel-")]
         for name in filenames:
