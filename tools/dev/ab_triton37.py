@@ -116,10 +116,7 @@ def main(argv=None):
         vendor = None
         if not args.no_vendor:
             try:
-                pa = bench_flashmla._padded_for_flash_mla(a)
-                meta = bench_flashmla._fresh_meta()
-                bench_flashmla._flash_mla_decode(pa, meta)      # fills meta: reused below
-                vendor = lambda pa=pa, meta=meta: bench_flashmla._flash_mla_decode(pa, meta)  # noqa: E731
+                vendor = bench_flashmla.planned_flash_mla(a)[0]
             except Exception as exc:  # reported, the row still times ours
                 print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
         t = {"fm": [], False: [], True: []}
