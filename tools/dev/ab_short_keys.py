@@ -19,7 +19,6 @@ the bench's tolerance of the reference (b · s_q <= 128) and of base. Exit statu
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
@@ -29,7 +28,8 @@ from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention.sm90 import tuning
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
-from sparse_mla.tools import harness
+from sparse_mla.tools import bench_flashmla, harness
+from sparse_mla.tools.dev import ab_args
 
 # (b, s_q, h, top-k): the four C128A rows of bench_flashmla (SHORT_SHAPES), then two top-k rows
 # whose plans comb1 must leave alone (anchors)
@@ -51,18 +51,11 @@ def _with(settings, fn):
 
 
 def _timed(fn):
-    t = harness.time_graph(fn)
-    return t if t is not None else harness.time_fn(fn, "cuda")
+    return bench_flashmla._time(fn)[0]     # graph replay; eager where capture fails
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--only", default="", help="only the rows whose shape contains this text")
-    p.add_argument("--no-vendor", action="store_true", help="skip FlashMLA")
-    args = p.parse_args(argv)
-    from sparse_mla.tools import bench_flashmla     # FlashMLA's call, as the bench makes it
+    args = ab_args(__doc__, argv)
     print(harness.device_name("cuda"), flush=True)
     failed = False
     for b, s_q, h, topk in ROWS:

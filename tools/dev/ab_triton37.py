@@ -27,7 +27,6 @@ launch builds them otherwise).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
@@ -37,7 +36,8 @@ import triton
 from sparse_mla.ops.attention.sm90 import compat
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
-from sparse_mla.tools import harness
+from sparse_mla.tools import bench_flashmla, harness
+from sparse_mla.tools.dev import ab_args
 
 # (b, s_q, h, top-k, format): V4 h128 (window 128 + 1024 top-k) and V3.2's h128 row, as
 # bench_flashmla has them; all run as 2-CTA clusters
@@ -56,8 +56,7 @@ def _with_flag(on, fn):
 
 
 def _timed(fn):
-    t = harness.time_graph(fn)
-    return t if t is not None else harness.time_fn(fn, "cuda")
+    return bench_flashmla._time(fn)[0]     # graph replay; eager where capture fails
 
 
 def _launched(on, fn):
@@ -72,13 +71,7 @@ def _cvt(kernel):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--only", default="", help="only the rows whose shape contains this text")
-    p.add_argument("--no-vendor", action="store_true", help="skip FlashMLA")
-    args = p.parse_args(argv)
-    from sparse_mla.tools import bench_flashmla     # FlashMLA's call, as the bench makes it
+    args = ab_args(__doc__, argv)
     print(f"{harness.device_name('cuda')}; torch {torch.__version__}, triton "
           f"{triton.__version__}; RANK_VIEWS default {compat.RANK_VIEWS}, PANEL_VIEWS "
           f"{bool(compat.PANEL_VIEWS.value)}", flush=True)
