@@ -66,11 +66,13 @@ FP16_FOR_E4M3 = True
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None):
+                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None, n_tok=None):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
     staged or V3.2 rows, 65-128 heads; its producer gets ``PRODUCER_REGS_CLUSTER``
     registers): the compiled kernel is made cluster-launchable before its first
-    launch, and the launch then takes half the grid's x (the launcher multiplies it back)."""
+    launch, and the launch then takes half the grid's x (the launcher multiplies it back).
+    ``n_tok``: the launch's tokens where its programs are persistent
+    (``plan.persist_programs``: the grid then has fewer programs than units), else None."""
     from sparse_mla.ops.attention.sm90 import tuning
     lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
     mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
@@ -94,10 +96,11 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         has_sink=sink is not None, has_lse=lse is not None,
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
         staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
-        qeps=qrot.eps32 if qrot is not None else 0.0)
-    # the fold's run-time arguments always (None without it): the cluster launch passes every
-    # parameter by name (``triton_utils.launch_compiled``)
+        qeps=qrot.eps32 if qrot is not None else 0.0, persist=n_tok is not None)
+    # the fold's run-time arguments always (None without it), n_tok too: the cluster launch
+    # passes every parameter by name (``triton_utils.launch_compiled``)
     kwargs.update(qrot.pointer_args() if qrot is not None else NO_QROT)
+    kwargs["n_tok"] = n_tok
     kwargs["launch_pdl"] = pdl
     if cluster:
         from sparse_mla.ops.attention.sm90 import hooks
@@ -193,12 +196,16 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
             final = n_splits == 1
             part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
                                          n_splits)
+            # persistent programs (each running several tokens) where they pay
+            progs = plan.persist_programs(t1 - t0, n_hb, plan._sm_count(dev), src0.fmt, staged,
+                                          q_fp8, qrot, n_splits) if len(phases) == 1 else 0
+            launch.persist = progs
             launch.kernels.append(_launch_gluon(
-                g, ((t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
+                g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
                 _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,
                 q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0,
-                qrot))
+                qrot, (t1 - t0) if progs else None))
             if not final:
                 _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
                          out_scale, pdl, interp=False)

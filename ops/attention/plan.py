@@ -47,7 +47,8 @@ class LaunchPlan:
     merges splits; ``staged``: V4 rows gathered by cp.async (sm_90 routes); ``kernels``: the
     compiled split kernels launched, one per phase (registers, PTX: tests and tools);
     ``soft_e4m3``: why the launch decodes e4m3 in software ("sm_80", "forced", "interpreter";
-    ``triton_utils.soft_fp8_reason``), "" where it decodes none or in hardware."""
+    ``triton_utils.soft_fp8_reason``), "" where it decodes none or in hardware; ``persist``:
+    programs a head block of a persistent launch (``persist_programs``), 0 where none was."""
     route: str
     reason: str
     phases: tuple = ()
@@ -55,6 +56,7 @@ class LaunchPlan:
     staged: bool = False
     kernels: list = dataclasses.field(default_factory=list)
     soft_e4m3: str = ""
+    persist: int = 0
 
     @property
     def label(self) -> str:
@@ -77,8 +79,9 @@ class LaunchPlan:
     def __str__(self):
         splits = ", ".join(f"tokens {a}-{b}: {n} split{'s' * (n > 1)}"
                            for a, b, n in self.phases)
+        persist = f", {self.persist} persistent programs a head block" if self.persist else ""
         return (f"{self.label} ({self.reason}; kernel in {self.kernel_file})"
-                + (f" [{splits}]" if splits else ""))
+                + (f" [{splits}{persist}]" if splits else ""))
 
 
 # Launch shape; tools/dev/tune_decode.py sweeps it (docs/perf-log.md, "Attention core rework").
@@ -119,12 +122,12 @@ SMALL_HEAD_BLOCK_SM90 = 64
 # by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
 # The combine launch that follows an sm_90 launch of more than one split, in key tiles, charged
-# by ``choose_splits`` / ``plan_phases`` to every plan that splits (0: not charged, the model
-# the bench tables were measured with). At 3 tiles a token (C128A rows: window 128 + 64) a
-# split saves one tile and adds the partials and a combine launch of about the same cost:
-# at 1, V4 b64 s_q1 h64 keeps one split where 0 chose two (docs/perf-log.md, "Short key
-# lists"); no other bench_flashmla row changes (tests/ops/attention/test_split_model.py).
-SPLIT_COMBINE_TILES = 0
+# by ``choose_splits`` / ``plan_phases`` to every plan that splits. At 3 tiles a token (C128A
+# rows: window 128 + 64) a split saves one tile and adds the partials and a combine launch of
+# about the same cost: at 1, V4 b64 s_q1 h64 runs one split where 0 chose two, 1.13x faster
+# (H200; docs/perf-log.md, "Short key lists"); no other bench_flashmla row changes plan
+# (tests/ops/attention/test_split_model.py).
+SPLIT_COMBINE_TILES = 1
 # Shared memory one block may use (the opt-in maximum) by GPU capability: what the portable
 # kernel's launch shape must fit. tests/ops/test_arch_compile.py compiles every kernel for each
 # arch here and checks its use against this; a capability not listed takes the device's own
@@ -253,6 +256,22 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
         if s_rest > 1 and cost < one:
             return [(0, full, 1), (full, T, s_rest)]
     return [(0, T, s)]
+
+
+def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits):
+    """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
+    ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
+    or 0 for one program a token: V4 rows staged, a bf16 q without the q fold, one split a
+    token, and more units than ``sms`` (one wave gains nothing). As many programs as fit,
+    or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    if not (tuning.PERSIST_V4 and fmt == "v4" and staged and not q_fp8 and qrot is None
+            and n_splits == 1):
+        return 0
+    slots = max(1, sms // n_hb)
+    if T <= slots:
+        return 0
+    return max(slots, triton.cdiv(T, tuning.PERSIST_TOKENS))
 
 
 # Launches whose splits are at most one tile each run the split kernel without its key loop

@@ -1,14 +1,17 @@
-"""A/B of the split plan on short key lists (C128A-shaped rows: window 128 + 64 compressed
-rows, 3 key tiles a token), against FlashMLA, in one process.
+"""A/B of the launch plan on short key lists (C128A-shaped rows: window 128 + 64 compressed
+rows, 3 key tiles a token) and on the top-k rows that run persistent programs, against
+FlashMLA, in one process.
 
   PYTHONPATH=$(bash tools/pyroot.sh):<flash_mla> python3 -m sparse_mla.tools.dev.ab_short_keys \\
       [--rounds N] [--only TEXT] [--no-vendor]
 
 Variants (module settings read at each launch's plan, restored after each call):
-* ``base``: the defaults;
-* ``comb1``: ``plan.SPLIT_COMBINE_TILES`` = 1, the combine launch charged as one key tile to
-  any plan that splits (V4 b64 s_q1 h64 window 128 + 64: one split of 3 tiles, no combine,
-  where the default runs two splits of 2 + 1 tiles and a combine);
+* ``base``: the defaults (persistent programs where ``plan.persist_programs`` gives them);
+* ``one``: ``tuning.PERSIST_V4`` off, one program a token (the launch before persistent
+  programs);
+* ``comb0``: ``plan.SPLIT_COMBINE_TILES`` = 0, the combine launch not charged to plans that
+  split (V4 b64 s_q1 h64 window 128 + 64: two splits of 2 + 1 tiles and a combine, where the
+  default, 1, runs one split of 3 tiles);
 * ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
 
 Per row, in each of ``--rounds`` rounds, FlashMLA and each variant are timed in turn
@@ -31,11 +34,15 @@ from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import bench_flashmla, harness
 from sparse_mla.tools.dev import ab_args
 
-# (b, s_q, h, top-k): the four C128A rows of bench_flashmla (SHORT_SHAPES), then two top-k rows
-# whose plans comb1 must leave alone (anchors)
+# (b, s_q, h, top-k): the four C128A rows of bench_flashmla (SHORT_SHAPES), two top-k rows
+# whose plans comb0 must leave alone (anchors), then the top-k rows that run persistent
+# programs (tests/ops/attention/test_split_model.py)
 ROWS = ((64, 1, 64, 64), (256, 1, 64, 64), (64, 1, 128, 64), (256, 1, 128, 64),
-        (64, 1, 64, 512), (64, 1, 128, 1024))
-VARIANTS = {"base": {}, "comb1": {(plan, "SPLIT_COMBINE_TILES"): 1},
+        (64, 1, 64, 512), (64, 1, 128, 1024),
+        (256, 1, 64, 512), (128, 2, 64, 512), (256, 2, 64, 512), (128, 1, 128, 1024),
+        (256, 1, 128, 1024), (64, 2, 128, 1024), (128, 2, 128, 1024), (256, 2, 128, 1024))
+VARIANTS = {"base": {}, "one": {(tuning, "PERSIST_V4"): False},
+            "comb0": {(plan, "SPLIT_COMBINE_TILES"): 0},
             "nocl": {(tuning, "CLUSTER_V4"): False}}
 
 
@@ -48,6 +55,13 @@ def _with(settings, fn):
     finally:
         for (mod, name), v in old.items():
             setattr(mod, name, v)
+
+
+def _same(x, y):
+    """Whether two outputs (tensors or tuples of them) are bit-identical."""
+    if isinstance(x, torch.Tensor):
+        return torch.equal(x, y)
+    return all(_same(a, b) for a, b in zip(x, y))
 
 
 def _timed(fn):
@@ -69,7 +83,8 @@ def main(argv=None):
         outs, plans = {}, {}
         for name, settings in VARIANTS.items():
             outs[name] = _with(settings, mine)
-            plans[name] = (dispatch.last_plan().route, dispatch.last_plan().phases)
+            lp = dispatch.last_plan()
+            plans[name] = (lp.route, lp.phases, lp.persist)
             errs = [case.compare(outs["base"], outs[name])]
             if ref is not None:
                 errs.append(case.compare(ref, outs[name]))
@@ -95,7 +110,9 @@ def main(argv=None):
             rel = statistics.median(x / y for x, y in zip(t["base"], t[name]))
             print(f"  {name:5s} {us * 1e6:7.1f} µs  base/{name} {rel:.3f}"
                   + (f"  x FM {fm / us:.3f}" if fm else "")
-                  + f"  {plans[name][0]} {list(plans[name][1])}", flush=True)
+                  + f"  {plans[name][0]} {list(plans[name][1])}"
+                  + (f" persist {plans[name][2]}" if plans[name][2] else "")
+                  + ("  == base" if _same(outs[name], outs["base"]) else ""), flush=True)
     return 1 if failed else 0
 
 

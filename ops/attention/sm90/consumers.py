@@ -12,6 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from sparse_mla.ops.attention.portable import sink_gate, softmax_step
+from sparse_mla.ops.attention.sm90 import persist
 from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_ARRIVE_INIT,
                                                    _CLUSTER_WAIT, _cluster_sync, _thread_ids)
 from sparse_mla.ops.attention.sm90.compat import barrier
@@ -108,7 +109,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
           HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
           Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr,
           P_IN_KR: gl.constexpr, qpos_ptr, qcs_ptr, q_max_pos, QROT: gl.constexpr,
-          QEPS: gl.constexpr):
+          QEPS: gl.constexpr, rows_free, PERSIST: gl.constexpr, tok_tab, n_mine, t0, tp_step):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
@@ -118,13 +119,47 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     if CLUSTER:
         tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE_INIT)
-    if QROT == 0:
-        _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
+    if PERSIST:     # tokens tp, tp + tp_step, ... (persist): the ring's tile count runs on
+        if CLUSTER:
+            _cluster_sync(tid, _CLUSTER_WAIT)
+        g0 = 0
+        for k in range(n_mine):
+            tk = tp + k * tp_step
+            n_k = persist.field(tok_tab, k, persist.N_TILES, 4)
+            h0k = h0 + persist.varying_zero(tk)
+            _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t0 + tk, h0k, H, Q_FP8, D576)
+            _lead_token(q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready,
+                        empty, p_full, p_free, done, n_k, scale2, part_o, part_ml, t0 + tk, tk,
+                        h0k, H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1,
+                        mx_ptr, mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES,
+                        TRACK_MAX, FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, D576, P_IN_KR, g0, k,
+                        rows_free, True)
+            g0 += n_k
     else:
-        _load_q_smem_rotated(q_ptr, q_s0, q_s1, q_smem, t, h0, H, qpos_ptr, qcs_ptr, q_max_pos,
-                             QROT, QEPS)
-    if CLUSTER:
-        _cluster_sync(tid, _CLUSTER_WAIT)
+        if QROT == 0:
+            _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
+        else:
+            _load_q_smem_rotated(q_ptr, q_s0, q_s1, q_smem, t, h0, H, qpos_ptr, qcs_ptr,
+                                 q_max_pos, QROT, QEPS)
+        if CLUSTER:
+            _cluster_sync(tid, _CLUSTER_WAIT)
+        _lead_token(q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready, empty,
+                    p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0, H, sp,
+                    n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0,
+                    mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX, FINAL,
+                    HAS_SINK, HAS_LSE, OUT_SCALE_T, D576, P_IN_KR, 0, 0, rows_free, False)
+
+
+@gluon.jit
+def _lead_token(q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready, empty, p_full,
+                p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0, H, sp, n_splits,
+                out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1,
+                sink_ptr, out_scale, out_scale_ptr, BN: gl.constexpr, STAGES: gl.constexpr,
+                TRACK_MAX: gl.constexpr, FINAL: gl.constexpr, HAS_SINK: gl.constexpr,
+                HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr, D576: gl.constexpr,
+                P_IN_KR: gl.constexpr, g0, k, rows_free, PERSIST: gl.constexpr):
+    # _lead's work on one token, q in shared memory: the ring's tiles g0 .. g0 + n_tiles - 1
+    # (g0: tiles of the program's earlier tokens, k: their count; both 0 without PERSIST)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -138,8 +173,9 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     l_i = gl.zeros([HEADS], gl.float32, ROW_S)
     mx = gl.full([HEADS], float("-inf"), gl.float32, ROW_S)
     for i in range(n_tiles):
-        st = i % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        g = g0 + i
+        st = g % STAGES
+        mbarrier.wait(ready.index(st), (g // STAGES) & 1)
         kb = k_bufs.index(st)
         s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_init, use_acc=False, is_async=True)
         if D576:    # the 64 RoPE dims of 576-wide keys score too (they are not values)
@@ -151,7 +187,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
         if TRACK_MAX:
             mx = gl.maximum(mx, m_tile)
         p16 = p.to(p_smem.dtype)
-        mbarrier.wait(p_free, (i & 1) ^ 1)     # _follow is done with the last p
+        mbarrier.wait(p_free, (g & 1) ^ 1)     # _follow is done with the last p
         _p_buf(p_smem, kr_bufs, st, P_IN_KR).store(p16)
         rows.index(0).store(alpha)
         fence_async_shared()                   # generic stores -> _follow's wgmma
@@ -163,7 +199,11 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         m_i = m_new
         barrier()
-        mbarrier.arrive(empty.index(st))
+        if PERSIST:     # the last tile's stage is held for the epilogue (persist)
+            if i < n_tiles - 1:
+                mbarrier.arrive(empty.index(st))
+        else:
+            mbarrier.arrive(empty.index(st))
     empty_row = l_i == 0.0
     inv_l = 1.0 / gl.where(empty_row, 1.0, l_i)
     lse2 = gl.where(empty_row, float("-inf"), m_i + gl.log2(gl.where(empty_row, 1.0, l_i)))
@@ -173,15 +213,23 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     if FINAL and HAS_SINK:
         gate = sink_gate(lse, gl.load(sink_ptr + h_s, mask=h_s < H, other=0.0), empty_row)
     # the row factors for _follow's half of the output
+    if PERSIST:
+        mbarrier.wait(rows_free, (k & 1) ^ 1)   # _follow has read the last token's
     rows.index(1).store(inv_l)
     rows.index(2).store(gate)
     rows.index(3).store(empty_row.to(gl.float32))
     barrier()
     mbarrier.arrive(done)
-    _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
-                gl.convert_layout(empty_row, ROW_O), part_o, t, tp, h0, H, sp, n_splits, out_ptr,
-                out_s0, out_s1, out_scale, out_scale_ptr, _free_stage(k_bufs, n_tiles, 0, STAGES),
-                O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+    if PERSIST:
+        persist.write_half(acc, 0, gl.convert_layout(inv_l, ROW_O),
+                           gl.convert_layout(gate, ROW_O), gl.convert_layout(empty_row, ROW_O),
+                           k_bufs, empty, n_tiles, g0, t, h0, H, out_ptr, out_s0, out_s1,
+                           out_scale, out_scale_ptr, STAGES, O_L, HAS_SINK, OUT_SCALE_T)
+    else:
+        _write_rows(acc, 0, gl.convert_layout(inv_l, ROW_O), gl.convert_layout(gate, ROW_O),
+                    gl.convert_layout(empty_row, ROW_O), part_o, t, tp, h0, H, sp, n_splits,
+                    out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
+                    _free_stage(k_bufs, n_tiles, 0, STAGES), O_L, FINAL, HAS_SINK, OUT_SCALE_T)
     if FINAL:
         if HAS_LSE:
             gl.store(lse_ptr + t.to(gl.int64) * lse_s0 + h_s * lse_s1, lse, mask=h_s < H)
@@ -199,20 +247,46 @@ def _follow(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n
             t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
             STAGES: gl.constexpr, FINAL: gl.constexpr,
             HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, CLUSTER: gl.constexpr,
-            P_IN_KR: gl.constexpr):
+            P_IN_KR: gl.constexpr, rows_free, PERSIST: gl.constexpr, tok_tab, n_mine, t0,
+            tp_step):
     # p·v for output dims [256, 512) with _lead's p (shared memory) and row rescale
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 256, 16])
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    acc = gl.zeros([HEADS, 256], gl.float32, O_L)
     if CLUSTER:
         tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE)
         _cluster_sync(tid, _CLUSTER_WAIT)
+    if PERSIST:     # as _lead's tokens (persist)
+        g0 = 0
+        for k in range(n_mine):
+            tk = tp + k * tp_step
+            n_k = persist.field(tok_tab, k, persist.N_TILES, 4)
+            _follow_token(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done,
+                          n_k, part_o, t0 + tk, tk, h0 + persist.varying_zero(tk), H, sp,
+                          n_splits, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr, STAGES,
+                          FINAL, HAS_SINK, OUT_SCALE_T, P_IN_KR, g0, k, rows_free, True)
+            g0 += n_k
+    else:
+        _follow_token(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done,
+                      n_tiles, part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1,
+                      out_scale, out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, P_IN_KR,
+                      0, 0, rows_free, False)
+
+
+@gluon.jit
+def _follow_token(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
+                  part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
+                  out_scale_ptr, STAGES: gl.constexpr, FINAL: gl.constexpr,
+                  HAS_SINK: gl.constexpr, OUT_SCALE_T: gl.constexpr, P_IN_KR: gl.constexpr, g0,
+                  k, rows_free, PERSIST: gl.constexpr):
+    # _follow's work on one token (g0, k: as _lead_token's)
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 256, 16])
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    acc = gl.zeros([HEADS, 256], gl.float32, O_L)
     for i in range(n_tiles):
-        st = i % STAGES
-        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        mbarrier.wait(p_full, i & 1)
+        g = g0 + i
+        st = g % STAGES
+        mbarrier.wait(ready.index(st), (g // STAGES) & 1)
+        mbarrier.wait(p_full, g & 1)
         acc = acc * rows.index(0).load(ROW_O)[:, None]
         acc = warpgroup_mma(_p_buf(p_smem, kr_bufs, st, P_IN_KR),
                             k_bufs.index(st).slice(256, 256, dim=1), acc,
@@ -220,12 +294,26 @@ def _follow(k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         barrier()
         mbarrier.arrive(p_free)
-        mbarrier.arrive(empty.index(st))
-    mbarrier.wait(done, 0)
-    _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
-                rows.index(3).load(ROW_O) != 0.0, part_o, t, tp, h0, H, sp, n_splits, out_ptr,
-                out_s0, out_s1, out_scale, out_scale_ptr, _free_stage(k_bufs, n_tiles, 1, STAGES),
-                O_L, FINAL, HAS_SINK, OUT_SCALE_T)
+        if PERSIST:     # the last tile's stage is held for the epilogue (persist)
+            if i < n_tiles - 1:
+                mbarrier.arrive(empty.index(st))
+        else:
+            mbarrier.arrive(empty.index(st))
+    mbarrier.wait(done, k & 1)
+    if PERSIST:
+        inv_l = rows.index(1).load(ROW_O)
+        gate = rows.index(2).load(ROW_O)
+        empty_row = rows.index(3).load(ROW_O) != 0.0
+        barrier()
+        mbarrier.arrive(rows_free)          # _lead may write the next token's
+        persist.write_half(acc, 256, inv_l, gate, empty_row, k_bufs, empty, n_tiles, g0, t, h0,
+                           H, out_ptr, out_s0, out_s1, out_scale, out_scale_ptr, STAGES, O_L,
+                           HAS_SINK, OUT_SCALE_T)
+    else:
+        _write_rows(acc, 256, rows.index(1).load(ROW_O), rows.index(2).load(ROW_O),
+                    rows.index(3).load(ROW_O) != 0.0, part_o, t, tp, h0, H, sp, n_splits,
+                    out_ptr, out_s0, out_s1, out_scale, out_scale_ptr,
+                    _free_stage(k_bufs, n_tiles, 1, STAGES), O_L, FINAL, HAS_SINK, OUT_SCALE_T)
 
 
 @gluon.jit

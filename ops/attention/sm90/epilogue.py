@@ -44,16 +44,17 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
 
 
 @gluon.jit
-def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0):
+def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0, HALF: gl.constexpr = 0):
     """bf16 [64, 256] rows (heads h0 ..) into global memory at ptr + off0 + head · row_stride
     + d0 + column, through ``stage`` (free shared memory), so each warp stores 512 contiguous
     bytes of one row. The row pointers are computed here, after the shared-memory store:
     passed in ready-made, they were 16 live 64-bit addresses per thread next to the
     accumulator, and V4 h64 launches of one split ran slower (docs/perf-log.md, "bf16 split
-    partials")."""
-    # the stage's first half, as the k_bufs allocation lays out [stage, rows, 256-dim panels]
+    partials"). ``HALF``: which half of the stage (0: its key dims [0, 256), 1: [256, 512))."""
+    # a stage holds its 64-dim panels one after another (what the cluster's bulk copies
+    # address), so its first 32 KB are key dims [0, 256) and its last 32 KB [256, 512)
     buf = reinterpret(stage, gl.bfloat16, 2, HEADS, 256, gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(0)
+        swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(HALF)
     buf.store(o)
     barrier()
     BL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])

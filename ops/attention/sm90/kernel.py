@@ -25,6 +25,11 @@ keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3 cache of
   scores by key columns, accumulator by output dims in one 8-warp partition — was slower:
   docs/perf-log.md, "Lead and follow consumers".)
 
+Where a launch of one split a token has more units than SMs (V4 rows staged, bf16 q), its
+programs are **persistent** (``persist``, ``PERSIST``): G per head block, each running tokens
+tp, tp + G, ... with the ring running on across them, so a token's start and end overlap the
+neighbouring tokens' work instead of costing a program each.
+
 An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 when the keys
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
@@ -42,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from sparse_mla.ops.attention.portable import key_run
-from sparse_mla.ops.attention.sm90 import hooks
+from sparse_mla.ops.attention.sm90 import hooks, persist
 from sparse_mla.ops.attention.sm90.cluster import PAIR_SUB, V32_STAGED_PANELS
 from sparse_mla.ops.attention.sm90.compat import barrier
 from sparse_mla.ops.attention.sm90.consumers import _follow, _lead
@@ -76,15 +81,21 @@ def _ws_kernel(
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
         num_warps: gl.constexpr, qpos_ptr=None, qcs_ptr=None, q_max_pos=None,
-        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0, RANK_VIEWS: gl.constexpr = False):
+        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0, RANK_VIEWS: gl.constexpr = False,
+        n_tok=None, PERSIST: gl.constexpr = 0):
     # QROT (the q fold, qrot.QRot): q is raw bf16, normed / rotated by _lead as it loads it;
     # its arguments default to None, so launches without it build the kernel as before.
     # RANK_VIEWS: the V4 cluster producer's stores indexed by rank at run time (compat, 3.7)
+    # PERSIST (``persist``): each program (cluster) runs tokens tp, tp + G, ... < n_tok of
+    # the launch (G programs a head block; at most PERSIST tokens each), one split each, its
+    # ring running on across them
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
     gl.static_assert(QROT == 0 or not (Q_FP8 or D576))
     gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
+    gl.static_assert(not PERSIST or (FINAL and STAGED and FMT == 0 and QROT == 0
+                                     and not Q_FP8))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -95,7 +106,8 @@ def _ws_kernel(
     h0 = unit * HEADS
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
-    EARLY: gl.constexpr = EARLY_SLOTS and not CLUSTER and (FMT == 0 or FMT == 3 or FMT >= 5)
+    EARLY: gl.constexpr = (EARLY_SLOTS and not CLUSTER and not PERSIST
+                           and (FMT == 0 or FMT == 3 or FMT >= 5))
     V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
@@ -165,6 +177,23 @@ def _ws_kernel(
     done = lf_bars.index(2)
     for b in gl.static_range(3):
         mbarrier.init(lf_bars.index(b), count=1)
+    if PERSIST:     # the program's tokens and their key runs (persist)
+        tp_step = gl.num_programs(0) // N_UNITS
+        n_mine = persist.token_count(tp, tp_step, n_tok)
+        tok_tab = gl.allocate_shared_memory(gl.int32, [PERSIST, 8],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        persist.fill_table(tok_tab, t0, tp, tp_step, n_tok, l0_ptr, l0_div, l0_off, l0_lag,
+                           l1_ptr, l1_div, l1_off, l1_lag, K0, K1, HAS_L0, HAS_L1, HAS_SRC1,
+                           BN, PERSIST, num_warps)
+        # _follow has read the row factors of its last token (_lead rewrites them)
+        rows_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(rows_free.index(0), count=1)
+        rows_free = rows_free.index(0)
+    else:           # never used
+        tp_step = 1
+        n_mine = 1
+        tok_tab = bias_bufs
+        rows_free = done
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)       # _lead and _follow
@@ -178,14 +207,16 @@ def _ws_kernel(
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX,
                  FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED,
-                 qpos_ptr, qcs_ptr, q_max_pos, QROT, QEPS)),
+                 qpos_ptr, qcs_ptr, q_max_pos, QROT, QEPS, rows_free, PERSIST, tok_tab,
+                 n_mine, t0, tp_step)),
         (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,
-                   V32_STAGED)),
+                   V32_STAGED, rows_free, PERSIST, tok_tab, n_mine, t0, tp_step)),
         (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                     peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                     i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                    STAGES, P_WARPS, STAGED, SUB, unit, CLUSTER, EARLY, RANK_VIEWS)),
+                    STAGES, P_WARPS, STAGED, SUB, unit, CLUSTER, EARLY, RANK_VIEWS, PERSIST,
+                    tok_tab, n_mine, t0, tp, tp_step)),
     ], [4, P_WARPS], [F_REGS, P_REGS])

@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               mbarrier)
 
 from sparse_mla.ops.attention.portable import tile_source
+from sparse_mla.ops.attention.sm90 import persist
 from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAIT, _SEND_V4,
                                                    _SEND_V32_2, _SEND_V32_3, _SEND_V32_STAGED,
                                                    PAIR_SUB, V4_PANELS, V32_PANELS,
@@ -44,7 +45,8 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
              FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
              P_WARPS: gl.constexpr, STAGED: gl.constexpr,
              SUB: gl.constexpr, rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr,
-             RANK_VIEWS: gl.constexpr = False):
+             RANK_VIEWS: gl.constexpr, PERSIST: gl.constexpr, tok_tab, n_mine, t0, tp,
+             tp_step):
     """The producer partition: V4 rows through the staging buffer where ``STAGED`` (half of
     each tile where ``CLUSTER``), V4.1 rows (``FMT`` 5: 528 B in both sources, 7 / 8: 528 B
     main rows with 288 B / 584 B extra rows) through it too (``producers_v41``), else a tile
@@ -65,12 +67,28 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                      n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
                      P_WARPS, EARLY, FMT)
+    elif STAGED and PERSIST:    # tokens tp, tp + tp_step, ... (persist)
+        if CLUSTER:
+            tid = _thread_ids(P_WARPS)
+            _cluster_sync(tid, _CLUSTER_ARRIVE)
+            _cluster_sync(tid, _CLUSTER_WAIT)
+        g0 = 0
+        for k in range(n_mine):
+            lok, hik, n0pk, n0k, n1k, n_k = persist.run(tok_tab, k, P_WARPS)
+            _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free,
+                        early, t0 + tp + k * tp_step, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr,
+                        c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
+                        c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES, P_WARPS, rank, CLUSTER,
+                        EARLY, RANK_VIEWS, g0, False)
+            g0 += n_k
+        if CLUSTER:
+            _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
     elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
                     t, lo, hi,
                     n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                     c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
-                    P_WARPS, rank, CLUSTER, EARLY, RANK_VIEWS)
+                    P_WARPS, rank, CLUSTER, EARLY, RANK_VIEWS, 0, True)
     else:
         _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
                        n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
@@ -193,7 +211,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                 c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                 SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
                 rank, CLUSTER: gl.constexpr, EARLY: gl.constexpr,
-                RANK_VIEWS: gl.constexpr = False):
+                RANK_VIEWS: gl.constexpr, g0, ALONE: gl.constexpr):
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
@@ -202,6 +220,9 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     # wait_group is all the staging buffer needs.
     # In a cluster (``CLUSTER``) the chunk is this CTA's half of each tile, sent on to the
     # peer: chunks are then BN columns apart, one per tile.
+    # The ring's tiles g0 .. g0 + n_tiles - 1: g0 = 0 where the program has this one token
+    # (``ALONE``: the cluster's start-up sync and last hand-offs are here), else the tiles
+    # of its earlier tokens (persist: the caller syncs and drains once).
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -212,7 +233,8 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         tid = _thread_ids(P_WARPS)
         first = lo + rank * SUB
         other = lo + (1 - rank) * SUB   # the peer's half: only its RoPE dims are copied here
-        _cluster_sync(tid, _CLUSTER_ARRIVE)
+        if ALONE:
+            _cluster_sync(tid, _CLUSTER_ARRIVE)
         idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
         idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     else:
@@ -229,12 +251,14 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                      rows_b)
         idx_o = _slots(other + STEP, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                        rows_b)
-        _cluster_sync(tid, _CLUSTER_WAIT)
+        if ALONE:
+            _cluster_sync(tid, _CLUSTER_WAIT)
     else:
         idx = _early_slots(early, STEP, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
                            SUB, rows_b, EARLY)
     for i in range(n_tiles):
-        st = i % STAGES
+        g = g0 + i
+        st = g % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
             async_copy.wait_group(0)
             x0, x1, x2, x3, x4, x5, x6 = _staged_panels7(stage_raw, SUB, LB)
@@ -257,9 +281,9 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
                                i0_s0, i1_s0, SUB, rows_b)
             if h == 0:
                 if CLUSTER:
-                    _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
+                    _pair_handoff(empty, peer_free, g, rank, tid, STAGES)
                 else:
-                    mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+                    mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
             if CLUSTER and RANK_VIEWS:  # rows by rank at run time, one path (compat, 3.7)
                 _store_chunk(k_bufs.index(st), bias_bufs.index(st), 0, x0, x1, x2, x3, x4, x5,
                              x6, rope, sc_c, v_c, SUB, rank)
@@ -288,7 +312,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
         else:
             mbarrier.arrive(ready.index(st))
     async_copy.wait_group(0)    # the gather issued past the last chunk (all rows masked)
-    if CLUSTER:
+    if CLUSTER and ALONE:
         _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
 
 

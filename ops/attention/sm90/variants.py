@@ -49,6 +49,10 @@ VARIANTS = {
     "v4_staged_final_qfold": dict(fmt=0, staged=True, final=True, qrot=2),
     "v4_cluster_qfold": dict(fmt=0, staged=True, cluster=True, qrot=2),
     "v4_unstaged_rope_qfold": dict(fmt=0, qrot=1),
+    # persistent programs (sm90/persist.py)
+    "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
+    "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
+                                     persist=True),
 }
 # the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
 _QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}
@@ -80,7 +84,8 @@ def constexprs(name):
         n_units=2 if cluster else 1, scale_t=False, q_fp8=v.get("q_fp8", False),
         final=v.get("final", False), has_sink=True, has_lse=True, out_scale_t=False, pdl=True,
         d576=v.get("d576", False), f16=v.get("f16", False), staged=v.get("staged", False),
-        cluster=cluster, qrot=v.get("qrot", 0), qeps=1e-6 if v.get("qrot") == 2 else 0.0)
+        cluster=cluster, qrot=v.get("qrot", 0), qeps=1e-6 if v.get("qrot") == 2 else 0.0,
+        persist=v.get("persist", False))
 
 
 def compile_variant(name):
@@ -108,7 +113,7 @@ def compile_variant(name):
     # as the JIT makes them: the variants without the fold build exactly as before it
     for p in fn.params:
         if not p.is_constexpr and p.has_default and p.default is None \
-                and p.name not in pointers:
+                and p.name not in pointers and not (p.name == "n_tok" and cx["PERSIST"]):
             cx[p.name] = None
     sig = {n: "constexpr" if n in cx else pointers.get(n, "fp32" if n in _FLOATS else "i32")
            for n in names}

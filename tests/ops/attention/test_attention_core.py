@@ -37,7 +37,7 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
     one-step load spills) with and without the output-dim split, on ragged per-token
     lengths, so every way of cutting a token's two-source key list is checked whatever the
     model picks."""
-    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setitem(plan.CONFIG, "block_n", block_n)
     monkeypatch.setitem(plan.CONFIG, "dv", dv)
@@ -101,7 +101,7 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
     kernel."""
     force_tiny_launches(monkeypatch, False)
     if n_splits is not None:
-        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
@@ -127,7 +127,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
     from sparse_mla.ops.attention.sm90 import tuning
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
@@ -139,6 +139,58 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     one = _run_decode(a, "triton")
     assert last_plan().kernel.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h", [64, 128, 72])
+@pytest.mark.parametrize("programs", ["few", "over"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_persistent_programs_match_one_program_a_token(h, programs, graph, monkeypatch):
+    """Persistent launches (ops/attention/sm90/persist.py: each program, or 2-CTA cluster,
+    runs several tokens, its ring running on across them): on poisoned caches, ragged
+    lengths with a token that has no key at all, ±inf sinks, at 64 heads and as clusters
+    (72 heads: most of the second block masked), with fewer programs than tokens ("few": the
+    card taken as 6 SMs, 6 or 3 tokens a program) and more programs than fit ("over": at most
+    2 tokens a program), eager and replayed from a CUDA graph: the output must agree with the
+    reference and be bit-identical to one program a token (the same arithmetic)."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    force_tiny_launches(monkeypatch, False)
+    monkeypatch.setattr(plan, "_sm_count", lambda dev: 6)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: 1)
+    if programs == "over":
+        monkeypatch.setattr(tuning, "PERSIST_TOKENS", 2)
+    b, s_q, n_hb = 9, 2, -(-h // 64)
+    a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v4", bs=64, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + len(programs))
+    a["topk_length"][1] = 0
+    a["extra_topk_length"][1] = 0       # batch row 1's tokens: no key, no tile
+    run = (lambda: _replayed(a)) if graph else (lambda: _run_decode(a, "triton"))
+    got = run()
+    p = last_plan()
+    slots = 6 // n_hb
+    assert p.persist == (slots if programs == "few" else b * s_q // 2) > 0
+    assert p.kernel.packed_metadata[1] == n_hb      # clusters of two at 72 and 128 heads
+    assert (got[0][1].float().abs().amax() == 0) and got[1][1].isinf().all()
+    check_decode(_run_decode(a, "reference"), got)
+    monkeypatch.setattr(tuning, "PERSIST_V4", False)
+    one = run()
+    assert last_plan().persist == 0
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+
+
+def _replayed(a):
+    """``_run_decode(a, "triton")`` captured in a CUDA graph, then replayed into NaN-filled
+    outputs."""
+    _run_decode(a, "triton")        # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _run_decode(a, "triton")
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out, lse
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
@@ -278,7 +330,7 @@ def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeyp
     in 7 (some splits two tiles: the loop). With the form allowed and forbidden, both agree
     with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
     for bit: the same arithmetic in the same order."""
-    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     force_tiny_launches(monkeypatch, True)
     a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
                     fmt=fmt)
@@ -385,7 +437,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
         force_tiny_launches(monkeypatch, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
                     extra_bs=61, seed=11 + n_splits)
@@ -421,7 +473,7 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
         monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
         n_splits = 3
     else:
-        monkeypatch.setattr(plan, "choose_splits", lambda *args: n_splits)
+        monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
     a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
     a["topk_length"][1] = 0
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])

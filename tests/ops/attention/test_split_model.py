@@ -94,17 +94,63 @@ _BENCH_ROWS = {
     "v32 b=64 s_q=2 h=128 2048": (128, 2, 32), "v41 b=64 s_q=1 h=64 +512": (64, 1, 10)}
 
 
-def test_combine_charge_is_off_by_default():
-    assert plan.SPLIT_COMBINE_TILES == 0
+def test_combine_is_charged_one_tile_by_default():
+    assert plan.SPLIT_COMBINE_TILES == 1
     for T, n_hb, tiles in _BENCH_ROWS.values():
-        assert plan_phases(T, n_hb, tiles, 132, 5) == plan_phases(T, n_hb, tiles, 132, 5, 0)
+        assert plan_phases(T, n_hb, tiles, 132, 5) == plan_phases(T, n_hb, tiles, 132, 5, 1)
 
 
 def test_combine_charge_of_one_tile_moves_only_the_short_b64_h64_row():
     """Charged one tile, the combine makes V4 b64 s_q1 h64 over 3 tiles (C128A) one split
     (3 tiles, no combine) instead of two (2 + 1 tiles and a combine); every other row of
-    bench_flashmla keeps its plan."""
+    bench_flashmla keeps the plan of no charge."""
     moved = {name: plan_phases(*row, 132, 5, combine=1)
              for name, row in _BENCH_ROWS.items()
-             if plan_phases(*row, 132, 5, combine=1) != plan_phases(*row, 132, 5)}
+             if plan_phases(*row, 132, 5, combine=1) != plan_phases(*row, 132, 5, combine=0)}
     assert moved == {"v4 b=64 s_q=1 h=64 +64": [(0, 64, 1)]}
+
+
+def _persist(T, n_hb, **kw):
+    args = dict(sms=132, fmt="v4", staged=True, q_fp8=False, qrot=None, n_splits=1)
+    args.update(kw)
+    return plan.persist_programs(T, n_hb, **args)
+
+
+def test_persistent_programs_where_they_pay():
+    """Persistent sm_90 launches (ops/attention/sm90/persist.py): V4 rows staged, a bf16 q
+    without the q fold, one split, more units than SMs; as many programs a head block as fit,
+    more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    assert tuning.PERSIST_V4 and tuning.PERSIST_TOKENS == 8
+    assert _persist(256, 1) == 132 and _persist(256, 2) == 66 and _persist(133, 1) == 132
+    assert _persist(132, 1) == 0 and _persist(66, 2) == 0      # one wave: nothing to gain
+    assert _persist(8 * 132 + 1, 1) == 133                     # 8 tokens a program at most
+    for kw in (dict(fmt="v32"), dict(fmt="v41"), dict(staged=False), dict(q_fp8=True),
+               dict(qrot=object()), dict(n_splits=2)):
+        assert _persist(256, 1, **kw) == 0, kw
+
+
+def test_persistent_programs_off(monkeypatch):
+    from sparse_mla.ops.attention.sm90 import tuning
+    monkeypatch.setattr(tuning, "PERSIST_V4", False)
+    assert _persist(256, 1) == 0
+
+
+def test_bench_rows_that_run_persistent_programs():
+    """Of bench_flashmla's V4 rows, those whose plan is one launch of one split over more
+    units than SMs run persistent programs (2-8 tokens a program); two-launch plans (b 74 /
+    148) and rows of one wave do not."""
+    persistent = {}
+    for name, (T, n_hb, tiles) in _BENCH_ROWS.items():
+        phases = plan_phases(T, n_hb, tiles, 132, 5)
+        fmt = name.split()[0]
+        if len(phases) == 1:
+            progs = _persist(T, n_hb, fmt=fmt, n_splits=phases[0][2])
+            if progs:
+                persistent[name] = progs
+    h64 = ["v4 b=256 s_q=1 h=64 +512", "v4 b=128 s_q=2 h=64 +512", "v4 b=256 s_q=2 h=64 +512",
+           "v4 b=256 s_q=1 h=64 +64"]
+    h128 = ["v4 b=128 s_q=1 h=128 +1024", "v4 b=256 s_q=1 h=128 +1024",
+            "v4 b=64 s_q=2 h=128 +1024", "v4 b=128 s_q=2 h=128 +1024",
+            "v4 b=256 s_q=2 h=128 +1024", "v4 b=256 s_q=1 h=128 +64"]
+    assert persistent == {**{n: 132 for n in h64}, **{n: 66 for n in h128}}

@@ -266,7 +266,7 @@ def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
     tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
     force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(plan, "choose_splits", lambda *args: 1)
+    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: 1)
     x = _batch(24, 64, dtype)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
