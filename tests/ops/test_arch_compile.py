@@ -60,6 +60,19 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
                "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 64,
                "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
+# Tritons before 3.9 allocate the indexer's decode scores kernel (4 warps) more tightly: at
+# sm_80-120 it spills up to 1,112 B on 3.6 (torch 2.11's), 1,000 B on 3.7, 176 B on 3.8, where
+# 3.9 spills 0-40 B; on the H200 this launch was still the fastest with 3.6 (heads on M, 88-176 B
+# spilled: 150 µs against 168 at 8 warps, which spill none: docs/perf-log.md, "Session 37: the
+# indexer's launch shapes"), so the launch stays and these bounds (about 1.25x those maxima)
+# replace SPILL_BOUND's under them; the index convert kernel spills 8 B at sm_100 / 120 there.
+# Two portable attention variants spill more on one release each (the most, by arch): the
+# tiny V4.1 528 + 288 B launch 3,200 B at sm_120 on 3.7 (3.9: within 1,700), the plain e4m3
+# 576-wide split 15,894 B at sm_80 on 3.8 (3.9: within 11,264). Measured on this repository's
+# CPU compile with each release (Session 42).
+SPILL_BOUND_BEFORE_TRITON39 = {"indexer_decode_q8_k8": 850, "indexer_decode_qbf16_k8": 820,
+                               "indexer_decode_qbf16_kbf16": 1400, "index_convert_kernel": 16,
+                               "tiny_v41_v41fp4": 4000, "split_plain_fp8_576": 19900}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
@@ -380,10 +393,26 @@ def test_kernel_compiles_within_the_archs_shared_memory_and_spill_bound(arch, na
         f"sm_{arch} {name} uses {shared} B of shared memory; one block may use "
         f"{SHARED_LIMIT[arch]} B")
     assert spills is not None, f"sm_{arch} {name}: ptxas reported no spill line"
-    bound = SPILL_BOUND.get(name, 0)
+    bound = spill_bound(name)
     assert spills <= bound, (
         f"sm_{arch} {name} spills {spills} B of registers (stores + loads); its bound is "
-        f"{bound} B (SPILL_BOUND)")
+        f"{bound} B (SPILL_BOUND, SPILL_BOUND_BEFORE_TRITON39)")
+
+
+def spill_bound(name, version=None):
+    """The spill bound of kernel ``name`` under Triton ``version`` (the installed one)."""
+    import triton
+    major, minor = (int(x) for x in (version or triton.__version__).split(".")[:2])
+    if (major, minor) < (3, 9) and name in SPILL_BOUND_BEFORE_TRITON39:
+        return SPILL_BOUND_BEFORE_TRITON39[name]
+    return SPILL_BOUND.get(name, 0)
+
+
+def test_spill_bounds_by_triton():
+    assert spill_bound("indexer_decode_qbf16_kbf16", "3.9.0") == 160
+    assert spill_bound("indexer_decode_qbf16_kbf16", "3.6.0") == 1400
+    assert spill_bound("index_convert_kernel", "3.9.0") == 0
+    assert spill_bound("split_v4", "3.6.0") == SPILL_BOUND["split_v4"]
 
 
 def test_spill_report_is_read():
