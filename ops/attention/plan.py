@@ -261,12 +261,14 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
 def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits):
     """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
     ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
-    or 0 for one program a token: V4 rows staged, a bf16 q without the q fold, one split a
-    token, and more units than ``sms`` (one wave gains nothing). As many programs as fit,
-    or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
+    or 0 for one program a token: V4 rows staged (V4.1 rows where ``tuning.PERSIST_V41``),
+    a bf16 q without the q fold, one split a token, and more units than ``sms`` (one wave
+    gains nothing). As many programs as fit, or more where a program would get over
+    ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
-    if not (tuning.PERSIST_V4 and fmt == "v4" and staged and not q_fp8 and qrot is None
-            and n_splits == 1):
+    rows = ((fmt == "v4" and tuning.PERSIST_V4)
+            or (fmt == GLUON_V41 and tuning.PERSIST_V41))
+    if not (rows and staged and not q_fp8 and qrot is None and n_splits == 1):
         return 0
     slots = max(1, sms // n_hb)
     if T <= slots:

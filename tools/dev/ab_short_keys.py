@@ -14,6 +14,11 @@ Variants (module settings read at each launch's plan, restored after each call):
   default, 1, runs one split of 3 tiles);
 * ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
 
+Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window 128 + 512) of more units
+than SMs, without FlashMLA (it reads no V4.1 record): ``base`` against ``p41``,
+``tuning.PERSIST_V41`` on (persistent programs over V4.1 rows, off by default until this
+measures them).
+
 Per row, in each of ``--rounds`` rounds, FlashMLA and each variant are timed in turn
 (CUDA-graph replay, ``harness.time_graph``: bench_flashmla's timing); µs are medians over the
 rounds, "x FM" FlashMLA µs / ours. Each variant's plan (route and phases) is printed; a
@@ -44,6 +49,18 @@ ROWS = ((64, 1, 64, 64), (256, 1, 64, 64), (64, 1, 128, 64), (256, 1, 128, 64),
 VARIANTS = {"base": {}, "one": {(tuning, "PERSIST_V4"): False},
             "comb0": {(plan, "SPLIT_COMBINE_TILES"): 0},
             "nocl": {(tuning, "CLUSTER_V4"): False}}
+# (b, s_q, h): V4.1 rows (528 + 288 B) whose one-split launches have more units than SMs
+V41_ROWS = ((256, 1, 64), (128, 2, 64), (256, 1, 128), (128, 2, 128))
+V41_VARIANTS = {"base": {}, "p41": {(tuning, "PERSIST_V41"): True}}
+
+
+def _cases():
+    """(case, its variants, whether FlashMLA reads its inputs) for every row."""
+    for b, s_q, h, topk in ROWS:
+        yield bench._decode_case(b, s_q, h, topk, "cuda", check=False), VARIANTS, True
+    for b, s_q, h in V41_ROWS:
+        yield (bench.v41_decode_case(b, s_q, h, "v41", "v41_fp4", "cuda", check=False),
+               V41_VARIANTS, False)
 
 
 def _with(settings, fn):
@@ -72,16 +89,16 @@ def main(argv=None):
     args = ab_args(__doc__, argv)
     print(harness.device_name("cuda"), flush=True)
     failed = False
-    for b, s_q, h, topk in ROWS:
-        case = bench._decode_case(b, s_q, h, topk, "cuda", check=False)
+    for case, variants, fm_reads in _cases():
         if args.only not in case.shape:
             continue
         torch.manual_seed(0)
         a = case.make()
         mine = lambda case=case, a=a: case.run(a, "triton")  # noqa: E731
-        ref = case.run(dict(a), "reference") if b * s_q <= 128 else None
+        tokens = a["q"].shape[0] * a["q"].shape[1]     # b · s_q
+        ref = case.run(dict(a), "reference") if tokens <= 128 else None
         outs, plans = {}, {}
-        for name, settings in VARIANTS.items():
+        for name, settings in variants.items():
             outs[name] = _with(settings, mine)
             lp = dispatch.last_plan()
             plans[name] = (lp.route, lp.phases, lp.persist)
@@ -92,20 +109,20 @@ def main(argv=None):
                 print(f"{case.shape} {name}: error {max(errs):.2e} > {case.tolerance:.2e}")
                 failed = True
         vendor = None
-        if not args.no_vendor:
+        if fm_reads and not args.no_vendor:
             try:
                 vendor = bench_flashmla.planned_flash_mla(a)[0]
             except Exception as exc:  # reported, the row still times ours
                 print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
-        t = {k: [] for k in ["fm", *VARIANTS]}
+        t = {k: [] for k in ["fm", *variants]}
         for _ in range(args.rounds):
             if vendor is not None:
                 t["fm"].append(_timed(vendor))
-            for name, settings in VARIANTS.items():
+            for name, settings in variants.items():
                 t[name].append(_with(settings, lambda mine=mine: _timed(mine)))
         fm = statistics.median(t["fm"]) if t["fm"] else None
         print(case.shape + (f"  FlashMLA {fm * 1e6:.1f} µs" if fm else ""), flush=True)
-        for name in VARIANTS:
+        for name in variants:
             us = statistics.median(t[name])
             rel = statistics.median(x / y for x, y in zip(t["base"], t[name]))
             print(f"  {name:5s} {us * 1e6:7.1f} µs  base/{name} {rel:.3f}"

@@ -57,6 +57,35 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank)
+    elif STAGED and PERSIST:    # tokens tp, tp + tp_step, ... (persist)
+        if CLUSTER:
+            tid = _thread_ids(P_WARPS)
+            _cluster_sync(tid, _CLUSTER_ARRIVE)
+            _cluster_sync(tid, _CLUSTER_WAIT)
+        g0 = 0
+        for k in range(n_mine):
+            lok, hik, n0pk, n0k, n1k, n_k = persist.run(tok_tab, k, P_WARPS)
+            tk = t0 + tp + k * tp_step
+            if FMT >= 5 and CLUSTER:
+                _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
+                                  peer_free, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0,
+                                  c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
+                                  c1_bs, c1_cap, i1_ptr, i1_s0, BN, STAGES, P_WARPS, rank, FMT,
+                                  g0, False)
+            elif FMT >= 5:
+                _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, tk,
+                             lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0, c0_s1, c0_bs,
+                             c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr,
+                             i1_s0, BN, SUB, STAGES, P_WARPS, EARLY, FMT, g0)
+            else:
+                _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free,
+                            early, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0, c0_s1,
+                            c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap,
+                            i1_ptr, i1_s0, BN, SUB, STAGES, P_WARPS, rank, CLUSTER, EARLY,
+                            RANK_VIEWS, g0, False)
+            g0 += n_k
+        if CLUSTER:
+            _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
     elif STAGED and FMT >= 5 and CLUSTER:
         _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
                           lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
@@ -67,22 +96,6 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                      n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
                      P_WARPS, EARLY, FMT)
-    elif STAGED and PERSIST:    # tokens tp, tp + tp_step, ... (persist)
-        if CLUSTER:
-            tid = _thread_ids(P_WARPS)
-            _cluster_sync(tid, _CLUSTER_ARRIVE)
-            _cluster_sync(tid, _CLUSTER_WAIT)
-        g0 = 0
-        for k in range(n_mine):
-            lok, hik, n0pk, n0k, n1k, n_k = persist.run(tok_tab, k, P_WARPS)
-            _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free,
-                        early, t0 + tp + k * tp_step, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr,
-                        c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
-                        c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES, P_WARPS, rank, CLUSTER,
-                        EARLY, RANK_VIEWS, g0, False)
-            g0 += n_k
-        if CLUSTER:
-            _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
     elif STAGED:
         _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, early,
                     t, lo, hi,

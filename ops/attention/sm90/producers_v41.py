@@ -67,9 +67,10 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
                  n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                  c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                  SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                 EARLY: gl.constexpr, FMT: gl.constexpr):
+                 EARLY: gl.constexpr, FMT: gl.constexpr, g0=0):
     """The producer outside clusters (kernel ``FMT`` 5, 7 or 8: 528 B main rows with 528 B,
-    288 B or 584 B extra rows)."""
+    288 B or 584 B extra rows), over the ring's tiles g0 .. g0 + n_tiles - 1 (g0: the tiles
+    of a persistent program's earlier tokens, ``persist``)."""
     EXTRA: gl.constexpr = 5 if FMT == 5 else (6 if FMT == 7 else 0)     # launch.FMT_CODES
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
@@ -83,7 +84,8 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
     idx = _early_slots(early, SUB, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                        rows_b, EARLY)
     for i in range(n_tiles):
-        st = i % STAGES
+        g = g0 + i
+        st = g % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
             c_c = lo + i * BN + h * SUB     # the chunk in the staging buffer
             async_copy.wait_group(0)
@@ -101,7 +103,7 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
             idx = _slots(c + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
             if h == 0:
-                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+                mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
             _store_chunk(k_bufs.index(st), h * SUB, x0, x1, x2, x3, x4, x5, x6, x7, rope, s0_c,
                          s1_c, s2_c, s3_c, upper, c_c >= n0p, SUB, P_WARPS, EXTRA)
             bias_bufs.index(st).slice(h * SUB, SUB).store(gl.where(v_c, 0.0, float("-inf")))
@@ -117,11 +119,11 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                       lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                       i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                       BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr, rank,
-                      FMT: gl.constexpr):
+                      FMT: gl.constexpr, g0=0, ALONE: gl.constexpr = True):
     """``_produce_v41`` in a 2-CTA cluster (``cluster``): this CTA's 32-row half of every tile
     (one chunk a tile, staged a tile ahead), stored here and copied, all eight panels, into
     the peer's stage (584 B rows' RoPE dims too); the bias of the peer's half is written here
-    from its slot ids."""
+    from its slot ids. ``g0`` / ``ALONE``: as ``producers._produce_v4``'s."""
     EXTRA: gl.constexpr = 5 if FMT == 5 else (6 if FMT == 7 else 0)     # launch.FMT_CODES
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
@@ -132,16 +134,19 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
     tid = _thread_ids(P_WARPS)
     first = lo + rank * SUB
     other = lo + (1 - rank) * SUB   # the peer's half: only its bias is written here
-    _cluster_sync(tid, _CLUSTER_ARRIVE)
+    if ALONE:
+        _cluster_sync(tid, _CLUSTER_ARRIVE)
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     v, s0, s1, s2, s3 = _issue(stage_raw, stage_rope, idx, first, n0p, c0_ptr, c0_s0, c0_s1,
                                c0_bs, c0_cap, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, cb, SUB,
                                EXTRA)
     idx = _slots(first + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
-    _cluster_sync(tid, _CLUSTER_WAIT)
+    if ALONE:
+        _cluster_sync(tid, _CLUSTER_WAIT)
     for i in range(n_tiles):
-        st = i % STAGES
+        g = g0 + i
+        st = g % STAGES
         c_c = first + i * BN      # this CTA's chunk in the staging buffer
         async_copy.wait_group(0)
         x0, x1, x2, x3, x4, x5, x6, x7 = _staged(stage_raw, SUB, LB)
@@ -160,7 +165,7 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                      rows_b)
         idx_o = _slots(other + (i + 1) * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
                        SUB, rows_b)
-        _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
+        _pair_handoff(empty, peer_free, g, rank, tid, STAGES)
         kb = k_bufs.index(st)
         bias = bias_bufs.index(st)
         if rank == 0:     # static slice starts: one branch per rank
@@ -177,7 +182,8 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         barrier()
         _send_half(ready, st, rank, tid, BN, SUB, _SEND_V41, V41_PANELS)
     async_copy.wait_group(0)    # the gather issued past the last tile (all rows masked)
-    _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
+    if ALONE:
+        _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
 
 
 @gluon.jit

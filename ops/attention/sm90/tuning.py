@@ -38,6 +38,9 @@ EARLY_SLOTS = gl.constexpr(True)
 # one split a token, more units than SMs. At most PERSIST_TOKENS tokens a program (its token
 # table's rows; past that the launch takes more programs than fit, in waves again)
 PERSIST_V4 = True
+# the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows): written the
+# way V4's is and compiled (``variants``), not yet run on a GPU, so off
+PERSIST_V41 = False
 PERSIST_TOKENS = 8
 
 

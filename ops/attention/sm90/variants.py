@@ -53,6 +53,10 @@ VARIANTS = {
     "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
     "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
                                      persist=True),
+    # (V4.1 ones: tuning.PERSIST_V41, off until run on a GPU)
+    "v41_fp4_staged_final_persist": dict(fmt=7, staged=True, final=True, persist=True),
+    "v41_cluster_final_persist": dict(fmt=5, staged=True, cluster=True, final=True,
+                                      persist=True),
 }
 # the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
 _QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}

@@ -153,6 +153,28 @@ def test_persistent_programs_match_one_program_a_token(h, programs, graph, monke
     card taken as 6 SMs, 6 or 3 tokens a program) and more programs than fit ("over": at most
     2 tokens a program), eager and replayed from a CUDA graph: the output must agree with the
     reference and be bit-identical to one program a token (the same arithmetic)."""
+    a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v4", bs=64, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + len(programs))
+    _check_persistent(a, h, programs, graph, monkeypatch)
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("programs", ["few", "over"])
+@pytest.mark.parametrize("efmt", ["v41", "v41_fp4", "v4"])
+def test_persistent_programs_over_v41_rows(h, programs, efmt, monkeypatch):
+    """The same over DeepSeek-V4.1's 528 B main rows with 528 B, 288 B or 584 B extra rows
+    (``tuning.PERSIST_V41``, off by default until measured)."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    monkeypatch.setattr(tuning, "PERSIST_V41", True)
+    a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v41", bs=32, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + len(efmt), extra_fmt=efmt)
+    _check_persistent(a, h, programs, False, monkeypatch)
+
+
+def _check_persistent(a, h, programs, graph, monkeypatch):
+    """``a`` (9 x 2 tokens) through a persistent launch, against the reference and against
+    one program a token."""
     from sparse_mla.ops.attention.sm90 import tuning
     force_tiny_launches(monkeypatch, False)
     monkeypatch.setattr(plan, "_sm_count", lambda dev: 6)
@@ -160,8 +182,6 @@ def test_persistent_programs_match_one_program_a_token(h, programs, graph, monke
     if programs == "over":
         monkeypatch.setattr(tuning, "PERSIST_TOKENS", 2)
     b, s_q, n_hb = 9, 2, -(-h // 64)
-    a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v4", bs=64, topk=192, extra_bs=64,
-                    extra_topk=512, seed=h + len(programs))
     a["topk_length"][1] = 0
     a["extra_topk_length"][1] = 0       # batch row 1's tokens: no key, no tile
     run = (lambda: _replayed(a)) if graph else (lambda: _run_decode(a, "triton"))
@@ -173,6 +193,7 @@ def test_persistent_programs_match_one_program_a_token(h, programs, graph, monke
     assert (got[0][1].float().abs().amax() == 0) and got[1][1].isinf().all()
     check_decode(_run_decode(a, "reference"), got)
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
+    monkeypatch.setattr(tuning, "PERSIST_V41", False)
     one = run()
     assert last_plan().persist == 0
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])

@@ -130,6 +130,16 @@ def test_persistent_programs_where_they_pay():
         assert _persist(256, 1, **kw) == 0, kw
 
 
+def test_persistent_programs_over_v41_rows_when_asked(monkeypatch):
+    """V4.1 rows take persistent programs only where ``tuning.PERSIST_V41`` (off: written as
+    V4's and compiled, not yet measured on a GPU)."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    assert tuning.PERSIST_V41 is False
+    monkeypatch.setattr(tuning, "PERSIST_V41", True)
+    assert _persist(256, 1, fmt="v41") == 132 and _persist(256, 2, fmt="v41") == 66
+    assert _persist(256, 1, fmt="v41_fp4") == 0     # 288 B main rows: the portable kernel
+
+
 def test_persistent_programs_off(monkeypatch):
     from sparse_mla.ops.attention.sm90 import tuning
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
