@@ -188,7 +188,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
         # the sm_90 kernel decodes an e4m3 q into shared memory itself; one split per token:
         # it finishes the rows itself (no partials, no combine)
         qq = q.view(torch.uint8) if q_fp8 else q
-        phases = plan.plan_phases(T, n_hb, max_tiles, plan._sm_count(dev),
+        sms = plan._sm_count(dev)
+        phases = plan.plan_phases(T, n_hb, max_tiles, sms,
                                   cfg["split_overhead"])
         launch.phases = tuple(phases)
         launch.combined = any(n_splits > 1 for _, _, n_splits in phases)
@@ -197,8 +198,8 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
             part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
                                          n_splits)
             # persistent programs (each running several tokens) where they pay
-            progs = plan.persist_programs(t1 - t0, n_hb, plan._sm_count(dev), src0.fmt, staged,
-                                          q_fp8, qrot, n_splits) if len(phases) == 1 else 0
+            progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8, qrot,
+                                          n_splits) if len(phases) == 1 else 0
             launch.persist = progs
             launch.kernels.append(_launch_gluon(
                 g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,

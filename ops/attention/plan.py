@@ -203,10 +203,15 @@ def choose_splits(units, tiles, sms, overhead, max_splits=None, combine=0):
     At most ``max_splits`` (where given)."""
     best, best_cost = 1, None
     for s in range(1, max(1, min(tiles, max_splits or tiles)) + 1):
-        cost = wave_cost(units, s, tiles, sms, overhead) + (combine if s > 1 else 0)
+        cost = split_cost(units, s, tiles, sms, overhead, combine)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+def split_cost(units, splits, tiles, sms, overhead, combine=0):
+    """``wave_cost`` plus ``combine`` tiles where the launch splits (its combine launch)."""
+    return wave_cost(units, splits, tiles, sms, overhead) + (combine if splits > 1 else 0)
 
 
 def wave_cost(units, splits, tiles, sms, overhead):
@@ -246,14 +251,13 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
         combine = SPLIT_COMBINE_TILES
     units = T * n_hb
     s = choose_splits(units, tiles, sms, overhead, combine=combine)
-    one = wave_cost(units, s, tiles, sms, overhead) + (combine if s > 1 else 0)
     full = units // sms * sms // n_hb       # tokens whose units fill whole waves
     if 0 < full < T:
         rest = (T - full) * n_hb
         s_rest = choose_splits(rest, tiles, sms, overhead, combine=combine)
         cost = (wave_cost(full * n_hb, 1, tiles, sms, overhead) + overhead
-                + wave_cost(rest, s_rest, tiles, sms, overhead) + combine)
-        if s_rest > 1 and cost < one:
+                + split_cost(rest, s_rest, tiles, sms, overhead, combine))
+        if s_rest > 1 and cost < split_cost(units, s, tiles, sms, overhead, combine):
             return [(0, full, 1), (full, T, s_rest)]
     return [(0, T, s)]
 
