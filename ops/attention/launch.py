@@ -199,7 +199,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
                                          n_splits)
             # persistent programs (each running several tokens) where they pay
             progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8, qrot,
-                                          n_splits) if len(phases) == 1 else 0
+                                          n_splits, cluster) if len(phases) == 1 else 0
             launch.persist = progs
             launch.kernels.append(_launch_gluon(
                 g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,

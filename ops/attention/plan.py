@@ -262,17 +262,18 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
     return [(0, T, s)]
 
 
-def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits):
+def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits, cluster=False):
     """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
     ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
-    or 0 for one program a token: V4 rows staged (V4.1 rows where ``tuning.PERSIST_V41``),
-    a bf16 q without the q fold, one split a token, and more units than ``sms`` (one wave
-    gains nothing). As many programs as fit, or more where a program would get over
-    ``tuning.PERSIST_TOKENS`` tokens."""
+    or 0 for one program a token: V4 rows staged (V4.1 rows where ``tuning.PERSIST_V41``;
+    V3.2 rows in 2-CTA clusters where ``tuning.PERSIST_V32``), a bf16 q without the q fold,
+    one split a token, and more units than ``sms`` (one wave gains nothing). As many programs
+    as fit, or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
-    rows = ((fmt == "v4" and tuning.PERSIST_V4)
-            or (fmt == GLUON_V41 and tuning.PERSIST_V41))
-    if not (rows and staged and not q_fp8 and qrot is None and n_splits == 1):
+    rows = staged and ((fmt == "v4" and tuning.PERSIST_V4)
+                       or (fmt == GLUON_V41 and tuning.PERSIST_V41))
+    rows = rows or (fmt == "v32" and cluster and tuning.PERSIST_V32)
+    if not (rows and not q_fp8 and qrot is None and n_splits == 1):
         return 0
     slots = max(1, sms // n_hb)
     if T <= slots:

@@ -14,10 +14,12 @@ Variants (module settings read at each launch's plan, restored after each call):
   default, 1, runs one split of 3 tiles);
 * ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
 
-Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window 128 + 512) of more units
-than SMs, without FlashMLA (it reads no V4.1 record): ``base`` against ``p41``,
-``tuning.PERSIST_V41`` on (persistent programs over V4.1 rows, off by default until this
-measures them).
+Then DeepSeek-V3.2 rows at 128 heads (2-CTA clusters) of more units than SMs, against
+FlashMLA: ``base`` against ``p32``, ``tuning.PERSIST_V32`` on (persistent programs over the
+V3.2 pair producer, off by default until this measures them). Then DeepSeek-V4.1 rows (528 B
+main + 288 B extra records, window 128 + 512) of more units than SMs, without FlashMLA (it
+reads no V4.1 record): ``base`` against ``p41``, ``tuning.PERSIST_V41`` on (persistent
+programs over V4.1 rows, off by default until this measures them).
 
 Per row, in each of ``--rounds`` rounds, FlashMLA and each variant are timed in turn
 (CUDA-graph replay, ``harness.time_graph``: bench_flashmla's timing); µs are medians over the
@@ -52,12 +54,19 @@ VARIANTS = {"base": {}, "one": {(tuning, "PERSIST_V4"): False},
 # (b, s_q, h): V4.1 rows (528 + 288 B) whose one-split launches have more units than SMs
 V41_ROWS = ((256, 1, 64), (128, 2, 64), (256, 1, 128), (128, 2, 128))
 V41_VARIANTS = {"base": {}, "p41": {(tuning, "PERSIST_V41"): True}}
+# (b, s_q, h, top-k): V3.2 rows in 2-CTA clusters of more units than SMs (bench_flashmla's
+# decode row first)
+V32_ROWS = ((64, 2, 128, 2048), (128, 1, 128, 2048), (128, 2, 128, 512))
+V32_VARIANTS = {"base": {}, "p32": {(tuning, "PERSIST_V32"): True}}
 
 
 def _cases():
     """(case, its variants, whether FlashMLA reads its inputs) for every row."""
     for b, s_q, h, topk in ROWS:
         yield bench._decode_case(b, s_q, h, topk, "cuda", check=False), VARIANTS, True
+    for b, s_q, h, topk in V32_ROWS:
+        yield (bench._decode_case(b, s_q, h, topk, "cuda", fmt="v32", check=False),
+               V32_VARIANTS, True)
     for b, s_q, h in V41_ROWS:
         yield (bench.v41_decode_case(b, s_q, h, "v41", "v41_fp4", "cuda", check=False),
                V41_VARIANTS, False)

@@ -51,13 +51,7 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
     each tile where ``CLUSTER``), V4.1 rows (``FMT`` 5: 528 B in both sources, 7 / 8: 528 B
     main rows with 288 B / 584 B extra rows) through it too (``producers_v41``), else a tile
     at a time (``_produce_tiles``)."""
-    if CLUSTER and FMT == 1:
-        _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
-                          peer_free, t, lo, hi,
-                          n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
-                          i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
-                          STAGES, P_WARPS, rank)
-    elif STAGED and PERSIST:    # tokens tp, tp + tp_step, ... (persist)
+    if PERSIST:    # tokens tp, tp + tp_step, ... (persist)
         if CLUSTER:
             tid = _thread_ids(P_WARPS)
             _cluster_sync(tid, _CLUSTER_ARRIVE)
@@ -66,7 +60,13 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         for k in range(n_mine):
             lok, hik, n0pk, n0k, n1k, n_k = persist.run(tok_tab, k, P_WARPS)
             tk = t0 + tp + k * tp_step
-            if FMT >= 5 and CLUSTER:
+            if FMT == 1:
+                _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready,
+                                  empty, peer_free, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr,
+                                  c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0,
+                                  c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, STAGES, P_WARPS,
+                                  rank, g0, False)
+            elif FMT >= 5 and CLUSTER:
                 _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                                   peer_free, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0,
                                   c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
@@ -86,6 +86,12 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
             g0 += n_k
         if CLUSTER:
             _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
+    elif CLUSTER and FMT == 1:
+        _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
+                          peer_free, t, lo, hi,
+                          n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
+                          i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
+                          STAGES, P_WARPS, rank, 0, True)
     elif STAGED and FMT >= 5 and CLUSTER:
         _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
                           lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
@@ -379,7 +385,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
                       t, lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                       i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                       BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                      rank):
+                      rank, g0, ALONE: gl.constexpr):
     """The producer of a cluster over the V3.2 cache: this CTA's 32-row half of every tile,
     stored here and copied into the peer's stage. The RoPE dims of the peer's half are copied
     here from the cache, like this CTA's own (they need no decoding, and the cluster copies
@@ -395,7 +401,10 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     first use of any waits for all (8 KB of shared memory is all there is for staging; same
     section). Nor can the register half be loaded at the end of the tile before: the first
     load after the back edge, or the hand-off's wait loop entered with loads in flight, then
-    waits for all of them (docs/perf-log.md, "V3.2 cluster bounds")."""
+    waits for all of them (docs/perf-log.md, "V3.2 cluster bounds").
+
+    The ring's tiles are g0 .. g0 + n_tiles - 1, as ``_produce_v4``'s (``ALONE``: this
+    program's one token; else a persistent program's, whose caller syncs and drains once)."""
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -404,10 +413,12 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     tid = _thread_ids(P_WARPS)
     first = lo + rank * SUB
     other = lo + (1 - rank) * SUB       # the peer's half: only its RoPE dims are copied here
-    _cluster_sync(tid, _CLUSTER_ARRIVE)
+    if ALONE:
+        _cluster_sync(tid, _CLUSTER_ARRIVE)
     idx = _slots(first, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
     idx_o = _slots(other, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB, rows_b)
-    _cluster_sync(tid, _CLUSTER_WAIT)
+    if ALONE:
+        _cluster_sync(tid, _CLUSTER_WAIT)
     # both halves of a tile come from one source (source 0's columns are padded to BN). The
     # staging of the first tile and (in the loop) of the next one stay written out: folded
     # into _stage_v32, these values stop being loop-carried, ptxas reschedules the dequant,
@@ -417,7 +428,8 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     valid = _usable(idx, cap)
     _stage_v32(stage_raw, stage_sc, _record(cache, s0, bs, idx, V32_RECORD), valid, cb)
     for i in range(n_tiles):
-        st = i % STAGES
+        g = g0 + i
+        st = g % STAGES
         c = first + i * BN
         idx_next = _slots(c + BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                           rows_b)
@@ -433,7 +445,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
         valid_o = _usable(idx_o, cap)
         rec_o = _record(cache, s0, bs, idx_o, V32_RECORD)
-        _pair_handoff(empty, peer_free, i, rank, tid, STAGES)
+        _pair_handoff(empty, peer_free, g, rank, tid, STAGES)
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
@@ -480,4 +492,5 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         idx = idx_next
         idx_o = idx_o_next
     async_copy.wait_group(0)    # the staging past the last tile (nothing) before exit
-    _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)
+    if ALONE:
+        _pair_drain(empty, peer_free, n_tiles, rank, tid, STAGES)

@@ -41,6 +41,9 @@ PERSIST_V4 = True
 # the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows): written the
 # way V4's is and compiled (``variants``), not yet run on a GPU, so off
 PERSIST_V41 = False
+# the same for V3.2 rows in 2-CTA clusters (65-128 heads, ``_produce_v32_pair``): not yet run
+# on a GPU, so off
+PERSIST_V32 = False
 PERSIST_TOKENS = 8
 
 

@@ -57,6 +57,9 @@ VARIANTS = {
     "v41_fp4_staged_final_persist": dict(fmt=7, staged=True, final=True, persist=True),
     "v41_cluster_final_persist": dict(fmt=5, staged=True, cluster=True, final=True,
                                       persist=True),
+    # (V3.2 clusters: tuning.PERSIST_V32, off until run on a GPU)
+    "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
+                                      persist=True),
 }
 # the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
 _QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}

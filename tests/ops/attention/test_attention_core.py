@@ -172,6 +172,21 @@ def test_persistent_programs_over_v41_rows(h, programs, efmt, monkeypatch):
     _check_persistent(a, h, programs, False, monkeypatch)
 
 
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h", [128, 72])
+@pytest.mark.parametrize("programs", ["few", "over"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_persistent_programs_over_v32_clusters(h, programs, graph, monkeypatch):
+    """The same over V3.2's 656 B rows (576-wide keys, both sources) in 2-CTA clusters, the
+    pair producer's staging a tile ahead running on across tokens (``tuning.PERSIST_V32``,
+    off by default until measured)."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    monkeypatch.setattr(tuning, "PERSIST_V32", True)
+    a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v32", bs=64, topk=192, extra_bs=64,
+                    extra_topk=512, seed=h + len(programs) + 7)
+    _check_persistent(a, h, programs, graph, monkeypatch)
+
+
 def _check_persistent(a, h, programs, graph, monkeypatch):
     """``a`` (9 x 2 tokens) through a persistent launch, against the reference and against
     one program a token."""
@@ -194,6 +209,7 @@ def _check_persistent(a, h, programs, graph, monkeypatch):
     check_decode(_run_decode(a, "reference"), got)
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
     monkeypatch.setattr(tuning, "PERSIST_V41", False)
+    monkeypatch.setattr(tuning, "PERSIST_V32", False)
     one = run()
     assert last_plan().persist == 0
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])

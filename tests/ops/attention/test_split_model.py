@@ -140,6 +140,19 @@ def test_persistent_programs_over_v41_rows_when_asked(monkeypatch):
     assert _persist(256, 1, fmt="v41_fp4") == 0     # 288 B main rows: the portable kernel
 
 
+def test_persistent_programs_over_v32_clusters_when_asked(monkeypatch):
+    """V3.2 rows take persistent programs only in 2-CTA clusters (their pair producer) and
+    only where ``tuning.PERSIST_V32`` (off: compiled, not yet measured on a GPU)."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    assert tuning.PERSIST_V32 is False
+    assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
+    monkeypatch.setattr(tuning, "PERSIST_V32", True)
+    assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 66
+    assert _persist(66, 2, fmt="v32", staged=False, cluster=True) == 0      # one wave
+    assert _persist(256, 1, fmt="v32", staged=False) == 0       # 64 heads: no pair producer
+    assert _persist(128, 2, fmt="v32", staged=False, cluster=True, n_splits=2) == 0
+
+
 def test_persistent_programs_off(monkeypatch):
     from sparse_mla.ops.attention.sm90 import tuning
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
