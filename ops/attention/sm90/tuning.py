@@ -38,12 +38,15 @@ EARLY_SLOTS = gl.constexpr(True)
 # one split a token, more units than SMs. At most PERSIST_TOKENS tokens a program (its token
 # table's rows; past that the launch takes more programs than fit, in waves again)
 PERSIST_V4 = True
-# the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows): written the
-# way V4's is and compiled (``variants``), not yet run on a GPU, so off
-PERSIST_V41 = False
+# the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows): 1.057-1.059x
+# at 128 heads, 1.004-1.011x at 64, outputs bit-identical (H100, docs/PERF.md, "Issue 55:
+# persistent programs over V4.1, V3.2 and prefill rows")
+PERSIST_V41 = True
 # the same for V3.2 rows in 2-CTA clusters (65-128 heads, ``_produce_v32_pair``): not yet run
 # on a GPU, so off
 PERSIST_V32 = False
+# and for plain bf16 rows (the prefill core, d_qk 512 and 576): not yet run on a GPU, so off
+PERSIST_BF16 = False
 PERSIST_TOKENS = 8
 
 

@@ -125,19 +125,21 @@ def test_persistent_programs_where_they_pay():
     assert _persist(256, 1) == 132 and _persist(256, 2) == 66 and _persist(133, 1) == 132
     assert _persist(132, 1) == 0 and _persist(66, 2) == 0      # one wave: nothing to gain
     assert _persist(8 * 132 + 1, 1) == 133                     # 8 tokens a program at most
-    for kw in (dict(fmt="v32"), dict(fmt="v41"), dict(staged=False), dict(q_fp8=True),
-               dict(qrot=object()), dict(n_splits=2)):
+    for kw in (dict(fmt="v32"), dict(fmt="v41", staged=False), dict(staged=False),
+               dict(fmt="plain_fp8", staged=False), dict(q_fp8=True), dict(qrot=object()),
+               dict(n_splits=2)):
         assert _persist(256, 1, **kw) == 0, kw
 
 
-def test_persistent_programs_over_v41_rows_when_asked(monkeypatch):
-    """V4.1 rows take persistent programs only where ``tuning.PERSIST_V41`` (off: written as
-    V4's and compiled, not yet measured on a GPU)."""
+def test_persistent_programs_over_v41_rows(monkeypatch):
+    """V4.1 rows (528 B main rows) take persistent programs as V4's do (``tuning.PERSIST_V41``,
+    on since measured), not where it is off."""
     from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_V41 is False
-    monkeypatch.setattr(tuning, "PERSIST_V41", True)
+    assert tuning.PERSIST_V41 is True
     assert _persist(256, 1, fmt="v41") == 132 and _persist(256, 2, fmt="v41") == 66
     assert _persist(256, 1, fmt="v41_fp4") == 0     # 288 B main rows: the portable kernel
+    monkeypatch.setattr(tuning, "PERSIST_V41", False)
+    assert _persist(256, 1, fmt="v41") == 0
 
 
 def test_persistent_programs_over_v32_clusters_when_asked(monkeypatch):
@@ -151,6 +153,18 @@ def test_persistent_programs_over_v32_clusters_when_asked(monkeypatch):
     assert _persist(66, 2, fmt="v32", staged=False, cluster=True) == 0      # one wave
     assert _persist(256, 1, fmt="v32", staged=False) == 0       # 64 heads: no pair producer
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True, n_splits=2) == 0
+
+
+def test_persistent_programs_over_bf16_rows_when_asked(monkeypatch):
+    """Plain bf16 rows (the prefill core) take persistent programs only where
+    ``tuning.PERSIST_BF16`` (off: compiled, not yet measured on a GPU): bench_flashmla's
+    prefill rows (4,096 tokens, 2 head blocks) then run 512 programs a head block of 8 tokens."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    assert tuning.PERSIST_BF16 is False
+    assert _persist(4096, 2, fmt="plain_bf16", staged=False) == 0
+    monkeypatch.setattr(tuning, "PERSIST_BF16", True)
+    assert _persist(4096, 2, fmt="plain_bf16", staged=False) == 512
+    assert _persist(4096, 2, fmt="plain_fp8", staged=False) == 0
 
 
 def test_persistent_programs_off(monkeypatch):
