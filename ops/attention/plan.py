@@ -265,16 +265,14 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
 def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits, cluster=False):
     """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
     ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
-    or 0 for one program a token: V4 rows staged (V4.1 rows where ``tuning.PERSIST_V41``;
-    V3.2 rows in 2-CTA clusters where ``tuning.PERSIST_V32``; plain bf16 rows, the prefill
-    core's, where ``tuning.PERSIST_BF16``), a bf16 q without the q fold,
+    or 0 for one program a token: V4 rows staged; V4.1 and V3.2 rows in 2-CTA clusters
+    (``tuning.PERSIST_V41`` / ``PERSIST_V32``); a bf16 q without the q fold,
     one split a token, and more units than ``sms`` (one wave gains nothing). As many programs
     as fit, or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
-    rows = staged and ((fmt == "v4" and tuning.PERSIST_V4)
-                       or (fmt == GLUON_V41 and tuning.PERSIST_V41))
-    rows = (rows or (fmt == "v32" and cluster and tuning.PERSIST_V32)
-            or (fmt == "plain_bf16" and tuning.PERSIST_BF16))
+    rows = ((staged and fmt == "v4" and tuning.PERSIST_V4)
+            or (cluster and fmt == GLUON_V41 and tuning.PERSIST_V41)
+            or (cluster and fmt == "v32" and tuning.PERSIST_V32))
     if not (rows and not q_fp8 and qrot is None and n_splits == 1):
         return 0
     slots = max(1, sms // n_hb)

@@ -15,13 +15,11 @@ Variants (module settings read at each launch's plan, restored after each call):
 * ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
 
 Then DeepSeek-V3.2 rows at 128 heads (2-CTA clusters) of more units than SMs, against
-FlashMLA: ``base`` against ``p32``, ``tuning.PERSIST_V32`` on (persistent programs over the
-V3.2 pair producer, off by default until this measures them). Then bench_flashmla's two
-prefill rows (d_qk 512 and 576): ``base`` against ``pbf``, ``tuning.PERSIST_BF16`` on
-(persistent programs over plain bf16 rows, off until measured). Then DeepSeek-V4.1 rows (528 B
-main + 288 B extra records, window 128 + 512) of more units than SMs, without FlashMLA (it
-reads no V4.1 record): ``base`` (persistent programs over V4.1 rows, ``tuning.PERSIST_V41``)
-against ``one41``, it off.
+FlashMLA: ``base`` (persistent programs over the V3.2 pair producer, ``tuning.PERSIST_V32``)
+against ``one32``, it off. Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window
+128 + 512) in 2-CTA clusters of more units than SMs, without FlashMLA (it reads no V4.1
+record): ``base`` (persistent programs over V4.1 rows, ``tuning.PERSIST_V41``) against
+``one41``, it off.
 
 Per row, in each of ``--rounds`` rounds, FlashMLA and each variant are timed in turn
 (CUDA-graph replay, ``harness.time_graph``: bench_flashmla's timing); µs are medians over the
@@ -53,17 +51,14 @@ ROWS = ((64, 1, 64, 64), (256, 1, 64, 64), (64, 1, 128, 64), (256, 1, 128, 64),
 VARIANTS = {"base": {}, "one": {(tuning, "PERSIST_V4"): False},
             "comb0": {(plan, "SPLIT_COMBINE_TILES"): 0},
             "nocl": {(tuning, "CLUSTER_V4"): False}}
-# (b, s_q, h): V4.1 rows (528 + 288 B) whose one-split launches have more units than SMs
-V41_ROWS = ((256, 1, 64), (128, 2, 64), (256, 1, 128), (128, 2, 128))
+# (b, s_q, h): V4.1 rows (528 + 288 B) at 128 heads whose one-split launches have more units
+# than SMs
+V41_ROWS = ((256, 1, 128), (128, 2, 128))
 V41_VARIANTS = {"base": {}, "one41": {(tuning, "PERSIST_V41"): False}}
 # (b, s_q, h, top-k): V3.2 rows in 2-CTA clusters of more units than SMs (bench_flashmla's
 # decode row first)
 V32_ROWS = ((64, 2, 128, 2048), (128, 1, 128, 2048), (128, 2, 128, 512))
-V32_VARIANTS = {"base": {}, "p32": {(tuning, "PERSIST_V32"): True}}
-# bench_flashmla's two prefill rows (4,096 queries x 128 heads, top-k 2,048 of 32,768 bf16
-# rows; d_qk 512 and 576): the prefill core with persistent programs
-PREFILL_D = (512, 576)
-BF16_VARIANTS = {"base": {}, "pbf": {(tuning, "PERSIST_BF16"): True}}
+V32_VARIANTS = {"base": {}, "one32": {(tuning, "PERSIST_V32"): False}}
 
 
 def _cases():
@@ -73,9 +68,6 @@ def _cases():
     for b, s_q, h, topk in V32_ROWS:
         yield (bench._decode_case(b, s_q, h, topk, "cuda", fmt="v32", check=False),
                V32_VARIANTS, True)
-    for d in PREFILL_D:
-        yield (bench._prefill_case(4096, 128, 32768, 2048, "cuda", False, d=d), BF16_VARIANTS,
-               True)
     for b, s_q, h in V41_ROWS:
         yield (bench.v41_decode_case(b, s_q, h, "v41", "v41_fp4", "cuda", check=False),
                V41_VARIANTS, False)
@@ -129,10 +121,7 @@ def main(argv=None):
         vendor = None
         if fm_reads and not args.no_vendor:
             try:
-                if "prefill" in case.op:
-                    vendor = lambda a=a: bench_flashmla._flash_mla_prefill(a)  # noqa: E731
-                else:
-                    vendor = bench_flashmla.planned_flash_mla(a)[0]
+                vendor = bench_flashmla.planned_flash_mla(a)[0]
             except Exception as exc:  # reported, the row still times ours
                 print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
         t = {k: [] for k in ["fm", *variants]}

@@ -25,9 +25,8 @@ keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3 cache of
   scores by key columns, accumulator by output dims in one 8-warp partition — was slower:
   docs/perf-log.md, "Lead and follow consumers".)
 
-Where a launch of one split a token has more units than SMs (V4 rows staged, bf16 q; V4.1
-rows where ``tuning.PERSIST_V41``, V3.2 clusters where ``tuning.PERSIST_V32``, plain bf16
-rows where ``tuning.PERSIST_BF16``), its
+Where a launch of one split a token has more units than SMs (V4 rows staged, V4.1 and V3.2
+rows in clusters; bf16 q), its
 programs are **persistent** (``persist``, ``PERSIST``): G per head block, each running tokens
 tp, tp + G, ... with the ring running on across them, so a token's start and end overlap the
 neighbouring tokens' work instead of costing a program each.
@@ -96,10 +95,9 @@ def _ws_kernel(
     gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
     gl.static_assert(QROT == 0 or not (Q_FP8 or D576))
     gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
-    # persistent: V4 / V4.1 rows staged, V3.2 rows in a cluster (its pair producer), plain
-    # bf16 rows (prefill)
+    # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster
     gl.static_assert(not PERSIST or (FINAL and QROT == 0 and not Q_FP8 and (
-        (STAGED and (FMT == 0 or FMT >= 5)) or (CLUSTER and FMT == 1) or FMT == 2)))
+        (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5)))))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()

@@ -17,8 +17,9 @@ the consumers finish the last one's. What changes against one token a program:
 * ``_lead`` waits for ``rows_free`` (``_follow`` has read the last token's row factors)
   before writing the next token's, and reloads q per token.
 
-V4 rows staged (``_produce_v4``), bf16 q, one split a token (the rows are final): what the
-C128A rows run. ``plan.persist_programs`` decides where it runs.
+V4 rows staged (``_produce_v4``), and V4.1 and V3.2 rows in 2-CTA clusters
+(``_produce_v41_pair``, ``_produce_v32_pair``), a bf16 q, one split a token (the rows are
+final). ``plan.persist_programs`` decides where it runs.
 """
 from __future__ import annotations
 

@@ -67,10 +67,9 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
                  n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                  c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN: gl.constexpr,
                  SUB: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr,
-                 EARLY: gl.constexpr, FMT: gl.constexpr, g0=0):
+                 EARLY: gl.constexpr, FMT: gl.constexpr):
     """The producer outside clusters (kernel ``FMT`` 5, 7 or 8: 528 B main rows with 528 B,
-    288 B or 584 B extra rows), over the ring's tiles g0 .. g0 + n_tiles - 1 (g0: the tiles
-    of a persistent program's earlier tokens, ``persist``)."""
+    288 B or 584 B extra rows)."""
     EXTRA: gl.constexpr = 5 if FMT == 5 else (6 if FMT == 7 else 0)     # launch.FMT_CODES
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
@@ -84,8 +83,7 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
     idx = _early_slots(early, SUB, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                        rows_b, EARLY)
     for i in range(n_tiles):
-        g = g0 + i
-        st = g % STAGES
+        st = i % STAGES
         for h in gl.static_range(CH):     # static: shared-memory slices need constant starts
             c_c = lo + i * BN + h * SUB     # the chunk in the staging buffer
             async_copy.wait_group(0)
@@ -103,7 +101,7 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
             idx = _slots(c + SUB, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, SUB,
                          rows_b)
             if h == 0:
-                mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
+                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_chunk(k_bufs.index(st), h * SUB, x0, x1, x2, x3, x4, x5, x6, x7, rope, s0_c,
                          s1_c, s2_c, s3_c, upper, c_c >= n0p, SUB, P_WARPS, EXTRA)
             bias_bufs.index(st).slice(h * SUB, SUB).store(gl.where(v_c, 0.0, float("-inf")))

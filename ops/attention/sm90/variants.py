@@ -53,16 +53,11 @@ VARIANTS = {
     "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
     "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
                                      persist=True),
-    # (V4.1 ones: tuning.PERSIST_V41)
-    "v41_fp4_staged_final_persist": dict(fmt=7, staged=True, final=True, persist=True),
+    # (V4.1 and V3.2 ones: clusters only, tuning.PERSIST_V41 / PERSIST_V32)
     "v41_cluster_final_persist": dict(fmt=5, staged=True, cluster=True, final=True,
                                       persist=True),
-    # (V3.2 clusters: tuning.PERSIST_V32, off until run on a GPU)
     "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
                                       persist=True),
-    # (plain bf16 rows, the prefill core: tuning.PERSIST_BF16, off until run on a GPU)
-    "bf16_512_final_persist": dict(fmt=2, final=True, persist=True),
-    "bf16_576_final_persist": dict(fmt=2, d576=True, final=True, persist=True),
 }
 # the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
 _QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}

@@ -131,40 +131,30 @@ def test_persistent_programs_where_they_pay():
         assert _persist(256, 1, **kw) == 0, kw
 
 
-def test_persistent_programs_over_v41_rows(monkeypatch):
-    """V4.1 rows (528 B main rows) take persistent programs as V4's do (``tuning.PERSIST_V41``,
-    on since measured), not where it is off."""
+def test_persistent_programs_over_v41_rows_in_clusters(monkeypatch):
+    """V4.1 rows (528 B main rows) take persistent programs in 2-CTA clusters
+    (``tuning.PERSIST_V41``), not at 64 heads (Triton 3.7 / 3.8 spill that form), nor where it
+    is off."""
     from sparse_mla.ops.attention.sm90 import tuning
     assert tuning.PERSIST_V41 is True
-    assert _persist(256, 1, fmt="v41") == 132 and _persist(256, 2, fmt="v41") == 66
-    assert _persist(256, 1, fmt="v41_fp4") == 0     # 288 B main rows: the portable kernel
-    monkeypatch.setattr(tuning, "PERSIST_V41", False)
+    assert _persist(256, 2, fmt="v41", cluster=True) == 66
     assert _persist(256, 1, fmt="v41") == 0
+    assert _persist(256, 2, fmt="v41_fp4", cluster=True) == 0  # 288 B main rows: portable
+    monkeypatch.setattr(tuning, "PERSIST_V41", False)
+    assert _persist(256, 2, fmt="v41", cluster=True) == 0
 
 
-def test_persistent_programs_over_v32_clusters_when_asked(monkeypatch):
+def test_persistent_programs_over_v32_clusters(monkeypatch):
     """V3.2 rows take persistent programs only in 2-CTA clusters (their pair producer) and
-    only where ``tuning.PERSIST_V32`` (off: compiled, not yet measured on a GPU)."""
+    only where ``tuning.PERSIST_V32``."""
     from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_V32 is False
-    assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
-    monkeypatch.setattr(tuning, "PERSIST_V32", True)
+    assert tuning.PERSIST_V32 is True
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 66
     assert _persist(66, 2, fmt="v32", staged=False, cluster=True) == 0      # one wave
     assert _persist(256, 1, fmt="v32", staged=False) == 0       # 64 heads: no pair producer
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True, n_splits=2) == 0
-
-
-def test_persistent_programs_over_bf16_rows_when_asked(monkeypatch):
-    """Plain bf16 rows (the prefill core) take persistent programs only where
-    ``tuning.PERSIST_BF16`` (off: compiled, not yet measured on a GPU): bench_flashmla's
-    prefill rows (4,096 tokens, 2 head blocks) then run 512 programs a head block of 8 tokens."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_BF16 is False
-    assert _persist(4096, 2, fmt="plain_bf16", staged=False) == 0
-    monkeypatch.setattr(tuning, "PERSIST_BF16", True)
-    assert _persist(4096, 2, fmt="plain_bf16", staged=False) == 512
-    assert _persist(4096, 2, fmt="plain_fp8", staged=False) == 0
+    monkeypatch.setattr(tuning, "PERSIST_V32", False)
+    assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
 
 
 def test_persistent_programs_off(monkeypatch):
