@@ -197,12 +197,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
             final = n_splits == 1
             part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
                                          n_splits)
-            # persistent programs (each running several tokens) where they pay; bf16 rows
-            # (prefill) also in the whole waves of a two-launch plan
+            # persistent programs (each running several tokens) where they pay
             progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8, qrot,
-                                          n_splits, cluster) if (
-                len(phases) == 1 or src0.fmt == "plain_bf16") else 0
-            launch.persist = launch.persist or progs     # the (first) persistent launch
+                                          n_splits, cluster) if len(phases) == 1 else 0
+            launch.persist = progs
             launch.kernels.append(_launch_gluon(
                 g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,

@@ -16,9 +16,7 @@ Variants (module settings read at each launch's plan, restored after each call):
 
 Then DeepSeek-V3.2 rows at 128 heads (2-CTA clusters) of more units than SMs, against
 FlashMLA: ``base`` (persistent programs over the V3.2 pair producer, ``tuning.PERSIST_V32``)
-against ``one32``, it off. Then bench_flashmla's two prefill rows (d_qk 512 and 576): ``base``
-against ``pbf``, ``tuning.PERSIST_BF16`` on (persistent programs over the prefill core's bf16
-rows). Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window
+against ``one32``, it off. Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window
 128 + 512) in 2-CTA clusters of more units than SMs, without FlashMLA (it reads no V4.1
 record): ``base`` (persistent programs over V4.1 rows, ``tuning.PERSIST_V41``) against
 ``one41``, it off.
@@ -61,10 +59,6 @@ V41_VARIANTS = {"base": {}, "one41": {(tuning, "PERSIST_V41"): False}}
 # decode row first)
 V32_ROWS = ((64, 2, 128, 2048), (128, 1, 128, 2048), (128, 2, 128, 512))
 V32_VARIANTS = {"base": {}, "one32": {(tuning, "PERSIST_V32"): False}}
-# bench_flashmla's two prefill rows (4,096 queries x 128 heads, top-k 2,048 of 32,768 bf16
-# rows; d_qk 512 and 576)
-PREFILL_D = (512, 576)
-BF16_VARIANTS = {"base": {}, "pbf": {(tuning, "PERSIST_BF16"): True}}
 
 
 def _cases():
@@ -74,9 +68,6 @@ def _cases():
     for b, s_q, h, topk in V32_ROWS:
         yield (bench._decode_case(b, s_q, h, topk, "cuda", fmt="v32", check=False),
                V32_VARIANTS, True)
-    for d in PREFILL_D:
-        yield (bench._prefill_case(4096, 128, 32768, 2048, "cuda", False, d=d), BF16_VARIANTS,
-               True)
     for b, s_q, h in V41_ROWS:
         yield (bench.v41_decode_case(b, s_q, h, "v41", "v41_fp4", "cuda", check=False),
                V41_VARIANTS, False)
@@ -130,10 +121,7 @@ def main(argv=None):
         vendor = None
         if fm_reads and not args.no_vendor:
             try:
-                if "prefill" in case.op:
-                    vendor = lambda a=a: bench_flashmla._flash_mla_prefill(a)  # noqa: E731
-                else:
-                    vendor = bench_flashmla.planned_flash_mla(a)[0]
+                vendor = bench_flashmla.planned_flash_mla(a)[0]
             except Exception as exc:  # reported, the row still times ours
                 print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
         t = {k: [] for k in ["fm", *variants]}

@@ -26,7 +26,7 @@ keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3 cache of
   docs/perf-log.md, "Lead and follow consumers".)
 
 Where a launch of one split a token has more units than SMs (V4 rows staged, V4.1 and V3.2
-rows in clusters, plain bf16 rows where ``tuning.PERSIST_BF16``; bf16 q), its
+rows in clusters; bf16 q), its
 programs are **persistent** (``persist``, ``PERSIST``): G per head block, each running tokens
 tp, tp + G, ... with the ring running on across them, so a token's start and end overlap the
 neighbouring tokens' work instead of costing a program each.
@@ -95,10 +95,9 @@ def _ws_kernel(
     gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
     gl.static_assert(QROT == 0 or not (Q_FP8 or D576))
     gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
-    # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster, plain bf16 rows (prefill)
+    # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster
     gl.static_assert(not PERSIST or (FINAL and QROT == 0 and not Q_FP8 and (
-        (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5))
-        or (FMT == 2 and not CLUSTER))))
+        (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5)))))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -112,9 +111,6 @@ def _ws_kernel(
     EARLY: gl.constexpr = (EARLY_SLOTS and not CLUSTER and not PERSIST
                            and (FMT == 0 or FMT == 3 or FMT >= 5))
     V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
-    # p in the tile's RoPE stage (_p_buf): the V3.2 cluster's staging, and a persistent
-    # 576-wide bf16 launch's token table (PERSIST_TOKENS_BF16 rows), take the 8 KB it frees
-    P_IN_KR: gl.constexpr = V32_STAGED or (PERSIST > 0 and FMT == 2 and D576)
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
                              2 * BN, num_warps)
@@ -170,7 +166,7 @@ def _ws_kernel(
         peer_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     else:           # never used
         peer_free = empty
-    if P_IN_KR:     # p goes into the tile's RoPE stage (_p_buf)
+    if V32_STAGED:  # p goes into the tile's RoPE stage (_p_buf)
         p_smem = kr_bufs
     else:
         p_smem = gl.allocate_shared_memory(KT, [HEADS, BN], SMEM)
@@ -212,13 +208,13 @@ def _ws_kernel(
                  ready, empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0,
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX,
-                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, P_IN_KR,
+                 FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED,
                  qpos_ptr, qcs_ptr, q_max_pos, QROT, QEPS, rows_free, PERSIST, tok_tab,
                  n_mine, t0, tp_step)),
         (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,
-                   P_IN_KR, rows_free, PERSIST, tok_tab, n_mine, t0, tp_step)),
+                   V32_STAGED, rows_free, PERSIST, tok_tab, n_mine, t0, tp_step)),
         (_produce, (k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                     peer_free, early, t, lo,
                     hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,

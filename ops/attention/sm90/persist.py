@@ -67,30 +67,17 @@ def fill_table(tab, t0, tp, tp_step, n_tok, l0_ptr, l0_div, l0_off, l0_lag, l1_p
     the partitions start, so none of them keeps the lengths' arguments live in its loop (the
     consumers spilled with them)."""
     RL: gl.constexpr = gl.BlockedLayout([8], [32], [WARPS], [0])
-    if MAX_TOK <= 8:
-        for kk in gl.static_range(MAX_TOK):
-            _fill_row(tab, kk, t0, tp, tp_step, n_tok, l0_ptr, l0_div, l0_off, l0_lag, l1_ptr,
-                      l1_div, l1_off, l1_lag, K0, K1, HAS_L0, HAS_L1, HAS_SRC1, BN, RL)
-    else:   # long tables (prefill): the program's own rows, a loop rather than unrolled
-        for kk in range(token_count(tp, tp_step, n_tok)):
-            _fill_row(tab, kk, t0, tp, tp_step, n_tok, l0_ptr, l0_div, l0_off, l0_lag, l1_ptr,
-                      l1_div, l1_off, l1_lag, K0, K1, HAS_L0, HAS_L1, HAS_SRC1, BN, RL)
-
-
-@gluon.jit
-def _fill_row(tab, kk, t0, tp, tp_step, n_tok, l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div,
-              l1_off, l1_lag, K0, K1, HAS_L0: gl.constexpr, HAS_L1: gl.constexpr,
-              HAS_SRC1: gl.constexpr, BN: gl.constexpr, RL: gl.constexpr):
     f = gl.arange(0, 8, layout=RL)
-    tk = t0 + gl.minimum(tp + kk * tp_step, n_tok - 1)     # rows past the program's: unread
-    n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
-                                  l1_lag, tk, K0, K1, 0, 1, HAS_L0, HAS_L1, HAS_SRC1, BN)
-    row = gl.where(f == LO, lo, gl.cdiv(gl.maximum(hi - lo, 0), BN))
-    row = gl.where(f == HI, hi, row)
-    row = gl.where(f == N0P, n0p, row)
-    row = gl.where(f == N0, n0, row)
-    row = gl.where(f == N1, n1, row)
-    tab.index(kk).store(row)
+    for kk in gl.static_range(MAX_TOK):
+        tk = t0 + gl.minimum(tp + kk * tp_step, n_tok - 1)     # rows past the program's: unread
+        n0, n1, n0p, lo, hi = key_run(l0_ptr, l0_div, l0_off, l0_lag, l1_ptr, l1_div, l1_off,
+                                      l1_lag, tk, K0, K1, 0, 1, HAS_L0, HAS_L1, HAS_SRC1, BN)
+        row = gl.where(f == LO, lo, gl.cdiv(gl.maximum(hi - lo, 0), BN))
+        row = gl.where(f == HI, hi, row)
+        row = gl.where(f == N0P, n0p, row)
+        row = gl.where(f == N0, n0, row)
+        row = gl.where(f == N1, n1, row)
+        tab.index(kk).store(row)
 
 
 @gluon.jit

@@ -72,11 +72,6 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                                   c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
                                   c1_bs, c1_cap, i1_ptr, i1_s0, BN, STAGES, P_WARPS, rank, FMT,
                                   g0, False)
-            elif not STAGED:    # plain bf16 rows (prefill)
-                _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, tk, lok, hik,
-                               n_k, n0pk, n0k, n1k, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
-                               i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT,
-                               D576, BN, STAGES, P_WARPS, EARLY, g0)
             else:
                 _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free,
                             early, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0, c0_s1,
@@ -86,8 +81,6 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
             g0 += n_k
         if CLUSTER:
             _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
-        if FMT == 2:
-            async_copy.wait_group(0)    # nothing left in flight when the partition ends
     elif CLUSTER and FMT == 1:
         _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                           peer_free, t, lo, hi,
@@ -114,9 +107,7 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n_tiles,
                        n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, FMT, D576, BN,
-                       STAGES, P_WARPS, EARLY, 0)
-        if FMT == 2:
-            async_copy.wait_group(0)    # nothing left in flight when the partition ends
+                       STAGES, P_WARPS, EARLY)
 
 
 @gluon.jit
@@ -125,8 +116,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                    FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
-                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, EARLY: gl.constexpr, g0):
-    # the ring's tiles g0 .. g0 + n_tiles - 1 (g0: a persistent program's earlier tokens')
+                   STAGES: gl.constexpr, P_WARPS: gl.constexpr, EARLY: gl.constexpr):
     if FMT == 2:
         # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
         # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
@@ -155,8 +145,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         idx1 = _early_slots(early, BN, lo, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
                             BN, rows_b, EARLY)
     for i in range(n_tiles):
-        g = g0 + i
-        st = g % STAGES
+        st = i % STAGES
         c = lo + i * BN
         idx_next = _slots(c + AHEAD * BN, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0,
                           BN, rows_b)
@@ -166,7 +155,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         kb = k_bufs.index(st)
         if FMT == 0:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
-            mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_v4(kb, 0, BN, x0, x1, x2, x3, x4, x5, x6, rope, sc)
         elif FMT == 1:
             # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
@@ -174,7 +163,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             # while the 512 latent dims are dequantized (and 16 registers lighter than a load)
             rec, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb, sc, sd = _gather_v32(
                 cache, s0, bs, idx, valid, cb)
-            mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_v32_rows(kb, kr_bufs.index(st), rec, valid, LR, x0, x1, x2, x3, x4, x5, x6,
                             x7, sa, sb, sc, sd)
         elif FMT == 2:
@@ -182,7 +171,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             # the producer moves on without waiting for them (see the cp.async note below)
             row = _record(cache, s0, bs, idx, s1)
             v2 = valid[:, None]
-            mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             for j in gl.static_range(8):
                 async_load(
                     kb.slice(64 * j, 64, dim=1), row[:, None] + (64 * j + cb[None, :]), mask=v2)
@@ -197,7 +186,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             y0, y1, y2, y3, y4, y5, y6, y7 = _byte_tiles8(row, v2, cb)
             if D576:
                 y8 = _byte_tile(row, 8, v2, cb)
-            mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             if D576:
                 _store_e4m3(kr_bufs.index(st), 0, y8)
             _store_e4m3(kb, 0, y0)
@@ -225,7 +214,8 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             idx1 = idx_next
         else:
             idx = idx_next
-    # (bf16 rows: the caller waits for the copies once the partition's last token is done)
+    if FMT == 2:
+        async_copy.wait_group(0)    # nothing left in flight when the partition ends
 
 
 @gluon.jit

@@ -48,11 +48,6 @@ PERSIST_V41 = True
 # at top-k 512, 1.001-1.007x on bench_flashmla's V3.2 row (H200, Triton 3.6 / 3.8; same section)
 PERSIST_V32 = True
 PERSIST_TOKENS = 8
-# the same for plain bf16 rows (the prefill core, d_qk 512 and 576): one program an SM over a
-# phase of whole waves, so up to PERSIST_TOKENS_BF16 tokens a program (a 2 KB token table;
-# the 576-wide launch puts p in the RoPE stage to make room: kernel ``P_IN_KR``)
-PERSIST_BF16 = False
-PERSIST_TOKENS_BF16 = 64
 
 
 def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
@@ -65,8 +60,7 @@ def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scal
     read now (V4 clusters only), so a flip between launches builds the other kernel.
     ``persist``: programs loop over tokens, ``PERSIST_TOKENS`` at most (``persist``)."""
     from sparse_mla.ops.attention.sm90 import compat
-    cap = PERSIST_TOKENS_BF16 if fmt == 2 else PERSIST_TOKENS
-    return dict(QROT=qrot, QEPS=qeps, PERSIST=cap if persist else 0,
+    return dict(QROT=qrot, QEPS=qeps, PERSIST=PERSIST_TOKENS if persist else 0,
         RANK_VIEWS=bool(compat.RANK_VIEWS and cluster and staged and fmt == 0),
         FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
         TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,

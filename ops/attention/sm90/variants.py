@@ -58,9 +58,6 @@ VARIANTS = {
                                       persist=True),
     "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
                                       persist=True),
-    # (plain bf16 rows, the prefill core: tuning.PERSIST_BF16)
-    "bf16_512_final_persist": dict(fmt=2, final=True, persist=True),
-    "bf16_576_final_persist": dict(fmt=2, d576=True, final=True, persist=True),
 }
 # the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
 _QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}

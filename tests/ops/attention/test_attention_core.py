@@ -186,37 +186,6 @@ def test_persistent_programs_over_v32_clusters(h, programs, graph, monkeypatch):
     _check_persistent(a, h, programs, graph, monkeypatch)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("d", [512, 576])
-@pytest.mark.parametrize("programs", ["few", "over", "two launches"])
-def test_persistent_programs_over_bf16_prefill(d, programs, monkeypatch):
-    """The prefill core (plain bf16 rows, d_qk 512 and 576) in persistent programs
-    (``tuning.PERSIST_BF16``): 20 queries x 128 heads on a card taken as 6 SMs (3 programs a
-    head block of 6-7 tokens, their token table filled by a loop; "over": at most 2 tokens a
-    program, 10 programs, the table unrolled; "two launches": 18 queries persistent, then 2
-    split 3 ways and combined), a query without keys, ±inf sinks, NaN rows past the lengths:
-    out, lse and max logits agree with the reference and are bit-identical to one program a
-    token."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(tuning, "PERSIST_BF16", True)
-    monkeypatch.setattr(plan, "_sm_count", lambda dev: 6)
-    if programs == "two launches":
-        monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 18, 1), (18, T, 3)])
-    else:
-        monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: 1)
-    if programs == "over":
-        monkeypatch.setattr(tuning, "PERSIST_TOKENS_BF16", 2)
-    a = prefill_case("cuda", s_q=20, h=128, s_kv=300, topk=192, seed=d + len(programs), d=d)
-    got = flash_mla_sparse_fwd(impl="triton", **a)
-    assert last_plan().persist == (10 if programs == "over" else 3)
-    check_prefill(flash_mla_sparse_fwd(impl="reference", **a), got)
-    monkeypatch.setattr(tuning, "PERSIST_BF16", False)
-    one = flash_mla_sparse_fwd(impl="triton", **a)
-    assert last_plan().persist == 0
-    assert all(torch.equal(x, y) for x, y in zip(got, one))
-
-
 def _check_persistent(a, h, programs, graph, monkeypatch):
     """``a`` (9 x 2 tokens) through a persistent launch, against the reference and against
     one program a token."""

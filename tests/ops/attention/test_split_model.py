@@ -157,23 +157,6 @@ def test_persistent_programs_over_v32_clusters(monkeypatch):
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
 
 
-def test_persistent_programs_over_bf16_rows_when_asked(monkeypatch):
-    """Plain bf16 rows (the prefill core) take persistent programs where
-    ``tuning.PERSIST_BF16``: one program an SM and head block up to
-    ``PERSIST_TOKENS_BF16`` tokens each. bench_flashmla's prefill rows (4,096 queries, 2 head
-    blocks) plan 4,092 queries in 62 whole waves, then 4 split: the first launch runs 66
-    programs a head block of 62 queries each."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert plan_phases(4096, 2, 32, 132, 5) == [(0, 4092, 1), (4092, 4096, 16)]
-    monkeypatch.setattr(tuning, "PERSIST_BF16", False)
-    assert _persist(4092, 2, fmt="plain_bf16", staged=False) == 0
-    monkeypatch.setattr(tuning, "PERSIST_BF16", True)
-    assert tuning.PERSIST_TOKENS_BF16 == 64
-    assert _persist(4092, 2, fmt="plain_bf16", staged=False) == 66
-    assert _persist(66 * 64 + 1, 2, fmt="plain_bf16", staged=False) == 67
-    assert _persist(4092, 2, fmt="plain_fp8", staged=False) == 0
-
-
 def test_persistent_programs_off(monkeypatch):
     from sparse_mla.ops.attention.sm90 import tuning
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
