@@ -14,7 +14,9 @@ Variants (module settings read at each launch's plan, restored after each call):
   default, 1, runs one split of 3 tiles);
 * ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
 
-Then DeepSeek-V3.2 rows at 128 heads (2-CTA clusters) of more units than SMs, against
+Then bench_flashmla's batch-2 rows: ``base`` against ``nosplit``, ``plan.choose_splits``
+answering 1 (one launch, one program a token and head block, no combine). Then DeepSeek-V3.2
+rows at 128 heads (2-CTA clusters) of more units than SMs, against
 FlashMLA: ``base`` (persistent programs over the V3.2 pair producer, ``tuning.PERSIST_V32``)
 against ``one32``, it off. Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window
 128 + 512) in 2-CTA clusters of more units than SMs, without FlashMLA (it reads no V4.1
@@ -59,12 +61,19 @@ V41_VARIANTS = {"base": {}, "one41": {(tuning, "PERSIST_V41"): False}}
 # decode row first)
 V32_ROWS = ((64, 2, 128, 2048), (128, 1, 128, 2048), (128, 2, 128, 512))
 V32_VARIANTS = {"base": {}, "one32": {(tuning, "PERSIST_V32"): False}}
+# (b, s_q, h, top-k): bench_flashmla's batch-2 rows, split over the card and combined by a
+# second launch, against one split a token (one launch; issue 55 item 4's "no split")
+B2_ROWS = ((2, 1, 64, 512), (2, 2, 64, 512), (2, 1, 128, 1024), (2, 2, 128, 1024),
+           (2, 2, 32, 512), (2, 2, 16, 512))
+B2_VARIANTS = {"base": {}, "nosplit": {(plan, "choose_splits"): lambda *args, **kw: 1}}
 
 
 def _cases():
     """(case, its variants, whether FlashMLA reads its inputs) for every row."""
     for b, s_q, h, topk in ROWS:
         yield bench._decode_case(b, s_q, h, topk, "cuda", check=False), VARIANTS, True
+    for b, s_q, h, topk in B2_ROWS:
+        yield bench._decode_case(b, s_q, h, topk, "cuda", check=True), B2_VARIANTS, True
     for b, s_q, h, topk in V32_ROWS:
         yield (bench._decode_case(b, s_q, h, topk, "cuda", fmt="v32", check=False),
                V32_VARIANTS, True)

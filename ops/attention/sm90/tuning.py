@@ -39,13 +39,14 @@ EARLY_SLOTS = gl.constexpr(True)
 # table's rows; past that the launch takes more programs than fit, in waves again)
 PERSIST_V4 = True
 # the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows) in 2-CTA
-# clusters (65-128 heads): 1.057-1.059x (H100, Triton 3.6), 1.063x (H200, 3.8), outputs
-# bit-identical. Not at 64 heads: 1.004-1.011x on the H100 (3.6), 7-8 % slower on the H200
-# under 3.7 / 3.8, whose ptxas spills that variant (docs/PERF.md, "Issue 55: persistent
-# programs over V4.1 and V3.2 rows")
+# clusters (65-128 heads): 1.057-1.059x (H100, Triton 3.6), 1.056-1.062x (H200, 3.6 / 3.8),
+# outputs bit-identical. Not at 64 heads: 0-1 % on the H100 (3.6), 7-8 % slower on the H200
+# under 3.8, whose ptxas (and 3.7's) spills that variant (docs/PERF.md, "Issue 55:
+# persistent programs over V4.1, V3.2 and prefill rows")
 PERSIST_V41 = True
-# the same for V3.2 rows in 2-CTA clusters (65-128 heads, ``_produce_v32_pair``): 1.036-1.037x
-# at top-k 512, 1.001-1.007x on bench_flashmla's V3.2 row (H200, Triton 3.6 / 3.8; same section)
+# the same for V3.2 rows in 2-CTA clusters (65-128 heads, ``_produce_v32_pair``): 1.035-1.037x
+# at top-k 512, 1.001-1.019x on bench_flashmla's V3.2 row (H200, Triton 3.6 / 3.8; same
+# section)
 PERSIST_V32 = True
 PERSIST_TOKENS = 8
 
