@@ -167,8 +167,10 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
     blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
     scale64 = scales_aligned(src0.fmt, blocks)
     d576 = head_dims(sources) == 576
+    sms = plan._sm_count(q.device)     # asked once a call (a per-decode-step host path)
     launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H,
-                                      extra_fmt=src1.fmt if src1 is not None else None)
+                                      extra_fmt=src1.fmt if src1 is not None else None,
+                                      sms=sms)
     staged = launch.staged
     cluster = launch.route == "sm90_cluster"
     bn = cfg["block_n"]
@@ -188,7 +190,6 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
         # the sm_90 kernel decodes an e4m3 q into shared memory itself; one split per token:
         # it finishes the rows itself (no partials, no combine)
         qq = q.view(torch.uint8) if q_fp8 else q
-        sms = plan._sm_count(dev)
         phases = plan.plan_phases(T, n_hb, max_tiles, sms,
                                   cfg["split_overhead"])
         launch.phases = tuple(phases)
@@ -213,7 +214,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
         return launch
     # waves of one program per SM even where two 4-warp programs fit (dv 2): twice the splits
     # were slower (docs/perf-log.md, "FlashMLA timed per layer")
-    n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, plan._sm_count(dev),
+    n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, sms,
                                   cfg["split_overhead"], cfg["max_splits"])
     hb = plan.head_block(H, cfg["tiny"], dev, src0.fmt)
     part_o, part_ml = _partials(T * H * n_splits, dev, n_splits)

@@ -262,6 +262,21 @@ def plan_phases(T, n_hb, tiles, sms, overhead, combine=None):
     return [(0, T, s)]
 
 
+def cluster_pays(fmt, units, tiles, sms):
+    """Whether a launch of ``units`` token x head-block units of at most ``tiles`` key tiles
+    each may run a token's two head blocks as a 2-CTA cluster (each CTA dequantizing half of
+    every tile for both; the formats' own switches aside): not in tiny launches (slower there:
+    docs/perf-log.md, "Two-launch schedule and 2-CTA clusters"), nor for V4 rows in one wave
+    of fewer than ``tuning.CLUSTER_V4_MIN_TILES`` tiles a token (C128A layers' 192 keys at
+    batch 64: one CTA a head block was 1.024 / 1.038x faster on the H200 / H100, the exchange
+    costing more than half of three tiles' dequantization saves; docs/PERF.md, "Issue 55:
+    persistent programs over V4.1, V3.2 and prefill rows")."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    if units <= CLUSTER_MIN_UNITS:
+        return False
+    return not (fmt == "v4" and units <= sms and tiles < tuning.CLUSTER_V4_MIN_TILES)
+
+
 def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits, cluster=False):
     """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
     ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
@@ -420,12 +435,13 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     return kernel, None
 
 
-def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
+def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None, sms=None):
     """The route, launch shape and split plan of one call: ``T`` tokens of ``heads`` heads
     (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
     (``blocks``: each source's (cache, block stride); ``extra_fmt``: the second source's
-    format where there is one). Returns (LaunchPlan, launch config, the Gluon kernel module or
-    None); ``run`` launches it."""
+    format where there is one; ``sms``: the device's SM count, where the caller has it).
+    Returns (LaunchPlan, launch config, the Gluon kernel module or None); ``run`` launches
+    it."""
     soft = soft_e4m3(q, fmt)
     g, why_not = gluon_route(q, fmt, blocks, extra_fmt)
     shared = shared_budget(q.device)
@@ -445,9 +461,9 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None):
     staged = ((fmt == "v4" and tuning.STAGE_V4
                and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
               or fmt == GLUON_V41)     # always staged (gluon_route: 16-byte aligned)
-    # two head blocks of a token share their dequantized rows as a 2-CTA cluster (not in
-    # tiny launches, slower there: docs/perf-log.md, "Two-launch schedule and 2-CTA clusters")
-    cluster = (n_hb == 2 and units > CLUSTER_MIN_UNITS
+    # two head blocks of a token share their dequantized rows as a 2-CTA cluster
+    sms = _sm_count(q.device) if sms is None else sms
+    cluster = (n_hb == 2 and cluster_pays(fmt, units, _tiles(k0, k1, 64), sms)
                and ((staged and fmt == "v4" and tuning.CLUSTER_V4)
                     or (fmt == "v32" and tuning.CLUSTER_V32)
                     or (fmt == GLUON_V41 and tuning.CLUSTER_V41)))

@@ -25,6 +25,8 @@ FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest 
                      # 12-warp budget: 216
 CLUSTER_V4 = True    # V4 rows at 65-128 heads: the token's two head blocks run as a 2-CTA
                      # cluster and each CTA dequantizes half of every tile (``cluster``)
+CLUSTER_V4_MIN_TILES = 4   # (not V4 launches of one wave over fewer tiles a token:
+                           # ``plan.cluster_pays``)
 CLUSTER_V32 = True   # the same for V3.2 rows
 CLUSTER_V41 = True   # the same for V4.1 rows (528 B, with 528 B or 288 B extra rows)
 # V4 rows outside clusters and plain e4m3 rows: the first two tiles' slot ids are loaded

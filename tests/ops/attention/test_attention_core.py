@@ -142,6 +142,25 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("h", [128, 72])
+def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch):
+    """V4 rows at 65-128 heads over 3 key tiles a token (window 128 + 64 compressed rows, the
+    C128A shape) in one wave run one CTA a head block (``plan.cluster_pays``); with the tile
+    bound lowered they run as clusters, and the outputs are bit-identical."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    force_tiny_launches(monkeypatch, False)
+    a = decode_case("cuda", b=5, s_q=2, h=h, fmt="v4", bs=64, topk=128, extra_bs=64,
+                    extra_topk=64, seed=h)
+    got = _run_decode(a, "triton")
+    assert last_plan().route == "sm90" and last_plan().kernel.packed_metadata[1] == 1
+    check_decode(_run_decode(a, "reference"), got)
+    monkeypatch.setattr(tuning, "CLUSTER_V4_MIN_TILES", 3)
+    pair = _run_decode(a, "triton")
+    assert last_plan().route == "sm90_cluster" and last_plan().kernel.packed_metadata[1] == 2
+    assert torch.equal(got[0], pair[0]) and torch.equal(got[1], pair[1])
+
+
+@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [64, 128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("graph", [False, True])

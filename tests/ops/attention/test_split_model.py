@@ -157,6 +157,19 @@ def test_persistent_programs_over_v32_clusters(monkeypatch):
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
 
 
+def test_clusters_where_they_pay():
+    """2-CTA clusters: not in tiny launches; not for V4 rows in one wave over fewer than 4
+    tiles a token (C128A's 192 keys at batch 64 and 128 heads: 128 units on 132 SMs), but at
+    batch 256 (two waves), over longer lists, and for V3.2 rows."""
+    from sparse_mla.ops.attention.sm90 import tuning
+    assert tuning.CLUSTER_V4_MIN_TILES == 4
+    assert not plan.cluster_pays("v4", 8, 18, 132)
+    assert not plan.cluster_pays("v4", 128, 3, 132)
+    assert plan.cluster_pays("v4", 512, 3, 132)
+    assert plan.cluster_pays("v4", 128, 4, 132) and plan.cluster_pays("v4", 128, 18, 132)
+    assert plan.cluster_pays("v32", 128, 3, 132) and plan.cluster_pays("v41", 128, 3, 132)
+
+
 def test_persistent_programs_off(monkeypatch):
     from sparse_mla.ops.attention.sm90 import tuning
     monkeypatch.setattr(tuning, "PERSIST_V4", False)
