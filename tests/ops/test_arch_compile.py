@@ -385,9 +385,25 @@ def test_planner_knows_each_archs_shared_memory_and_fp8(arch):
     assert p["soft_route"] == (want if p["soft"] else "")
 
 
+def missing_ptxas(arch):
+    """Triton's error where its install has no ptxas for ``arch`` (the slim bundles of
+    tools/triton_bundle.py keep only the one sm_90 needs: Triton 3.8's has no
+    ``ptxas-blackwell``), else None."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        get_ptxas(arch)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 @pytest.mark.parametrize("arch,name", sorted(variants()))
 def test_kernel_compiles_within_the_archs_shared_memory_and_spill_bound(arch, name):
     shared, spills, error = results()[(arch, name)]
+    missing = missing_ptxas(arch) if error is not None else None
+    if missing is not None:
+        pytest.skip(f"sm_{arch}: {missing}: this Triton install cannot compile for it (a "
+                    "slim bundle's); CI's full Triton does")
     assert error is None, f"sm_{arch} {name}: {error}"
     assert shared <= SHARED_LIMIT[arch], (
         f"sm_{arch} {name} uses {shared} B of shared memory; one block may use "
