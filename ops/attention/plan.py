@@ -435,24 +435,25 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     return kernel, None
 
 
-def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None, sms=None):
+def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, sms, extra_fmt=None):
     """The route, launch shape and split plan of one call: ``T`` tokens of ``heads`` heads
     (``n_hb`` head blocks) over index lists of ``k0`` + ``k1`` columns in caches of format ``fmt``
     (``blocks``: each source's (cache, block stride); ``extra_fmt``: the second source's
-    format where there is one; ``sms``: the device's SM count, where the caller has it).
+    format where there is one; ``sms``: the device's SM count).
     Returns (LaunchPlan, launch config, the Gluon kernel module or None); ``run`` launches
     it."""
     soft = soft_e4m3(q, fmt)
     g, why_not = gluon_route(q, fmt, blocks, extra_fmt)
     shared = shared_budget(q.device)
-    cfg = record_config(launch_config(T, n_hb, _tiles(k0, k1, 64), warp_specialized=g is not None,
+    tiles = _tiles(k0, k1, 64)
+    cfg = record_config(launch_config(T, n_hb, tiles, warp_specialized=g is not None,
                                       shared=shared, ws_tiny=fmt != GLUON_V41 or V41_WS_TINY),
                         (fmt, extra_fmt), shared)
     units = T * n_hb
     if g is not None and cfg["dv"] != 1:
         g = None
         why_not = (f"tiny launch of one head block ({units} units of at most "
-                   f"{_tiles(k0, k1, 64)} key tiles: WS_TINY)")
+                   f"{tiles} key tiles: WS_TINY)")
     if g is None:
         route = "tiny" if cfg["tiny"] else "portable"
         return LaunchPlan(route, why_not or "the portable kernel", soft_e4m3=soft), cfg, None
@@ -462,8 +463,7 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, extra_fmt=None, sms=N
                and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
               or fmt == GLUON_V41)     # always staged (gluon_route: 16-byte aligned)
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster
-    sms = _sm_count(q.device) if sms is None else sms
-    cluster = (n_hb == 2 and cluster_pays(fmt, units, _tiles(k0, k1, 64), sms)
+    cluster = (n_hb == 2 and cluster_pays(fmt, units, tiles, sms)
                and ((staged and fmt == "v4" and tuning.CLUSTER_V4)
                     or (fmt == "v32" and tuning.CLUSTER_V32)
                     or (fmt == GLUON_V41 and tuning.CLUSTER_V41)))

@@ -91,7 +91,7 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
                           lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                           i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
-                          STAGES, P_WARPS, rank, FMT)
+                          STAGES, P_WARPS, rank, FMT, 0, True)
     elif STAGED and FMT >= 5:
         _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, t, lo, hi,
                      n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,

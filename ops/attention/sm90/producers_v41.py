@@ -117,7 +117,7 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
                       lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                       i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                       BN: gl.constexpr, STAGES: gl.constexpr, P_WARPS: gl.constexpr, rank,
-                      FMT: gl.constexpr, g0=0, ALONE: gl.constexpr = True):
+                      FMT: gl.constexpr, g0, ALONE: gl.constexpr):
     """``_produce_v41`` in a 2-CTA cluster (``cluster``): this CTA's 32-row half of every tile
     (one chunk a tile, staged a tile ahead), stored here and copied, all eight panels, into
     the peer's stage (584 B rows' RoPE dims too); the bias of the peer's half is written here
