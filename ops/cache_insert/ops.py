@@ -267,7 +267,7 @@ def _validate_fused_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache
 
 
 @custom_op("sparse_mla::fused_qnorm_rope_insert_plain",
-           mutates_args=("k_cache", "q_out"))
+           mutates_args=("k_cache", "q_out"), strided=("k_cache",))
 def fused_qnorm_rope_insert_plain(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                                   positions: Tensor, cos_sin_cache: Tensor, q_out: Tensor,
                                   kv_scale: Optional[Tensor] = None,
@@ -326,7 +326,7 @@ def _validate_plain_insert(k, k_cache, slot_mapping, kv_scale):
                               kv_scale=kv_scale)
 
 
-@custom_op("sparse_mla::insert_plain", mutates_args=("k_cache",))
+@custom_op("sparse_mla::insert_plain", mutates_args=("k_cache",), strided=("k_cache",))
 def insert_plain(k: Tensor, k_cache: Tensor, slot_mapping: Tensor,
                  kv_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
     """Row ``t`` of ``k`` [N, 512] (already normed and rotated: the compressor's output) goes to
@@ -381,7 +381,7 @@ def _validate_gather(out, k_cache, seq_lens, gather_lens, block_table, block_siz
     return bs
 
 
-@custom_op("sparse_mla::gather_dequant", mutates_args=("out",))
+@custom_op("sparse_mla::gather_dequant", mutates_args=("out",), caches=("k_cache",))
 def gather_dequant(out: Tensor, k_cache: Tensor, seq_lens: Tensor, gather_lens: Optional[Tensor],
                    block_table: Tensor, block_size: Optional[int] = None, offset: int = 0,
                    cache_format: str = "v4", impl: str = "auto") -> None:

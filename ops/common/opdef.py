@@ -12,12 +12,15 @@ dimension packed. Any other view would be read as if it were packed, with other 
 (Triton inserts read a strided ``positions`` that way and rotated with the wrong angles). So
 before an op validates or runs, :func:`_normalize` turns each tensor argument into that form:
 
-* an argument the op only reads is copied (``contiguous()``) when it is not in row form: small
-  lists and per-token inputs; a cache that is only read is in row form whenever its blocks
-  are, so no cache is ever copied;
-* an argument the op writes cannot be copied (the caller's tensor must receive the bytes), so
-  one that is not in row form is refused with a ValueError naming it, before anything is
-  written.
+* an argument the op only reads is copied (``contiguous()``) when it is not in row form: index
+  lists, positions, slot maps, per-token inputs;
+* an argument the op writes cannot be copied (the caller's tensor must receive the bytes), and
+  a cache the op reads (named in ``caches=``) is not copied either (a copy would cost the
+  whole cache on every call, silently): one that is not in row form is refused with a
+  ValueError naming it, before anything is written;
+* an argument named in ``strided=`` is one whose every stride the kernels take (a plain cache
+  with padded token rows, FlashMLA's transposed ``lse``): it goes to the op as given, and the
+  op's own checks refuse, by name, what its kernels cannot address.
 
 The fake (meta) implementation sees the same arguments, so torch.compile traces accept and
 refuse exactly what eager calls do. tests/ops/test_stride_fuzz.py holds every registered op to
@@ -49,29 +52,38 @@ def in_row_form(t: torch.Tensor) -> bool:
     return t.shape[0] == 1 or t.stride(0) >= expected
 
 
-def _row_form_error(op: str, name: str, t: torch.Tensor) -> ValueError:
+# ``{op: names}``: the arguments each op takes as given, never copied (``custom_op``'s
+# ``mutates_args``, ``caches`` and ``strided``); the stride fuzz reads it to know which may be
+# refused. Its keys are every op made here.
+AS_GIVEN: dict = {}
+
+
+def _row_form_error(op: str, name: str, t: torch.Tensor, why: str) -> ValueError:
     return ValueError(
-        f"{op}: {name} is written by the op, so it must be rows of packed elements (every "
-        f"dimension but the first contiguous, stride(0) >= one row, no overlap); got shape "
-        f"{list(t.shape)} with strides {t.stride()}. Pass a tensor in that form (a padded "
-        f"block or row stride is fine), or copy into it afterwards")
+        f"{op}: {name} {why}, so it must be rows of packed elements (every dimension but "
+        f"the first contiguous, stride(0) >= one row, no overlap); got shape "
+        f"{list(t.shape)} with strides {t.stride()}. A padded block or row stride is fine")
 
 
-def _normalizer(op: str, fn, mutates_args):
+def _normalizer(op: str, fn, mutates_args, caches, strided):
     """``fn`` with its tensor arguments in row form (module docstring): read-only ones
-    copied where needed, written ones refused by name where not."""
+    copied where needed, written ones and caches refused by name where not, ``strided`` ones
+    as given."""
     names = list(inspect.signature(fn).parameters)
-    written = set(mutates_args)
-    unknown = written - set(names)
+    why = {**{n: "is a cache the op reads in place (a copy would cost the whole cache)"
+              for n in caches},
+           **{n: "is written by the op" for n in mutates_args}}
+    unknown = (set(why) | set(strided)) - set(names)
     if unknown:
-        raise ValueError(f"{op}: mutates_args names {sorted(unknown)}, not parameters of "
-                         f"{fn.__name__}")
+        raise ValueError(f"{op}: mutates_args / caches / strided name {sorted(unknown)}, not "
+                         f"parameters of {fn.__name__}")
+    as_given = frozenset(strided)
 
     def normalize(name, value):
-        if not isinstance(value, torch.Tensor) or in_row_form(value):
+        if not isinstance(value, torch.Tensor) or name in as_given or in_row_form(value):
             return value
-        if name in written:
-            raise _row_form_error(op, name, value)
+        if name in why:
+            raise _row_form_error(op, name, value, why[name])
         return value.contiguous()
 
     @functools.wraps(fn)
@@ -82,22 +94,26 @@ def _normalizer(op: str, fn, mutates_args):
     return wrapped
 
 
-def custom_op(name: str, *, mutates_args):
-    """``@custom_op("sparse_mla::x", mutates_args=(...))`` on a function, as torch's decorator;
-    the function and the fake implementation registered on the op (``register_fake``) see
-    their tensor arguments in row form (module docstring)."""
+def custom_op(name: str, *, mutates_args, caches=(), strided=()):
+    """``@custom_op("sparse_mla::x", mutates_args=(...), caches=(...), strided=(...))`` on a
+    function, as torch's decorator; the function and the fake implementation registered on
+    the op (``register_fake``) see their tensor arguments in row form (module docstring).
+    ``caches``: the read-only cache arguments, never copied; ``strided``: arguments whose
+    every stride the kernels take, passed as given."""
     if not name.startswith(NAMESPACE + "::"):
         raise ValueError(f"op name must start with '{NAMESPACE}::', got {name!r}")
+    AS_GIVEN[name.removeprefix(NAMESPACE + "::")] = (
+        frozenset(mutates_args) | frozenset(caches) | frozenset(strided))
 
     def wrap(fn):
         # the schema comes from ``fn`` itself: its annotations resolve in its own module
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
-        op = torch.library.custom_op(name, _normalizer(name, fn, mutates_args),
+        op = torch.library.custom_op(name, _normalizer(name, fn, mutates_args, caches, strided),
                                      mutates_args=mutates_args, schema=schema)
         register_fake = op.register_fake
 
         def register_normalized_fake(fake_fn):
-            register_fake(_normalizer(name, fake_fn, mutates_args))
+            register_fake(_normalizer(name, fake_fn, mutates_args, caches, strided))
             return fake_fn
         op.register_fake = register_normalized_fake
         sig = inspect.signature(fn)

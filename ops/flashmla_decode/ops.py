@@ -131,7 +131,8 @@ def _check_lengths(q, lists):
                                     "batch row")
 
 
-@custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"))
+@custom_op("sparse_mla::flashmla_sparse_decode", mutates_args=("out", "lse"),
+           caches=("k_cache", "extra_k_cache"), strided=("out", "lse"))
 def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
                            topk_length: Optional[Tensor] = None,
                            extra_k_cache: Optional[Tensor] = None,
@@ -238,7 +239,8 @@ def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_si
 
 
 @custom_op("sparse_mla::flashmla_sparse_prefill",
-           mutates_args=("out", "max_logits", "lse"))
+           mutates_args=("out", "max_logits", "lse"), caches=("kv",),
+           strided=("out", "max_logits", "lse"))
 def flashmla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, out: Tensor,
                             max_logits: Tensor, lse: Tensor, sm_scale: float,
                             topk_length: Optional[Tensor] = None,

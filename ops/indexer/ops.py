@@ -210,7 +210,7 @@ def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, ratio, nex
     return bs
 
 
-@custom_op("sparse_mla::indexer_topk_decode", mutates_args=("out",))
+@custom_op("sparse_mla::indexer_topk_decode", mutates_args=("out",), caches=("k_cache",))
 def indexer_topk_decode(q: Tensor, weights: Tensor, k_cache: Tensor, seq_lens: Tensor,
                         block_table: Tensor, out: Tensor, ratio: int = 4, next_n: int = 1,
                         block_size: Optional[int] = None, max_candidates: Optional[int] = None,

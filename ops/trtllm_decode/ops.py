@@ -242,7 +242,8 @@ _DSV4 = implementations("trtllm_decode_dsv4", vendor=vendor.DSV4, triton=triton_
 
 
 @custom_op("sparse_mla::trtllm_decode_dsv4",
-           mutates_args=("out", "workspace_buffer"))
+           mutates_args=("out", "workspace_buffer"),
+           caches=("swa_kv_cache", "compressed_kv_cache"))
 def trtllm_decode_dsv4(query: Tensor, swa_kv_cache: Tensor, sparse_indices: Tensor,
                        compressed_kv_cache: Tensor, sparse_topk_lens: Tensor, seq_lens: Tensor,
                        out: Tensor, bmm1_scale: float = 1.0,
@@ -387,7 +388,8 @@ _V32 = implementations("trtllm_decode_v32", vendor=vendor.V32, triton=triton_imp
                       reference=reference.v32)
 
 
-@custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"))
+@custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"),
+           caches=("kv_cache",))
 def trtllm_decode_v32(query: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                       out: Tensor, bmm1_scale: float = 1.0,
                       bmm1_scale_tensor: Optional[Tensor] = None, bmm2_scale: float = 1.0,

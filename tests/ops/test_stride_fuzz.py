@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparse_mla.ops.common import dispatch, formats
+from sparse_mla.ops.common import dispatch, formats, opdef
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 from sparse_mla.tests.helpers import CUDA, INTERPRETING, naming
 
@@ -281,6 +281,8 @@ def fuzz_op(op: str, device: str, impl: str, only=None) -> int:
     overload, args, kwargs = recorded_calls(device)[op]
     names = _schema_names(overload)
     written = _written(overload)
+    as_given = opdef.AS_GIVEN[op]          # written arguments and caches: never copied
+    assert written <= as_given, f"{op}: written arguments {written - as_given} undeclared"
     base_args = _fresh(args)
     try:
         base_out = _results(_call(overload, base_args, kwargs, impl))
@@ -304,7 +306,7 @@ def fuzz_op(op: str, device: str, impl: str, only=None) -> int:
                 try:
                     out = _results(_call(overload, trial, kwargs, impl))
                 except (ValueError, TypeError) as exc:
-                    assert name in written or variant == "padded_rows", (
+                    assert name in as_given or variant == "padded_rows", (
                         f"{op} refused a {variant} view of {name}, which it only reads and "
                         f"so must copy: {exc}")
                     assert name in str(exc), f"the error does not name {name}: {exc}"
@@ -348,13 +350,15 @@ def _routes():
 
 
 def test_every_op_has_a_case():
-    ops = set(dispatch.load_all())
+    dispatch.load_all()
+    ops = set(opdef.AS_GIVEN)               # every op made by opdef.custom_op
+    assert ops >= set(dispatch.FAMILY_OF), "ops.common.opdef does not know every op"
     have = set(recorded_calls("cpu"))
     assert ops <= have, f"ops with no stride-fuzz case (add a driver): {sorted(ops - have)}"
 
 
 @pytest.mark.parametrize("device,impl", _routes())
-@pytest.mark.parametrize("op", sorted(dispatch.FAMILY_OF))
+@pytest.mark.parametrize("op", sorted(dispatch.FAMILY_OF))   # == opdef.AS_GIVEN, checked above
 def test_stride_fuzz(op, device, impl):
     if op not in recorded_calls(device):
         pytest.fail(f"{op} has no stride-fuzz case")
@@ -365,7 +369,6 @@ def test_fuzz_catches_a_kernel_that_reads_a_view_as_packed(monkeypatch):
     """The check itself can fail: with the op boundary's normalization off, an implementation
     that reads ``positions`` as packed memory from its base pointer (what the Triton inserts
     did) gives other cache bytes for a strided view, and the fuzz says so."""
-    from sparse_mla.ops.common import opdef
     monkeypatch.setattr(opdef, "in_row_form", lambda t: True)
     d = dispatch.dispatcher("rope_insert_v4")
     real = d._impls["reference"]
