@@ -232,6 +232,15 @@ def _blocks_aligned(cache, stride0, n=8):
     return stride0 % n == 0 and cache.data_ptr() % n == 0
 
 
+def _rows_vectorized(cache):
+    """A plain cache whose base is 16-byte aligned and whose block and row strides are
+    multiples of 16 elements (Triton's divisibility specialization): what the sm_90 kernel's
+    cp.async row copies need to compile (a 520-element row stride failed to legalize its
+    async copy on Triton 3.6)."""
+    strides = [st for size, st in zip(cache.shape[:-1], cache.stride()[:-1]) if size > 1]
+    return cache.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides)
+
+
 def _tiles(k0, k1, width):
     """Tiles of ``width`` keys over both sources' index columns, each source padded to whole
     tiles (the kernels' virtual key list). ``launch_config`` counts in 64-key units, the
@@ -428,6 +437,9 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     need = {"v4": 8, "v32": 16, GLUON_V41: 16}.get(fmt)
     if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
         return None, f"{fmt} cache blocks not all {need}-byte aligned"
+    if fmt in ("plain_bf16", "plain_fp8") and not all(_rows_vectorized(c) for c, _ in blocks):
+        return None, (f"{fmt} rows not 16-element strided or 16-byte based: the sm_90 kernel "
+                      "copies them by 16-byte cp.async")
     try:
         from sparse_mla.ops.attention.sm90 import kernel
     except ImportError as exc:     # Triton without Gluon (< 3.5)
