@@ -67,3 +67,40 @@ CALLS_INTO_US = {
     ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",
      "self.impl.forward_mqa"): ("v32", "SparseMLAV32Impl.forward_mqa"),
 }
+
+# Attributes the plugin reads on vLLM's objects (layers it subclasses, metadata it maps): set
+# in the class or a base (``self.x = ...``, a class-level field or a method of that name).
+_V4_LAYER_ATTRS = ("n_local_heads", "compress_ratio", "max_model_len", "window_size",
+                   "swa_cache_layer", "scale", "eps", "attn_sink", "topk_indices_buffer",
+                   "rotary_emb", "prefix")
+READ = {
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention":
+        _V4_LAYER_ATTRS + ("indexer", "kv_cache"),
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention":
+        _V4_LAYER_ATTRS + ("indexer", "kv_cache"),
+    "vllm.models.deepseek_v4.nvidia.flashinfer_sparse:DeepseekV4FlashInferMLAAttention":
+        _V4_LAYER_ATTRS + ("indexer", "kv_cache", "kv_cache_torch_dtype"),
+    "vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention":
+        _V4_LAYER_ATTRS + ("swa_bytes_per_token", "compressed_bytes_per_token",
+                           "is_kv_source", "compressed_cache_prefix", "_compressed_kv_cache"),
+    "vllm.v1.attention.backends.mla.sparse_swa:DeepseekSparseSWAMetadata": (
+        "num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens",
+        "query_start_loc", "query_start_loc_cpu", "seq_lens", "block_table", "slot_mapping",
+        "block_size"),
+    "vllm.models.deepseek_v4.sparse_mla:DeepseekV4FlashMLAMetadata": ("block_table",
+                                                                       "block_size"),
+    "vllm.models.deepseek_v41.sparse_mla:DeepseekV4FlashMLAMetadata": ("block_table",
+                                                                        "block_size"),
+    "vllm.v1.attention.backend:CommonAttentionMetadata": (
+        "num_reqs", "num_actual_tokens", "query_start_loc", "query_start_loc_cpu", "seq_lens",
+        "seq_lens_cpu_upper_bound", "block_table_tensor", "slot_mapping", "positions",
+        "max_query_len", "max_seq_len"),
+}
+
+# vLLM dataclasses the plugin subclasses and constructs by keyword: (our module, our class)
+# -> vLLM's base. The keywords our module passes must be fields, and every field without a
+# default must be passed.
+CONSTRUCTED = {
+    ("v32", "SparseMLAV32Metadata"):
+        "vllm.model_executor.layers.attention.sparse_mla_attention:SparseMLACommonMetadata",
+}

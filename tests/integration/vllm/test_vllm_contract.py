@@ -376,6 +376,100 @@ def check_calls_into_us(tree: Tree, calls: dict) -> tuple:
     return problems, seen
 
 
+def _bases(tree: Tree, module: str, node):
+    """(module, ClassDef) of each base of ``node`` that resolves inside the tree."""
+    for base in node.bases:
+        base = base.value if isinstance(base, ast.Subscript) else base
+        if isinstance(base, ast.Name):
+            found = tree.resolve(module, base.id)
+            if found and isinstance(found[1], ast.ClassDef):
+                yield found
+
+
+def _resolve_class(tree: Tree, target: str):
+    module, _, cls = target.partition(":")
+    found = tree.resolve(module, cls)
+    return found if found and isinstance(found[1], ast.ClassDef) else None
+
+
+def attributes(tree: Tree, module: str, node, depth: int = 0) -> set:
+    """Names a class and its bases define: methods, class-level fields, ``self.x = ...``."""
+    out = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(item.name)
+            for n in ast.walk(item):
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+                        isinstance(n.value, ast.Name) and n.value.id == "self":
+                    out.add(n.attr)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            out.add(item.target.id)
+        elif isinstance(item, ast.Assign):
+            out |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+    if depth < 20:
+        for mod, base in _bases(tree, module, node):
+            out |= attributes(tree, mod, base, depth + 1)
+    return out
+
+
+def check_read(tree: Tree, read: dict) -> list:
+    problems = []
+    for target, names in read.items():
+        found = _resolve_class(tree, target)
+        if found is None:
+            problems.append(f"{target}: no such class")
+            continue
+        have = attributes(tree, *found)
+        problems += [f"{target}: no attribute {n}" for n in names if n not in have]
+    return problems
+
+
+def dataclass_fields(tree: Tree, module: str, node, depth: int = 0) -> dict:
+    """A dataclass's fields through its bases: name -> has a default."""
+    out = {}
+    if depth < 20:
+        for mod, base in reversed(list(_bases(tree, module, node))):
+            out.update(dataclass_fields(tree, mod, base, depth + 1))
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and \
+                "ClassVar" not in ast.unparse(item.annotation):
+            out[item.target.id] = item.value is not None
+    return out
+
+
+def our_construction(module: str, cls: str):
+    """(our class's own fields, keywords of every ``cls(...)`` call) in our module."""
+    path = os.path.join(PLUGIN_DIR, module + ".py")
+    tree = ast.parse(open(path).read(), path)
+    own = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            own = {i.target.id for i in node.body if isinstance(i, ast.AnnAssign)}
+    calls = [{k.arg for k in n.keywords} for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and ast.unparse(n.func) == cls]
+    return own, calls
+
+
+def check_constructed(tree: Tree, constructed: dict) -> list:
+    problems = []
+    for (module, cls), target in constructed.items():
+        found = _resolve_class(tree, target)
+        if found is None:
+            problems.append(f"{target}: no such class")
+            continue
+        fields = dataclass_fields(tree, *found)
+        own, calls = our_construction(module, cls)
+        if not calls:
+            problems.append(f"{module}.{cls}: never constructed in {module}.py")
+        for passed in calls:
+            problems += [f"{module}.{cls}(...) passes {k}, not a field of {target}"
+                         for k in sorted(passed - own - set(fields))]
+            problems += [f"{module}.{cls}(...) does not pass {target}'s required {k}"
+                         for k, has_default in fields.items()
+                         if not has_default and k not in passed]
+    return problems
+
+
 # ---------------------------------------------------------------------------- the tests
 
 @pytest.fixture(scope="module", params=ARTIFACTS, ids=[f"{d}-{v}" for d, v in ARTIFACTS])
@@ -421,6 +515,14 @@ def test_calls_into_us(release):
     assert problems == []
 
 
+def test_attributes_read(release):
+    assert check_read(release[1], contract.READ) == []
+
+
+def test_dataclasses_constructed(release):
+    assert check_constructed(release[1], contract.CONSTRUCTED) == []
+
+
 def test_every_declared_call_is_made_by_some_release():
     """A table entry no claimed release makes is stale."""
     seen = set()
@@ -452,7 +554,8 @@ def test_checker_reports_a_changed_signature(v033):
 
 
 def test_checker_reports_an_unreachable_replacement(v033):
-    # the V4 model module never calls the V4.1 selector's helpers by name
+    # dspark.py and mtp.py import _use_sequence_parallel by name; the class is called from
+    # cpu/model.py, never inside cpu_sparse.py
     bad = {"vllm.models.deepseek_v4.nvidia.model:_use_sequence_parallel": ("vllm_config",),
            "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention": None}
     problems = check_replaced(v033, bad)
@@ -475,3 +578,16 @@ def test_checker_reports_a_call_we_cannot_take(v033, tmp_path, monkeypatch):
         (caller, "self.impl.reserve_workspace"): ("old", "SparseMLAV32Impl.reserve_workspace")})
     assert any("7 positional" in p and "takes 6" in p for p in problems), problems
     assert any("does not define" in p for p in problems), problems
+
+
+def test_checker_reports_missing_attributes_and_fields(v033):
+    bad = {"vllm.v1.attention.backends.mla.sparse_swa:DeepseekSparseSWAMetadata": (
+        "num_decodes", "num_decode_requests")}
+    assert check_read(v033, bad) == [
+        "vllm.v1.attention.backends.mla.sparse_swa:DeepseekSparseSWAMetadata: no attribute "
+        "num_decode_requests"]
+    # CommonAttentionMetadata has required fields v32.py's metadata call never passes
+    bad = {("v32", "SparseMLAV32Metadata"): "vllm.v1.attention.backend:CommonAttentionMetadata"}
+    problems = check_constructed(v033, bad)
+    assert any("does not pass" in p for p in problems), problems
+    assert any("not a field" in p for p in problems), problems
