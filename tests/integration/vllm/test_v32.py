@@ -305,6 +305,30 @@ def test_forward_mqa_matches_oracle(vllm_config, cache, heads, mode, with_positi
         check_rows(out[:n], st.expected[:n], f"{cache} step {i}, one q tensor")
 
 
+def test_cache_update_takes_either_releases_call(vllm_config, monkeypatch):
+    """vLLM 0.32 calls ``do_kv_cache_update`` with six arguments, 0.33 with a seventh,
+    ``skip_scale`` (plain fp8 only: refused); the write itself stays vLLM's base method, called
+    with the six arguments both releases' base takes. ``reserve_workspace`` (0.33's profiling
+    run) claims nothing."""
+    from vllm.v1.attention.backend import MLAAttentionImpl
+
+    calls = []
+
+    def base(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+        calls.append((kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale))
+
+    monkeypatch.setattr(MLAAttentionImpl, "do_kv_cache_update", base)
+    layer = _impl(vllm_config, "fp8_ds_mla")
+    args = tuple(torch.zeros(1) for _ in range(4)) + ("fp8_ds_mla", torch.ones(1))
+    layer.do_kv_cache_update(*args)                    # 0.32
+    layer.do_kv_cache_update(*args, False)             # 0.33
+    assert len(calls) == 2 and all(c == args for c in calls)
+    with pytest.raises(ValueError, match="skip_scale=True"):
+        layer.do_kv_cache_update(*args[:4], "fp8", args[5], True)
+    assert len(calls) == 2
+    assert layer.reserve_workspace() is None
+
+
 def test_builder_and_impl_refuse_what_they_cannot_run(vllm_config):
     vc = vllm_config
     with pytest.raises(ValueError, match="64-token kernel blocks"):

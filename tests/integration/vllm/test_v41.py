@@ -266,3 +266,32 @@ def test_records_are_per_cache_values():
         assert (cfg.swa_record, cfg.compressed_record) == want
         specs = V41FlashMLABackend(cfg).cache_specs()
         assert (specs["swa"].bytes_per_token, specs["compressed"].bytes_per_token) == want
+
+
+def test_record_format_follows_vllms_release():
+    """vLLM 0.32 lays 528 B / 288 B records out as a page footer, 0.33 on token-inline; the
+    584 B record is page-footer in both."""
+    assert [v41.record_format("0.32.0", w) for w in (584, 528, 288)] == ["v4", "v41", "v41_fp4"]
+    inline = [v41.record_format("0.33.0+cu130", w) for w in (584, 528, 288)]
+    assert inline == ["v4", v41.INLINE_FORMATS[528], v41.INLINE_FORMATS[288]]
+    assert inline[1:] != ["v41", "v41_fp4"]
+    assert v41.record_format("0.34.0rc1", 528) == v41.INLINE_FORMATS[528]
+    with pytest.raises(ValueError, match="600 B"):
+        v41.record_format("0.33.0", 600)
+
+
+def test_a_layout_the_backend_does_not_read_is_refused(monkeypatch):
+    """Until the backend reads the token-inline records, a V4.1 layer of vLLM 0.33 with 528 B /
+    288 B records is refused at construction; 584 B records (vLLM's off SM100) run on both
+    releases, and 0.32's footer records run."""
+    v41.check_record_formats("0.32.0", {"swa": 528, "compressed": 288})
+    v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 584})
+    with pytest.raises(NotImplementedError, match="528 B compressed records"):
+        v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 528})
+    # through the layer's own init, with vLLM's version as the layer reads it
+    monkeypatch.setattr(v41.vllm, "__version__", "0.33.0")
+    h = Harness(_layer_config(1, swa_record=528, compressed_record=288), "cpu", seed=7)
+    with pytest.raises(NotImplementedError, match="0.33.0 lays DeepSeek-V4.1's 528 B swa"):
+        _layer(h, 1, "model.layers.1.attn", monkeypatch=monkeypatch)
+    h = Harness(_layer_config(1), "cpu", seed=7)
+    _layer(h, 1, "model.layers.1.attn", monkeypatch=monkeypatch)        # 584 B: runs
