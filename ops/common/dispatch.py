@@ -93,7 +93,9 @@ class Choice:
         why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())
         how = f"forced by {self.forced_by}" if self.forced_by else "automatic"
         ran = f"{self.impl}, route {self.plan}" if self.plan is not None else self.impl
-        canary = f"; vendor canary: {self.canary}" if self.canary else ""
+        # a failed canary is already the vendor's rejection reason
+        shown = self.canary and self.canary not in self.rejected.get("vendor", "")
+        canary = f"; vendor canary: {self.canary}" if shown else ""
         return (f"{self.op}: ran {ran} ({how})" + (f"; rejected {why}" if why else "")
                 + canary)
 
@@ -257,7 +259,7 @@ class Dispatcher:
         try:
             vendor_call = self._canary.build(device)
             triton_call = self._canary.build(device)
-            why_not = self._reason("triton", *triton_call[0], **triton_call[1])
+            why_not = self._reason("triton", *triton_call)
             if why_not is not None:
                 return False, f"{head} has no Triton answer to compare with: {why_not}"
             _call_on(cuda_device_of(*vendor_call), self._impls["vendor"][0], *vendor_call)
