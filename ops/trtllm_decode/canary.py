@@ -1,5 +1,5 @@
 """The canaries of FlashInfer's TRTLLM-gen routes (``dispatch.Canary``): one small decode per op
-that FlashInfer's own input checks accept (heads 16, TOPK 192 = 128 SWA + 64 compressed
+that FlashInfer's own input checks accept (heads 64, TOPK 192 = 128 SWA + 64 compressed
 columns, lengths >= 128, page size 64), compared with the Triton answer at the tolerance the
 op's tests use (docs/semantics.md §9: out ``atol 1e-2, rtol 2/128``)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from sparse_mla.ops.common.dispatch import Canary, allclose_reason
 from sparse_mla.ops.trtllm_decode.reference import DSV4_DIM, SWA_COLS, V32_DIM, V_DIM
 
 ATOL, RTOL = 1e-2, 2 / 128
-HEADS, PAGE, TOKENS = 16, 64, 2
+HEADS, PAGE, TOKENS = 64, 64, 2     # 64 heads: a count both FlashInfer routes take as is
 I32 = torch.int32
 
 
