@@ -20,7 +20,8 @@ docs/perf-log.md, "Parity in alternating rounds").
 e4m3 in integer arithmetic, what GPUs below sm_89 run): "soft µs", its time over the portable
 kernel's with hardware e4m3 ("soft/hw": the cost of the software decode alone) and over ours
 ("soft/ours": what an Ampere-class route would give up against this card's best), and
-max |soft - ours|.
+max |soft - ours|. Prefill rows read a bf16 kv, with no e4m3 to decode: their soft columns are
+"n/a*", explained under the table.
 Tensor-parallel shard rows (h 16 / 32) give FlashMLA, which takes 64 or 128 heads, a q padded
 with zero heads once, outside the timing.
 """
@@ -88,6 +89,34 @@ def _flash_mla_prefill(a):
                                           a["attn_sink"], None, use_legacy=True)
 
 
+NEEDS_GPU = "bench_flashmla needs a CUDA GPU (FlashMLA and the CUDA-graph timings run there)"
+SOFT_COLUMNS = ("soft µs", "soft/hw", "soft/ours", "max |soft-ours|")
+
+
+def soft_skip_reason(case):
+    """Why ``--soft`` does not apply to ``case``, or None where it does."""
+    if "prefill" in case.op:
+        return ("prefill reads a bf16 kv: there is no e4m3 to decode, so "
+                "SPARSE_MLA_SOFT_FP8=1 changes nothing there")
+    return None
+
+
+def soft_columns(case, a, tp, to, ours):
+    """``--soft``'s cells for ``case`` (inputs ``a``; ``tp`` / ``to`` the portable and our
+    times, ``ours`` our outputs): "n/a*" where the software route does not apply
+    (``soft_skip_reason``). Raises where the switch did not reach a case it applies to."""
+    if soft_skip_reason(case) is not None:
+        return ("n/a*",) * len(SOFT_COLUMNS)
+    with mock.patch.dict(os.environ, {"SPARSE_MLA_SOFT_FP8": "1"}):
+        ts, _ = _time(lambda: case.run(a, "triton"))
+        soft = case.run(a, "triton")
+    soft_route = getattr(dispatch.last_plan(), "label", "?")
+    if "software" not in soft_route:      # the timing above is then not the soft route
+        raise RuntimeError(f"{case.shape}: SPARSE_MLA_SOFT_FP8=1 ran {soft_route!r}")
+    return (f"{ts * 1e6:.1f}", f"{ts / tp:.2f}", f"{ts / to:.2f}",
+            f"{float((soft[0].float() - ours[0].float()).abs().max()):.2e}")
+
+
 def _time(fn):
     t = harness.time_graph(fn)
     return (t, "graph") if t is not None else (harness.time_fn(fn, "cuda"), "eager")
@@ -115,6 +144,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if not torch.cuda.is_available():
+        raise SystemExit(NEEDS_GPU)
     copy = harness.copy_bandwidth("cuda")
     mm = harness.matmul_rate("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "
@@ -124,8 +155,8 @@ def main(argv=None):
             "range",
             "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
     if args.soft:
-        head += ("soft µs", "soft/hw", "soft/ours", "max |soft-ours|")
-    rows = []
+        head += SOFT_COLUMNS
+    rows, soft_skipped = [], {}
     for case in bench.cases("cuda", False):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
                                                            for b in (2, 64))):
@@ -168,18 +199,15 @@ def main(argv=None):
                      f"{case.bytes / to / 1e9:,.0f}", f"{100 * case.flops / to / mm:.0f}%",
                      f"{100 * case.bytes / to / copy:.0f}%", diff))
         if args.soft:
-            with mock.patch.dict(os.environ, {"SPARSE_MLA_SOFT_FP8": "1"}):
-                ts, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
-                soft = case.run(a, "triton")
-            soft_route = getattr(dispatch.last_plan(), "label", "?")
-            if "software" not in soft_route:      # the timing above is then not the soft route
-                raise RuntimeError(f"{case.shape}: SPARSE_MLA_SOFT_FP8=1 ran {soft_route!r}")
-            rows[-1] += (f"{ts * 1e6:.1f}", f"{ts / tp:.2f}", f"{ts / to:.2f}",
-                         f"{float((soft[0].float() - ours[0].float()).abs().max()):.2e}")
+            rows[-1] += soft_columns(case, a, tp, to, ours)
+            if soft_skip_reason(case) is not None:
+                soft_skipped[case.op] = soft_skip_reason(case)
         print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    for op, why in soft_skipped.items():
+        print(f"* n/a ({op}): {why}")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     if tuple(args.impls) != IMPLS and not args.decode_only:
         p.error("--impls needs --decode-only (the prefill table compares both)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU, and torch sees none here "
+                         "(--device cpu runs on the CPU)")
     if args.tiny:
         config = models.tiny_config()
         args.lengths = [n for n in args.lengths if n <= 64] or [24, 40]

@@ -37,6 +37,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 1, 4 and 64 at h 64 only")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_trtllm needs a CUDA GPU (its timings are CUDA-graph replays)")
     copy = harness.copy_bandwidth("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s (measured now)",
           flush=True)

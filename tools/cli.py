@@ -81,6 +81,9 @@ def _fresh(case):
 
 def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU, and torch sees none here "
+                         "(--device cpu runs on the CPU)")
     small = args.small if args.small is not None else device == "cpu"
     print(f"device: {harness.device_name(device)}   torch {torch.__version__}", flush=True)
     copy_bw = harness.copy_bandwidth(device)

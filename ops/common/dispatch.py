@@ -20,6 +20,17 @@ naming the valid ones, so a typo cannot silently leave the choice automatic.
 A forced implementation that cannot run raises :class:`ImplementationUnavailable` naming what
 is missing; there is no silent fallback. ``last_choice(op)`` / ``explain(op, ...)`` report which
 implementation ran (or would run) and why the others were rejected.
+
+No unverified vendor route runs silently: each declares the compute capabilities on which this
+project's tests ran it (``VendorRoute.verified_ccs``). On any other device the automatic choice
+first runs the route's :class:`Canary` once per (process, op, device): a small call of the op
+compared against the Triton implementation within the op's test tolerance. A pass lets the
+automatic choice use the vendor route on that device from then on; a failure or an exception
+rejects it there for the rest of the process (never retried), with the reason in
+``Choice.rejected``; ``Choice.canary`` reports the outcome either way. No canary runs while a
+CUDA graph is being captured (the vendor route is rejected then, unless a canary on that device
+already passed). Forcing the vendor (``impl="vendor"`` or ``SPARSE_MLA_IMPL``) runs it without a
+canary.
 """
 from __future__ import annotations
 
@@ -65,6 +76,9 @@ class Choice:
     # what the Triton implementation launched (``LaunchPlan`` of ops/attention/plan.py: the
     # kernel route and why); set on ``last_choice`` after a call of an attention op, else None
     plan: Optional[object] = None
+    # the vendor route's one-time canary on this device (see the module docstring), where the
+    # automatic choice needed one: "... passed" or why it failed; None where none was needed
+    canary: Optional[str] = None
 
     @property
     def route(self) -> Optional[str]:
@@ -79,11 +93,18 @@ class Choice:
         why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())
         how = f"forced by {self.forced_by}" if self.forced_by else "automatic"
         ran = f"{self.impl}, route {self.plan}" if self.plan is not None else self.impl
-        return f"{self.op}: ran {ran} ({how})" + (f"; rejected {why}" if why else "")
+        # a failed canary is already the vendor's rejection reason
+        shown = self.canary and self.canary not in self.rejected.get("vendor", "")
+        canary = f"; vendor canary: {self.canary}" if shown else ""
+        return (f"{self.op}: ran {ran} ({how})" + (f"; rejected {why}" if why else "")
+                + canary)
 
 
 _REGISTRY: dict = {}
 _LAST = threading.local()
+# (op, device) -> (passed, note): each vendor canary's outcome, for the life of the process
+_CANARIES: dict = {}
+_CANARY_LOCK = threading.Lock()
 
 
 def _valid_ops() -> list:
@@ -141,13 +162,25 @@ class Dispatcher:
             raise ValueError(f"dispatcher for {op!r} already exists")
         self.op = op
         self._impls: dict = {}
+        self._verified_ccs: tuple = ()
+        self._canary: Optional[Canary] = None
         _REGISTRY[op] = self
 
     def register(self, name: str, fn: Callable, check: Optional[Check] = None,
-                 automatic: Optional[Check] = None) -> None:
+                 automatic: Optional[Check] = None, verified_ccs: tuple = (),
+                 canary: Optional["Canary"] = None) -> None:
+        """``verified_ccs`` and ``canary`` only for the vendor route: the compute capabilities
+        (``(major, minor)``) on which this project's tests ran it, and the call that checks it
+        once per device elsewhere (module docstring)."""
         if name not in IMPLS:
             raise ValueError(f"unknown implementation kind {name!r}")
+        if name != "vendor" and (verified_ccs or canary is not None):
+            raise ValueError(f"{self.op}: verified_ccs / canary describe the vendor route, "
+                             f"not {name!r}")
         self._impls[name] = (fn, check, automatic)
+        if name == "vendor":
+            self._verified_ccs = tuple(tuple(cc) for cc in verified_ccs)
+            self._canary = canary
 
     def _reason(self, name: str, args, kwargs, automatic: bool = False) -> Optional[str]:
         if name not in self._impls:
@@ -181,13 +214,64 @@ class Dispatcher:
                     f"{self.op}: implementation {requested!r} was forced by {forced_by} "
                     f"but cannot run: {reason}", reason)
             return Choice(self.op, requested, forced_by, {})
-        rejected = {}
+        rejected, canary = {}, None
         for name in IMPLS:
             reason = self._reason(name, args, kwargs, automatic=True)
+            if reason is None and name == "vendor":
+                reason, canary = self._verify_vendor(args, kwargs)
             if reason is None:
-                return Choice(self.op, name, None, rejected)
+                return Choice(self.op, name, None, rejected, canary=canary)
             rejected[name] = reason
         raise ImplementationUnavailable(f"{self.op}: no implementation can run: {rejected}")
+
+    def _verify_vendor(self, args, kwargs) -> tuple:
+        """``(why the automatic choice may not run the vendor route or None, the canary's
+        note or None)`` for a call on these arguments' device. A call without tensors has no
+        device to verify (the toy dispatchers of tests)."""
+        device = tensor_device_of(args, kwargs)
+        if device is None:
+            return None, None
+        cc = device_capability(device)
+        if cc is not None and tuple(cc) in self._verified_ccs:
+            return None, None
+        key = (self.op, str(device))
+        with _CANARY_LOCK:
+            outcome = _CANARIES.get(key)
+        if outcome is None:
+            where = _arch_name(device, cc)
+            if graph_capturing(device):
+                # a canary launches and reads values back: neither may happen in a capture
+                return (f"not verified on {where} by this project's tests, and its one-time "
+                        f"canary cannot run while a CUDA graph is being captured (a call "
+                        f"before capture runs it; impl='vendor' runs the route)"), None
+            outcome = self._run_canary(device, where)
+            with _CANARY_LOCK:
+                outcome = _CANARIES.setdefault(key, outcome)
+        passed, note = outcome
+        return (None if passed else note + " (impl='vendor' still runs it)"), note
+
+    def _run_canary(self, device: torch.device, where: str) -> tuple:
+        """``(passed, note)``: the vendor route's canary call on ``device`` against Triton's."""
+        head = f"not verified on {where} by this project's tests; its one-time canary"
+        if self._canary is None:
+            return False, f"{head} does not exist (the route declares none)"
+        saved_plan = getattr(_LAST, "plan", None)
+        try:
+            vendor_call = self._canary.build(device)
+            triton_call = self._canary.build(device)
+            why_not = self._reason("triton", *triton_call)
+            if why_not is not None:
+                return False, f"{head} has no Triton answer to compare with: {why_not}"
+            _call_on(cuda_device_of(*vendor_call), self._impls["vendor"][0], *vendor_call)
+            _call_on(cuda_device_of(*triton_call), self._impls["triton"][0], *triton_call)
+            diff = self._canary.compare(vendor_call, triton_call)
+        except Exception as exc:   # any failure of the vendor's call rejects it
+            return False, f"{head} raised {type(exc).__name__}: {exc}"
+        finally:
+            _LAST.plan = saved_plan   # the canary's launch is not the op's
+        if diff is not None:
+            return False, f"{head} disagreed with Triton: {diff}"
+        return True, f"{head} on {device} matched Triton"
 
     def __call__(self, *args, impl: Optional[str] = None, **kwargs):
         return self.run(self.choose(impl, *args, **kwargs), *args, **kwargs)
@@ -199,19 +283,79 @@ class Dispatcher:
         record_choice(choice)
         fn = self._impls[choice.impl][0]
         _LAST.plan = None
-        dev = cuda_device_of(args, kwargs)
-        if dev is None or dev == torch.cuda.current_device():
-            result = fn(*args, **kwargs)
-        else:
-            # Triton launches on the current GPU, whatever its arguments' device: on an H200
-            # pair the op tests on cuda:1 failed ("Pointer argument cannot be accessed from
-            # Triton") while the current device was 0, as in one process that spreads a
-            # model over GPUs
-            with torch.cuda.device(dev):
-                result = fn(*args, **kwargs)
+        result = _call_on(cuda_device_of(args, kwargs), fn, args, kwargs)
         if _LAST.plan is not None:
             _LAST.choices[self.op] = dataclasses.replace(choice, plan=_LAST.plan)
         return result
+
+
+def _call_on(dev: Optional[int], fn: Callable, args, kwargs):
+    """``fn(*args, **kwargs)`` with CUDA device ``dev`` current (None: as it is)."""
+    if dev is None or dev == torch.cuda.current_device():
+        return fn(*args, **kwargs)
+    # Triton launches on the current GPU, whatever its arguments' device: on an H200 pair the
+    # op tests on cuda:1 failed ("Pointer argument cannot be accessed from Triton") while the
+    # current device was 0, as in one process that spreads a model over GPUs
+    with torch.cuda.device(dev):
+        return fn(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Canary:
+    """A small call of one op that checks its vendor route on a device it was not verified on.
+    ``build(device)`` returns fresh ``(args, kwargs)`` for the dispatcher's implementations,
+    the same values on every call (it is called once for the vendor, once for Triton);
+    ``compare(vendor_call, triton_call)`` reads the outputs both wrote into their own
+    ``(args, kwargs)`` and returns None where they agree within the op's test tolerance, else
+    how they differ."""
+    build: Callable[[torch.device], tuple]
+    compare: Callable[[tuple, tuple], Optional[str]]
+
+
+def allclose_reason(name: str, got: torch.Tensor, want: torch.Tensor, atol: float,
+                    rtol: float) -> Optional[str]:
+    """None where ``got`` is within ``atol + rtol * |want|`` of ``want`` everywhere (NaN
+    nowhere), else the worst element: for a :class:`Canary`'s ``compare``."""
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    bad = ~(err <= atol + rtol * want.abs())
+    if not bool(bad.any()):
+        return None
+    worst = int(torch.where(bad, err.nan_to_num(float("inf")), -1).argmax())
+    return (f"{name} differs by {float(err.reshape(-1)[worst]):.3g} at flat index {worst} "
+            f"({float(got.reshape(-1)[worst]):.4g} vs {float(want.reshape(-1)[worst]):.4g}; "
+            f"{int(bad.sum())} of {bad.numel()} elements past atol {atol:g}, rtol {rtol:g})")
+
+
+def tensor_device_of(args, kwargs) -> Optional[torch.device]:
+    """The device of the first tensor among an op's arguments (its query: the ops check that
+    all share one device), or None where there is none. The vendor checks and the canary
+    look up this device's architecture, never the current GPU's."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return canonical_device(a.device)
+    return None
+
+
+def device_capability(device) -> Optional[tuple]:
+    """``(major, minor)`` of a CUDA device, None for any other: the one architecture lookup
+    the dispatcher and the vendor checks use."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _arch_name(device: torch.device, cc: Optional[tuple]) -> str:
+    return f"{device} (SM{cc[0]}{cc[1]})" if cc is not None else str(device)
+
+
+def graph_capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def canonical_device(device) -> torch.device:
@@ -283,9 +427,11 @@ def last_plan():
 
 
 def explain(op: str, *args, impl: Optional[str] = None, **kwargs) -> Choice:
-    """Which implementation a call with these arguments would run, without running it. The
-    kernel route of the Triton attention ops is decided at launch: after a call,
-    ``last_choice(op)`` reports it (``route``, ``plan``: which kernel ran and why)."""
+    """Which implementation a call with these arguments would run, without running it (but
+    running the vendor route's one-time canary where the automatic choice needs it, so that
+    the answer is the call's). The kernel route of the Triton attention ops is decided at
+    launch: after a call, ``last_choice(op)`` reports it (``route``, ``plan``: which kernel
+    ran and why)."""
     return _REGISTRY[_op_name(op)].choose(impl, *args, **kwargs)
 
 
@@ -344,6 +490,10 @@ class VendorRoute:
     run: Optional[Callable]
     check: Check
     automatic: Optional[Check] = None
+    # the compute capabilities on which this project's tests ran the route; elsewhere the
+    # automatic choice runs ``canary`` first (module docstring)
+    verified_ccs: tuple = ()
+    canary: Optional[Canary] = None
 
 
 def no_vendor_route(reason: str) -> VendorRoute:
@@ -358,7 +508,8 @@ def implementations(op: str, *, vendor: VendorRoute, triton: Callable,
     implementation wherever the arguments' tensors allow Triton (:func:`triton_check_args`);
     its ``reference`` everywhere. All three take the arguments the op passes its dispatcher."""
     d = Dispatcher(op)
-    d.register("vendor", vendor.run, vendor.check, vendor.automatic)
+    d.register("vendor", vendor.run, vendor.check, vendor.automatic, vendor.verified_ccs,
+               vendor.canary)
     d.register("triton", triton, triton_check_args)
     d.register("reference", reference)
     return d

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks, dispatch
+from sparse_mla.ops.trtllm_decode import canary
 from sparse_mla.ops.common.vendor_heads import pad_heads
 from sparse_mla.ops.common.formats import HEAD_DIM as V_DIM
 from sparse_mla.ops.trtllm_decode.reference import pool_view
@@ -25,15 +26,20 @@ VENDOR_CCS = ((10, 0), (10, 3))
 VENDOR_NEEDS = ("needs an SM100/SM103 GPU (compute capability 10.0 / 10.3) and the flashinfer "
                 "package (flashinfer-python); FlashInfer's kernel was never run by this "
                 "project's tests (no SM100 available), so this path is unverified")
+# where this project's tests ran FlashInfer's kernels: nowhere yet, so the automatic choice
+# runs a canary against Triton first on every device (dispatch's module docstring)
+VERIFIED_CCS = ()
 WORKSPACE_BYTES = 128 * 1024 * 1024   # vLLM's zero-initialised FlashInfer workspace
 
 
-def vendor_env() -> Optional[str]:
-    """None when FlashInfer could run here, else why not."""
+def vendor_env(device) -> Optional[str]:
+    """None when FlashInfer could run on ``device`` (the query's), else why not."""
     if not torch.cuda.is_available():
         return VENDOR_NEEDS + " (no CUDA device)"
-    cc = torch.cuda.get_device_capability()
-    if tuple(cc) not in VENDOR_CCS:
+    cc = dispatch.device_capability(device)
+    if cc is None:
+        return VENDOR_NEEDS + " (tensors are not on CUDA)"
+    if cc not in VENDOR_CCS:
         return VENDOR_NEEDS + f" (this GPU is SM{cc[0]}{cc[1]})"
     try:
         import flashinfer.decode  # noqa: F401
@@ -119,10 +125,7 @@ def runner(arguments):
 
 
 def cuda_reason(query) -> Optional[str]:
-    reason = vendor_env()
-    if reason is None and query.device.type != "cuda":
-        reason = VENDOR_NEEDS + " (tensors are not on CUDA)"
-    return reason
+    return vendor_env(query.device)
 
 
 def _v32_vendor_heads(H: int) -> int:
@@ -183,5 +186,7 @@ def v32_check(query, kv_cache, *args) -> Optional[str]:
 
 
 # The routes ops.py registers (dispatch.implementations).
-DSV4 = dispatch.VendorRoute(runner(dsv4_vendor_arguments), dsv4_check)
-V32 = dispatch.VendorRoute(runner(v32_vendor_arguments), v32_check)
+DSV4 = dispatch.VendorRoute(runner(dsv4_vendor_arguments), dsv4_check,
+                            verified_ccs=VERIFIED_CCS, canary=canary.DSV4)
+V32 = dispatch.VendorRoute(runner(v32_vendor_arguments), v32_check,
+                           verified_ccs=VERIFIED_CCS, canary=canary.V32)

@@ -27,3 +27,64 @@ def test_rounds_below_one_are_refused_before_anything_is_timed(monkeypatch, caps
     with pytest.raises(SystemExit):
         bench_flashmla.main(["--rounds", "0"])
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+class _Case:
+    def __init__(self, op, run=None):
+        self.op, self.shape, self.run = op, f"{op} shape", run
+
+
+def test_soft_columns_are_na_with_a_reason_on_prefill_rows(monkeypatch):
+    """Prefill reads bf16: --soft skips its columns (it used to stop the whole run there)."""
+    case = _Case("flashmla_sparse_prefill", run=lambda a, impl: pytest.fail("ran prefill soft"))
+    assert bench_flashmla.soft_columns(case, {}, 1.0, 1.0, None) == ("n/a*",) * 4
+    assert "no e4m3 to decode" in bench_flashmla.soft_skip_reason(case)
+
+
+def test_soft_columns_still_refuse_a_decode_row_the_switch_did_not_reach(monkeypatch):
+    monkeypatch.setattr(bench_flashmla, "_time", lambda fn: (fn() or 1.0, "graph"))
+    monkeypatch.setattr(bench_flashmla.dispatch, "last_plan", lambda: None)
+    case = _Case("flashmla_sparse_decode", run=lambda a, impl: None)
+    assert bench_flashmla.soft_skip_reason(case) is None
+    with pytest.raises(RuntimeError, match="SPARSE_MLA_SOFT_FP8=1 ran '\\?'"):
+        bench_flashmla.soft_columns(case, {}, 1.0, 1.0, None)
+
+
+def test_the_footnote_names_why_prefill_soft_is_na(monkeypatch, capsys):
+    """A whole --soft run over one decode and one prefill row with the GPU parts faked: the run
+    reaches the table and its footnote."""
+    import os
+    import types
+
+    import torch
+    out, last = [torch.zeros(2)], {}
+
+    def runner(label):
+        """As the op does: the software route only where there is e4m3 to decode."""
+        def run(a, impl):
+            soft = os.environ.get("SPARSE_MLA_SOFT_FP8") == "1" and label == "decode"
+            last["label"] = "portable, software e4m3" if soft else "portable"
+            return out
+        return run
+    decode = types.SimpleNamespace(op="flashmla_sparse_decode", shape="b=2 decode",
+                                   make=lambda: {"q": torch.zeros(1, 1, 4, 1)},
+                                   run=runner("decode"), flops=1.0, bytes=1.0)
+    prefill = types.SimpleNamespace(op="flashmla_sparse_prefill", shape="prefill",
+                                    make=lambda: {}, run=runner("prefill"), flops=1.0,
+                                    bytes=1.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_flashmla.bench, "cases", lambda device, small: [decode, prefill])
+    for name, value in (("copy_bandwidth", 1e12), ("matmul_rate", 1e15),
+                        ("device_name", "fake GPU")):
+        monkeypatch.setattr(bench_flashmla.harness, name, lambda *_, v=value: v)
+    monkeypatch.setattr(bench_flashmla, "_time", lambda fn: (fn() and 1e-5, "graph"))
+    monkeypatch.setattr(bench_flashmla, "planned_flash_mla",
+                        lambda a: (lambda: out, [torch.zeros(1, 1, 4)]))
+    monkeypatch.setattr(bench_flashmla, "_padded_for_flash_mla", lambda a: a)
+    monkeypatch.setattr(bench_flashmla, "_flash_mla_prefill", lambda a: out)
+    monkeypatch.setattr(bench_flashmla.dispatch, "last_plan",
+                        lambda: types.SimpleNamespace(route="portable", label=last["label"]))
+    bench_flashmla.main(["--soft"])
+    table = capsys.readouterr().out
+    assert "n/a*" in table
+    assert "* n/a (flashmla_sparse_prefill): prefill reads a bf16 kv" in table

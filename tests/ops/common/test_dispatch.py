@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse_mla.ops.cache_insert import quantize_insert_v4
-from sparse_mla.ops.common import formats
+from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.dispatch import (Dispatcher, VendorRoute, explain, implementations,
                                             last_choice, no_vendor_route)
 from sparse_mla.ops.common.errors import ImplementationUnavailable
@@ -121,10 +121,13 @@ def test_implementations_registers_vendor_triton_reference_with_their_checks(mon
     meta = torch.zeros(1, device="meta")
     assert "['cpu', 'meta']" in explain("toy_family_none", cpu, y=meta).rejected["triton"]
     assert "['cpu', 'meta']" in explain("toy_family_none", 3, meta, cpu).rejected["triton"]
+    # the CPU stands in for an architecture the route was verified on (no canary: its own test)
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     routed = implementations(
         "toy_family_vendor", triton=run["triton"], reference=run["ref"],
         vendor=VendorRoute(run["vendor"], lambda x, y=None: None if x.numel() > 1 else "small",
-                           lambda x, y=None: "slower" if x.numel() < 4 else None))
+                           lambda x, y=None: "slower" if x.numel() < 4 else None,
+                           verified_ccs=((9, 0),)))
     assert routed(torch.zeros(4)) == "vendor"
     assert routed(torch.zeros(2)) == "triton"
     assert last_choice("toy_family_vendor").rejected == {"vendor": "slower"}
