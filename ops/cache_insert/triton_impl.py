@@ -163,7 +163,8 @@ def compressed_insert_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, ra
         k, k.stride(0), cache, s0, s1, slot_mapping, n, k_cache.shape[0] * bs, bs, positions,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], ratio,
         slot_mapping if kv_scale is None else kv_scale, MODE=MODES[fmt_name], TPP=tpp,
-        SOFT=soft_fp8(k.device), INLINE=_inline(fmt_name), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+        SOFT=soft_fp8(k.device), INLINE=_inline(fmt_name), num_warps=CONFIG["insert_warps"],
+        **_LAUNCH)
 
 
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
