@@ -15,9 +15,10 @@ every cache a step reads).
 Records: each cache's is a config value (bytes per token): the SWA cache 584 B (V4.0's, what
 vLLM writes for V4.1 on SM90 / SM120) or 528 B (MXFP8), the compressed cache also 288 B
 (NVFP4); ``record_layout`` says whether the 528 B / 288 B records are page-footer (vLLM
-0.32.0) or token-inline (vLLM 0.33.0). The write runs V4.1's inserts in the configured record (``fused_rope_insert_v41``,
-``compressed_insert_v41``), the decode reads each list in its cache's record
-(``kv_format`` / ``extra_kv_format``) and the prefill gathers each cache in its own.
+0.32.0) or token-inline (vLLM 0.33.0). The write runs V4.1's inserts in the configured
+record (``fused_rope_insert_v41``, ``compressed_insert_v41``), the decode reads each list in
+its cache's record (``kv_format`` / ``extra_kv_format``) and the prefill gathers each cache in
+its own.
 
 ``compressed_kv`` is what V4.1's compressor hands its cache writer: one normed, not yet
 rotated row per token (``[num_tokens, 512]``); the write rotates row t at position
