@@ -14,9 +14,11 @@ every cache a step reads).
 
 Records: each cache's is a config value (bytes per token): the SWA cache 584 B (V4.0's, what
 vLLM writes for V4.1 on SM90 / SM120) or 528 B (MXFP8), the compressed cache also 288 B
-(NVFP4). The write runs V4.1's inserts in the configured record (``fused_rope_insert_v41``,
-``compressed_insert_v41``), the decode reads each list in its cache's record
-(``kv_format`` / ``extra_kv_format``) and the prefill gathers each cache in its own.
+(NVFP4); ``record_layout`` says whether the 528 B / 288 B records are page-footer (vLLM
+0.32.0) or token-inline (vLLM 0.33.0). The write runs V4.1's inserts in the configured
+record (``fused_rope_insert_v41``, ``compressed_insert_v41``), the decode reads each list in
+its cache's record (``kv_format`` / ``extra_kv_format``) and the prefill gathers each cache in
+its own.
 
 ``compressed_kv`` is what V4.1's compressor hands its cache writer: one normed, not yet
 rotated row per token (``[num_tokens, 512]``); the write rotates row t at position
@@ -33,16 +35,21 @@ from sparse_mla.backends.v41.config import V41LayerConfig
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops.common import formats
 
-_RECORDS = {fmt.bytes_per_token: fmt for fmt in (formats.V4, formats.V41, formats.V41_FP4)}
+# (bytes per token, record_layout) -> format; the 584 B record has one layout
+_RECORDS = {(584, "footer"): formats.V4, (584, "inline"): formats.V4,
+            (528, "footer"): formats.V41, (288, "footer"): formats.V41_FP4,
+            (528, "inline"): formats.V41_INLINE, (288, "inline"): formats.V41_FP4_INLINE}
 
 
-def record_format(record: int, cache: str) -> formats.PagedFormat:
-    """The ``formats`` paged record of ``record`` bytes per token (584, 528 or 288)."""
+def record_format(record: int, cache: str, layout: str = "footer") -> formats.PagedFormat:
+    """The ``formats`` paged record of ``record`` bytes per token (584, 528 or 288), its
+    V4.1 records laid out per ``layout`` ("footer": vLLM 0.32.0, "inline": vLLM 0.33.0)."""
     try:
-        return _RECORDS[record]
+        return _RECORDS[(record, layout)]
     except KeyError:
-        raise ValueError(f"{cache}_record must be one of {sorted(_RECORDS, reverse=True)} "
-                         f"(bytes per token), got {record!r}") from None
+        sizes = sorted({r for r, _ in _RECORDS}, reverse=True)
+        raise ValueError(f"{cache}_record must be one of {sizes} (bytes per token) and the "
+                         f"layout 'footer' or 'inline', got {record!r}, {layout!r}") from None
 
 
 class V41FlashMLABackend(FlashMLABackend):
@@ -55,9 +62,10 @@ class V41FlashMLABackend(FlashMLABackend):
 
     def _records(self) -> Dict[str, formats.PagedFormat]:
         cfg = self.config
-        rec = {"swa": record_format(cfg.swa_record, "swa")}
+        rec = {"swa": record_format(cfg.swa_record, "swa", cfg.record_layout)}
         if cfg.kind.compressed:
-            rec["compressed"] = record_format(cfg.compressed_record, "compressed")
+            rec["compressed"] = record_format(cfg.compressed_record, "compressed",
+                                              cfg.record_layout)
         return rec
 
     def cache_specs(self) -> Dict[str, CacheSpec]:

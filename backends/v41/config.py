@@ -18,6 +18,10 @@ from sparse_mla.backends.common.config import LayerConfig
 SM90_COMPRESSED_TOKENS = 64      # tokens per compressed block on SM90 (128 elsewhere)
 SWA_RECORDS = (584, 528)         # bytes per token: V4.0's record, V4.1's MXFP8
 COMPRESSED_RECORDS = (584, 528, 288)   # and V4.1's NVFP4 (compressed cache only)
+# Where a V4.1 record (528 B / 288 B) keeps its scales: "footer" (a page's data rows, then its
+# scale rows: vLLM 0.32.0) or "inline" (each token's scales after its data: vLLM 0.33.0); the
+# 584 B record is page-footer in both (docs/semantics.md §12)
+RECORD_LAYOUTS = ("footer", "inline")
 
 
 class V41Kind(enum.Enum):
@@ -53,14 +57,17 @@ class V41Kind(enum.Enum):
 class V41LayerConfig(LayerConfig):
     """``swa_record`` / ``compressed_record``: bytes per token of each cache's packed record
     (584: V4.0's, what vLLM writes for V4.1 on SM90 / SM120; 528: MXFP8; 288: NVFP4,
-    compressed only). ``owns_compressed``: False for a layer that reads another layer's
-    compressed cache (not a ``kv_source_layer_ids`` layer): its step never writes it."""
+    compressed only). ``record_layout``: "footer" (vLLM 0.32.0) or "inline" (vLLM 0.33.0), how
+    the 528 B / 288 B records lay out a page (``RECORD_LAYOUTS``). ``owns_compressed``: False
+    for a layer that reads another layer's compressed cache (not a ``kv_source_layer_ids``
+    layer): its step never writes it."""
 
     swa_block_size: int = 32
     apply_q_norm: bool = False
     swa_record: int = 584
     compressed_record: int = 584
     owns_compressed: bool = True
+    record_layout: str = "footer"
 
     KINDS: ClassVar[type] = V41Kind
 
@@ -75,6 +82,10 @@ class V41LayerConfig(LayerConfig):
         if self.compressed_record not in COMPRESSED_RECORDS:
             raise ValueError(f"compressed_record must be one of {COMPRESSED_RECORDS} (bytes "
                              f"per token), got {self.compressed_record!r}")
+        if self.record_layout not in RECORD_LAYOUTS:
+            raise ValueError(f"record_layout must be one of {RECORD_LAYOUTS} (V4.1 records "
+                             f"page-footer as vLLM 0.32.0 writes them, or token-inline as "
+                             f"0.33.0 does), got {self.record_layout!r}")
         if not self.kind.compressed and not self.owns_compressed:
             raise ValueError("owns_compressed=False is for compressed layers reading a source "
                              "layer's cache; an SWA-only layer has no compressed cache")

@@ -33,14 +33,16 @@ from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
-FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_fp4": 6}
-# Records of 512-wide rows with their scales in a per-block tail (V4 584 B, V4.1 528 B and
-# 288 B): a launch's two sources may mix these (a V4.1 layer's 528 B SWA cache and its 288 B
-# compressed cache); the portable kernel then decodes each source's tiles in its own format
-TAIL_FORMATS = ("v4", "v41", "v41_fp4")
+FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_fp4": 6,
+             "v41_inline": 9, "v41_fp4_inline": 10}
+# Records of 512-wide rows with their own scales (V4 584 B, V4.1 528 B and 288 B, these two
+# page-footer or token-inline): a launch's two sources may mix these (a V4.1 layer's 528 B SWA
+# cache and its 288 B compressed cache); the portable kernel then decodes each source's tiles
+# in its own format
+TAIL_FORMATS = ("v4",) + tuple(formats.V41_RECORD_OF)
 # The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
 # ``plan.GLUON_V41_PAIRS``)
-V41_FORMATS = ("v41", "v41_fp4")
+V41_FORMATS = tuple(formats.V41_RECORD_OF)
 # The sm_90 kernel's FMT for 528 B main rows with extra rows in another record, by that record
 # (its producer picks each chunk's record by its source: ``sm90/producers_v41.py``)
 FMT_V41_EXTRA = {"v41_fp4": 7, "v4": 8}

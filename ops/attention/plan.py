@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import triton
 
+from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.dispatch import soft_fp8_forced
 from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV, soft_fp8_reason
@@ -384,7 +385,8 @@ FP4_LOW_SHARED_BLOCK_N = 16
 def record_config(cfg, fmts, shared):
     """``cfg`` (``launch_config``'s) adjusted for the records ``fmts`` the launch reads:
     ``FP4_LOW_SHARED_BLOCK_N`` for 288 B rows in the general shape below ``FULL_SHARED``."""
-    if "v41_fp4" in fmts and not cfg["tiny"] and shared is not None and shared < FULL_SHARED:
+    fp4 = any(formats.V41_RECORD_OF.get(f) == "v41_fp4" for f in fmts)
+    if fp4 and not cfg["tiny"] and shared is not None and shared < FULL_SHARED:
         cfg = dict(cfg, block_n=min(cfg["block_n"], FP4_LOW_SHARED_BLOCK_N))
     return cfg
 
@@ -394,7 +396,11 @@ def record_config(cfg, fmts, shared):
 # cp.async: 16-byte-aligned blocks): 528 B main rows alone or with 528 B, 288 B or 584 B extra
 # rows, a V4.1 layer's SWA and compressed caches. Other launches reading them (288 B main
 # rows, 584 B main rows beside V4.1 ones) run the portable kernel on every GPU.
-V41_RECORDS = ("v41", "v41_fp4")
+V41_RECORDS = ("v41", "v41_fp4", "v41_inline", "v41_fp4_inline")
+# The token-inline layouts (vLLM 0.33) run the portable kernel on every GPU: the sm_90
+# producers address page-footer rows (a TMA-free cp.async gather of a block's data rows, then
+# its scale rows), and teaching them a second layout is a kernel change of its own
+V41_INLINE = ("v41_inline", "v41_fp4_inline")
 GLUON_V41 = "v41"
 GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"),
                    (GLUON_V41, "v4"))
@@ -422,6 +428,11 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     if reason is not None:
         return None, reason
     v41_pair = (fmt, extra_fmt) in GLUON_V41_PAIRS
+    if fmt in V41_INLINE or extra_fmt in V41_INLINE:
+        pair = fmt if extra_fmt is None else f"{fmt} + {extra_fmt}"
+        return None, (f"{pair} rows: the sm_90 kernel decodes V4.1 records in the page-footer "
+                      "layout only (vLLM 0.32); token-inline ones (vLLM 0.33) run the portable "
+                      "kernel")
     if (fmt in V41_RECORDS or extra_fmt in V41_RECORDS) and not v41_pair:
         pair = fmt if extra_fmt is None else f"{fmt} + {extra_fmt}"
         return None, (f"{pair} rows (V4.1 records): the sm_90 kernel decodes 528 B main rows "

@@ -77,6 +77,18 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
 
 
 @triton.jit
+def _v41_row_addrs(base, off, BS, DATA: tl.constexpr, SCALES: tl.constexpr,
+                   INLINE: tl.constexpr):
+    """(data, scales) pointers of rows ``off`` [BN, 1] of a V4.1 block at ``base``: page
+    footer (vLLM 0.32: BS data rows, then BS scale rows) or token-inline (vLLM 0.33)."""
+    if INLINE:
+        rec = base + off * (DATA + SCALES)
+        return rec, rec + DATA
+    else:
+        return base + off * DATA, base + BS * DATA + off * SCALES
+
+
+@triton.jit
 def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT: tl.constexpr,
               SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False,
               SOFT: tl.constexpr = False):
@@ -109,23 +121,24 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
                               DOT_F32)
-    elif FMT == 5:
-        # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims in the block's
-        # tail (two per tile); e4m3 × 2^k is exact in bf16
-        base = cache_ptr + blk * s0
-        x = _load_values(base + off * 512 + TILE * 64 + c, v, True, SOFT)
-        sb = tl.load(base + BS * 512 + off * 16 + TILE * 2 + c // 32, mask=v,
-                     other=127).to(tl.int32)
+    elif FMT == 5 or FMT == 9:
+        # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims (two per tile)
+        # in the block's tail (5) or right after the row's data (9, token-inline); e4m3 × 2^k
+        # is exact in bf16
+        data, scales = _v41_row_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == 9)
+        x = _load_values(data + TILE * 64 + c, v, True, SOFT)
+        sb = tl.load(scales + TILE * 2 + c // 32, mask=v, other=127).to(tl.int32)
         k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
-    elif FMT == 6:
+    elif FMT == 6 or FMT == 10:
         # V4.1 288 B: e2m1 pairs (the even dim in the low nibble), then per row 32 e4m3
-        # scales of 16 dims in the block's tail; e2m1 × e4m3 is exact in bf16
+        # scales of 16 dims in the block's tail (6) or after the row's data (10, token-inline);
+        # e2m1 × e4m3 is exact in bf16
         # (the tile's 32 bytes loaded once and their nibbles interleaved: a load of each
         # byte per dim took three times the shared memory, more than sm_86 / sm_89 allow)
-        base = cache_ptr + blk * s0
+        data, scales = _v41_row_addrs(cache_ptr + blk * s0, off, BS, 256, 32, FMT == 10)
         j = tl.arange(0, 32)[None, :]
-        b = tl.load(base + off * 256 + TILE * 32 + j, mask=v, other=0).to(tl.int32)
-        sc = _load_values(base + BS * 256 + off * 32 + TILE * 4 + j // 8, v, True, SOFT)
+        b = tl.load(data + TILE * 32 + j, mask=v, other=0).to(tl.int32)
+        sc = _load_values(scales + TILE * 4 + j // 8, v, True, SOFT)
         k = _dot_operand(tl.interleave(e2m1_value(b & 0xF) * sc, e2m1_value(b >> 4) * sc),
                          DOT_F32)
     else:

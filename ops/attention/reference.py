@@ -24,14 +24,16 @@ import torch
 
 from sparse_mla.ops.common import checks, formats, quant
 
-FORMATS = ("v4", "v32", "plain_bf16", "plain_fp8", "v41", "v41_fp4")
+FORMATS = ("v4", "v32", "plain_bf16", "plain_fp8", "v41", "v41_fp4", "v41_inline",
+           "v41_fp4_inline")
 
 
 @dataclasses.dataclass
 class KeySource:
     """One key list over one cache.
 
-    cache: paged byte view for "v4"/"v32"/"v41"/"v41_fp4" (any view accepted by
+    cache: paged byte view for "v4"/"v32"/"v41"/"v41_fp4"/"v41_inline"/"v41_fp4_inline"
+        (any view accepted by
         ``checks.paged_cache_block_size``), or ``[num_blocks, block_size, D]`` bf16 /
         float8_e4m3fn for "plain_bf16"/"plain_fp8" (D = 512, or 576 for a V3.2 plain cache;
         strides of dims 0, 1 free, last dim contiguous).
@@ -90,13 +92,18 @@ def gather_rows(src: KeySource, slots: torch.Tensor) -> torch.Tensor:
     fmt = formats.get_format(src.fmt)
     blocks = checks.block_bytes_view(src.cache, fmt, src.block_size)
     b, o = slots // src.block_size, slots % src.block_size
+    if fmt.codec == "v32":
+        data = blocks[b.unsqueeze(1), fmt.token_data_addr(src.block_size, o).unsqueeze(1)
+                      + torch.arange(fmt.token_data_bytes, device=b.device)]
+        return quant.dequantize_v32(data).float()
+    # V4 584 B, V4.1 528 B / 288 B footer or inline (docs/semantics.md §2.2, §12); the V4
+    # record's bf16 RoPE dims are part of its data record
+    width = fmt.token_data_bytes if fmt.scale_in_tail else fmt.data_bytes
     data = blocks[b.unsqueeze(1), fmt.token_data_addr(src.block_size, o).unsqueeze(1)
-                  + torch.arange(fmt.token_data_bytes, device=b.device)]
-    if fmt.scale_in_tail:       # V4 584 B, V4.1 528 B / 288 B (docs/semantics.md §2.2, §12)
-        sc = blocks[b.unsqueeze(1), fmt.token_scale_addr(src.block_size, o).unsqueeze(1)
-                    + torch.arange(fmt.scale_offset, device=b.device)]
-        return quant.dequantize_record(data, sc, fmt.name).float()
-    return quant.dequantize_v32(data).float()
+                  + torch.arange(width, device=b.device)]
+    sc = blocks[b.unsqueeze(1), fmt.token_scale_addr(src.block_size, o).unsqueeze(1)
+                + torch.arange(fmt.scale_bytes, device=b.device)]
+    return quant.dequantize_record(data, sc, fmt.name).float()
 
 
 def sparse_attention_reference(q: torch.Tensor, sources: Sequence[KeySource],

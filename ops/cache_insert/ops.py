@@ -434,8 +434,9 @@ def fused_rope_insert_v41(q: Tensor, kv: Tensor, k_cache: Tensor, slot_mapping: 
     """The V4.1 SWA insert (docs/semantics.md §12): ``q`` ``[N, H, 512]`` gets GPT-J RoPE on
     dims 448..511 at ``positions[t]`` (no RMSNorm) into ``q_out`` ``[N, Hp >= H, 512]`` bf16
     (heads ``H..Hp`` zero); ``kv`` ``[N, 512]`` gets the same RoPE in fp32 and goes to
-    ``k_cache`` at ``slot_mapping[t]`` (-1 skips) as the 528 B record (``cache_format="v41"``,
-    quantized from the fp32 rotated row) or the 584 B one (``"v4"``). One launch."""
+    ``k_cache`` at ``slot_mapping[t]`` (-1 skips), rounded to bf16 and back (vLLM's CUDA
+    writer does), as the 528 B record (``cache_format="v41"``: page footer, vLLM 0.32;
+    ``"v41_inline"``: token-inline, vLLM 0.33) or the 584 B one (``"v4"``). One launch."""
     bs = _validate_fused_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                              block_size, cache_format)
     _FUSED_V41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, bs, cache_format,
@@ -513,7 +514,9 @@ def compressed_insert_v41(k: Tensor, k_cache: Tensor, slot_mapping: Tensor, posi
     (the compressor's normed latent, not yet rotated) is written at ``slot_mapping[t]`` only
     where that is >= 0 and ``(positions[t] + 1) % compress_ratio == 0``, after GPT-J RoPE at
     position ``(positions[t] // compress_ratio) * compress_ratio`` in fp32. ``cache_format``:
-    "v41" (528 B), "v41_fp4" (288 B), "v4" (584 B), or a plain ``[nb, bs, 512]`` cache,
+    "v41" (528 B), "v41_fp4" (288 B) (page footer, vLLM 0.32), "v41_inline",
+    "v41_fp4_inline" (token-inline, vLLM 0.33), all quantized from the fp32 rotated row,
+    "v4" (584 B), or a plain ``[nb, bs, 512]`` cache,
     "plain_bf16" / "plain_fp8" (e4m3 of the bf16 row times ``1 / kv_scale``)."""
     bs = _validate_compressed_v41(k, k_cache, slot_mapping, positions, cos_sin_cache,
                                   compress_ratio, block_size, cache_format, kv_scale)

@@ -107,10 +107,12 @@ def insert_plain(k, k_cache, slot_mapping, kv_scale):
 def fused_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                      block_size, fmt_name):
     """docs/semantics.md §12: q RoPE'd (no norm) into ``q_out``; kv RoPE'd at its position in
-    fp32 and quantized without a bf16 rounding (528 B), or as the V4 record (584 B)."""
+    fp32, rounded to bf16 and back (as vLLM's CUDA SWA writer does before the absmax), then
+    stored as the 528 B record (either layout) or the V4 record (584 B, which rounds the same)."""
     write_q_out(q_out, rotate_q(q, positions, cos_sin_cache, 0.0, False))
     tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
     kv_rot = quant.rope_gptj(kv[tok].float(), cos_sin_cache[positions[tok].long()])
+    kv_rot = kv_rot.to(torch.bfloat16).float()
     _write_record(k_cache, fmt_name, block_size, slots, kv_rot)
 
 
@@ -164,11 +166,11 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         blk[in_table] = block_table[r, blk_col[in_table]].long()
         keep = (blk >= 0) & (blk < nb) & (dst >= 0) & (dst < max_tokens)
         blk, o, dst = blk[keep], (pos % block_size)[keep], dst[keep]
-        if fmt.scale_in_tail:
+        if fmt.codec != "v32":
             data_cols = (fmt.token_data_addr(block_size, o).unsqueeze(1)
-                         + torch.arange(fmt.token_data_bytes, device=o.device))
+                         + torch.arange(_record_data_bytes(fmt), device=o.device))
             scale_cols = (fmt.token_scale_addr(block_size, o).unsqueeze(1)
-                          + torch.arange(fmt.scale_offset, device=o.device))
+                          + torch.arange(fmt.scale_bytes, device=o.device))
             rows = quant.dequantize_record(blocks[blk.unsqueeze(1), data_cols],
                                            blocks[blk.unsqueeze(1), scale_cols], fmt.name)
         else:
@@ -176,3 +178,9 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
                     + torch.arange(fmt.token_data_bytes, device=o.device))
             rows = quant.dequantize_v32(blocks[blk.unsqueeze(1), cols])
         out[r, dst] = rows
+
+
+def _record_data_bytes(fmt) -> int:
+    """Bytes quant.dequantize_record takes as a token's data: the V4 record's bf16 RoPE dims
+    sit after its e4m3 bytes, inside the data record."""
+    return fmt.token_data_bytes if fmt.scale_in_tail else fmt.data_bytes

@@ -71,7 +71,7 @@ def _head_block(hp):
 
 
 def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, positions, cos_sin_cache,
-                  q_out, kv_scale, q_scale_inv, eps, apply_q_norm, mode):
+                  q_out, kv_scale, q_scale_inv, eps, apply_q_norm, mode, inline=False):
     n = q.shape[0]
     if n == 0:
         return
@@ -86,7 +86,7 @@ def _launch_fused(q, kv, cache, c_s0, c_s1, bs, capacity, slot_mapping, position
         dummy if kv_scale is None else kv_scale, dummy if q_scale_inv is None else q_scale_inv,
         float(eps), q.shape[1], hp, bs,
         HB=hb, MODE=mode, APPLY_NORM=bool(apply_q_norm), SOFT=soft_fp8(q.device),
-        num_warps=CONFIG["num_warps"],
+        INLINE=inline, num_warps=CONFIG["num_warps"],
         **_LAUNCH)
 
 
@@ -110,7 +110,7 @@ def rope_insert_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_si
         kv, kv.stride(0), 0, kv, kv.stride(0), _bytes(k_cache), stride0, 0, slot_mapping, n,
         k_cache.shape[0] * block_size, positions, cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.shape[0], kv, 0, 0, cos_sin_cache, cos_sin_cache, 0.0, 1, 1, block_size,
-        HB=1, MODE=MODE_V4, APPLY_NORM=False, SOFT=soft_fp8(kv.device),
+        HB=1, MODE=MODE_V4, APPLY_NORM=False, SOFT=soft_fp8(kv.device), INLINE=False,
         num_warps=CONFIG["num_warps"], **_LAUNCH)
 
 
@@ -124,9 +124,17 @@ def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q
                   apply_q_norm, MODE_PLAIN_FP8 if fp8 else MODE_PLAIN_BF16)
 
 
-# each cache format's kernel mode (triton_kernels.MODE_*)
-MODES = {"v4": MODE_V4, "v41": MODE_V41, "v41_fp4": MODE_V41_FP4, "plain_bf16": MODE_PLAIN_BF16,
+# each cache format's kernel mode (triton_kernels.MODE_*): both layouts of a V4.1 record share
+# its mode, the kernels' INLINE flag tells them apart (_inline)
+MODES = {"v4": MODE_V4, "v41": MODE_V41, "v41_fp4": MODE_V41_FP4, "v41_inline": MODE_V41,
+         "v41_fp4_inline": MODE_V41_FP4, "plain_bf16": MODE_PLAIN_BF16,
          "plain_fp8": MODE_PLAIN_FP8}
+
+
+def _inline(fmt_name) -> bool:
+    """A V4.1 record stored token-inline (vLLM 0.33) rather than page-footer (vLLM 0.32)."""
+    fmt = formats.get_format(fmt_name)
+    return fmt_name in formats.V41_RECORD_OF and not fmt.scale_in_tail
 
 
 def fused_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, block_size,
@@ -135,7 +143,7 @@ def fused_insert_v41(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_o
     stride0 = checks.block_stride(k_cache, fmt, block_size)
     _launch_fused(q, kv, _bytes(k_cache), stride0, 0, block_size,
                   k_cache.shape[0] * block_size, slot_mapping, positions, cos_sin_cache, q_out,
-                  None, None, 0.0, False, MODES[fmt_name])
+                  None, None, 0.0, False, MODES[fmt_name], _inline(fmt_name))
 
 
 def compressed_insert_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, ratio, block_size,
@@ -155,7 +163,8 @@ def compressed_insert_v41(k, k_cache, slot_mapping, positions, cos_sin_cache, ra
         k, k.stride(0), cache, s0, s1, slot_mapping, n, k_cache.shape[0] * bs, bs, positions,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], ratio,
         slot_mapping if kv_scale is None else kv_scale, MODE=MODES[fmt_name], TPP=tpp,
-        SOFT=soft_fp8(k.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
+        SOFT=soft_fp8(k.device), INLINE=_inline(fmt_name), num_warps=CONFIG["insert_warps"],
+        **_LAUNCH)
 
 
 def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
@@ -172,4 +181,4 @@ def gather_dequant(out, k_cache, seq_lens, gather_lens, block_table, block_size,
         seq_lens if gather_lens is None else gather_lens, block_table, block_table.stride(0),
         block_table.shape[1], block_size, offset, max_tokens,
         MODE=MODES.get(fmt_name, -1), HAS_GLEN=gather_lens is not None, TB=tb,
-        SOFT=soft_fp8(out.device), num_warps=4, **_LAUNCH)
+        SOFT=soft_fp8(out.device), INLINE=_inline(fmt_name), num_warps=4, **_LAUNCH)

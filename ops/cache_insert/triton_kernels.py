@@ -35,10 +35,10 @@ V4_SCALE_BYTES = tl.constexpr(formats.V4.scale_offset)    # 8 scale bytes per to
 V32_RECORD = tl.constexpr(formats.V32.token_data_bytes)   # 656 B record per token
 V32_SCALES = tl.constexpr(formats.V32.scale_offset)       # 4 fp32 scales inside the record
 V32_ROPE = tl.constexpr(formats.V32.rope_offset)          # bf16 RoPE dims inside the record
-V41_DATA = tl.constexpr(formats.V41.token_data_bytes)     # 512 e4m3 bytes per token
-V41_SCALES = tl.constexpr(formats.V41.scale_offset)       # 16 UE8M0 bytes per token (tail)
-FP4_DATA = tl.constexpr(formats.V41_FP4.token_data_bytes)  # 256 bytes of e2m1 pairs per token
-FP4_SCALES = tl.constexpr(formats.V41_FP4.scale_offset)   # 32 e4m3 scale bytes per token (tail)
+V41_DATA = tl.constexpr(formats.V41.data_bytes)           # 512 e4m3 bytes per token
+V41_SCALES = tl.constexpr(formats.V41.scale_bytes)        # 16 UE8M0 bytes per token
+FP4_DATA = tl.constexpr(formats.V41_FP4.data_bytes)       # 256 bytes of e2m1 pairs per token
+FP4_SCALES = tl.constexpr(formats.V41_FP4.scale_bytes)    # 32 e4m3 scale bytes per token
 
 
 @triton.jit
@@ -84,9 +84,24 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
-    """Quantize one token ``y`` [16, 32] fp32 (rotated, not rounded to bf16) as the 528 B
-    MXFP8 record: one UE8M0 scale per 32 dims (docs/semantics.md §12)."""
+def _record_addrs(base, off, BS, DATA: tl.constexpr, SCALES: tl.constexpr,
+                  INLINE: tl.constexpr):
+    """(data, scales) byte pointers of token ``off`` of the block at ``base``: a page footer
+    (BS data rows, then BS scale rows: vLLM 0.32's "v41" / "v41_fp4") or token-inline
+    ([data | scales] per token: vLLM 0.33's "v41_inline" / "v41_fp4_inline")."""
+    if INLINE:
+        rec = base + off * (DATA + SCALES)
+        return rec, rec + DATA
+    else:
+        return base + off * DATA, base + BS * DATA + off * SCALES
+
+
+@triton.jit
+def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr,
+                     INLINE: tl.constexpr):
+    """Quantize one token ``y`` [16, 32] fp32 (rotated; the SWA writer rounds it to bf16
+    first, the compressed one does not) as the 528 B MXFP8 record: one UE8M0 scale per 32
+    dims (docs/semantics.md §12)."""
     t = tl.arange(0, 16)[:, None]
     c = tl.arange(0, 32)[None, :]
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
@@ -94,11 +109,9 @@ def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     abits = amax.to(tl.int32, bitcast=True)
     e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
     base = cache_ptr + (slot // BS).to(tl.int64) * stride0
-    off = slot % BS
-    tl.store(base + off * V41_DATA + t * 32 + c, e4m3_sat(y * exp2_int(-e)[:, None], SOFT))
-    k = tl.arange(0, 16)
-    tl.store(base + BS * V41_DATA + off * V41_SCALES + k,
-             tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8))
+    data, scales = _record_addrs(base, slot % BS, BS, V41_DATA, V41_SCALES, INLINE)
+    tl.store(data + t * 32 + c, e4m3_sat(y * exp2_int(-e)[:, None], SOFT))
+    tl.store(scales + tl.arange(0, 16), tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8))
 
 
 @triton.jit
@@ -115,7 +128,8 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _store_v41_fp4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
+def _store_v41_fp4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr,
+                         INLINE: tl.constexpr):
     """Quantize one token ``y`` [32, 16] fp32 as the 288 B NVFP4 record: e4m3 scale
     e4m3(clamp(amax · fl(1/6), 2^-9, 448)) per 16 dims, e2m1 codes of a correctly rounded
     x / scale, two per byte with the even dim in the low nibble (docs/semantics.md §12)."""
@@ -126,9 +140,9 @@ def _store_v41_fp4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
     codes = _e2m1_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)))
     lo, hi = tl.split(tl.reshape(codes, (256, 2)))
     base = cache_ptr + (slot // BS).to(tl.int64) * stride0
-    off = slot % BS
-    tl.store(base + off * FP4_DATA + tl.arange(0, 256), (lo | (hi << 4)).to(tl.uint8))
-    tl.store(base + BS * FP4_DATA + off * FP4_SCALES + tl.arange(0, 32), sbyte)
+    data, scales = _record_addrs(base, slot % BS, BS, FP4_DATA, FP4_SCALES, INLINE)
+    tl.store(data + tl.arange(0, 256), (lo | (hi << 4)).to(tl.uint8))
+    tl.store(scales + tl.arange(0, 32), sbyte)
 
 
 @triton.jit
@@ -149,9 +163,11 @@ def fused_insert_kernel(
         q_ptr, q_s0, q_s1, kv_ptr, kv_s0, cache_ptr, c_s0, c_s1, slot_ptr, n_insert, capacity,
         pos_ptr, cs_ptr, cs_stride, max_pos, qo_ptr, qo_s0, qo_s1, kv_scale_ptr, q_scale_inv_ptr,
         eps, H, HP, BS,
-        HB: tl.constexpr, MODE: tl.constexpr, APPLY_NORM: tl.constexpr, SOFT: tl.constexpr):
+        HB: tl.constexpr, MODE: tl.constexpr, APPLY_NORM: tl.constexpr, SOFT: tl.constexpr,
+        INLINE: tl.constexpr):
     """Grid (tokens, head blocks + 1): programs with pid(1) < #head blocks write q_out heads
-    [pid*HB, pid*HB + HB); the last program of each token inserts its kv row."""
+    [pid*HB, pid*HB + HB); the last program of each token inserts its kv row. ``INLINE``: the
+    528 B record token-inline rather than page-footer."""
     tok = tl.program_id(0)
     hb = tl.program_id(1)
     n_hb = tl.num_programs(1) - 1
@@ -192,7 +208,9 @@ def fused_insert_kernel(
                 d = t * 32 + tl.arange(0, 32)[None, :]
                 x = tl.load(kv_row + d).to(tl.float32)
                 y = _rotate(kv_row, x, d, t >= 0, pos, cs_ptr, cs_stride, 1.0)
-                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+                # vLLM's CUDA SWA writer rounds the rotated row to bf16 before the absmax
+                y = to_bf16(y, SOFT).to(tl.float32)
+                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT, INLINE)
             else:
                 d = tl.arange(0, 512)
                 x = tl.load(kv_row + d).to(tl.float32)
@@ -207,10 +225,12 @@ def fused_insert_kernel(
 @triton.jit
 def compressed_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_tokens, capacity,
                              BS, pos_ptr, cs_ptr, cs_stride, max_pos, ratio, kv_scale_ptr,
-                             MODE: tl.constexpr, TPP: tl.constexpr, SOFT: tl.constexpr):
+                             MODE: tl.constexpr, TPP: tl.constexpr, SOFT: tl.constexpr,
+                             INLINE: tl.constexpr):
     """Compressed entries (docs/semantics.md §12): token ``tok`` is written only when its
     slot is valid and (pos + 1) % ratio == 0, its row rotated at (pos // ratio) * ratio in fp32,
-    then stored in the cache's record (``MODE``)."""
+    then stored in the cache's record (``MODE``; ``INLINE``: V4.1 records token-inline) with
+    no bf16 rounding (vLLM's Triton compressed writers quantize the fp32 row)."""
     for i in tl.static_range(TPP):
         tok = tl.program_id(0) * TPP + i
         slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
@@ -233,9 +253,9 @@ def compressed_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n
             y = _rotate(row, tl.load(row + d).to(tl.float32), d, d >= 0, at, cs_ptr, cs_stride,
                         1.0)
             if MODE == 3:
-                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+                _store_v41_token(cache_ptr, slot, c_s0, BS, y, SOFT, INLINE)
             elif MODE == 4:
-                _store_v41_fp4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
+                _store_v41_fp4_token(cache_ptr, slot, c_s0, BS, y, SOFT, INLINE)
             elif MODE == 0:
                 _store_v4_token(cache_ptr, slot, c_s0, BS, y, SOFT)
             else:
@@ -298,9 +318,9 @@ def v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_p
 def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_blocks, seq_ptr,
                            glen_ptr, bt_ptr, bt_s0, max_blocks, BS, offset, max_tokens,
                            MODE: tl.constexpr, HAS_GLEN: tl.constexpr, TB: tl.constexpr,
-                           SOFT: tl.constexpr):
+                           SOFT: tl.constexpr, INLINE: tl.constexpr):
     """``MODE``: the cache's record (``MODE_V4``, ``MODE_V41``, ``MODE_V41_FP4``; anything else
-    is the V3.2 656 B record)."""
+    is the V3.2 656 B record); ``INLINE``: a V4.1 record token-inline, not page-footer."""
     r = tl.program_id(0)
     i = tl.program_id(1) * TB + tl.arange(0, TB)
     seq_len = tl.load(seq_ptr + r).to(tl.int64)
@@ -319,16 +339,16 @@ def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_block
     okd = ok[:, None]
     out_row = out_ptr + r * out_s0 + dst[:, None] * out_s1
     if MODE == 3:
-        data = base[:, None] + (o * V41_DATA)[:, None]
+        data, scales = _record_addrs(base[:, None], o[:, None], BS, V41_DATA, V41_SCALES,
+                                     INLINE)
         q = e4m3_decode(tl.load(data + d, mask=okd, other=0), SOFT).to(tl.float32)
-        sb = tl.load(base[:, None] + BS * V41_DATA + (o * V41_SCALES)[:, None] + d // 32,
-                     mask=okd, other=127).to(tl.int32)
+        sb = tl.load(scales + d // 32, mask=okd, other=127).to(tl.int32)
         tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=okd)
     elif MODE == 4:
-        data = base[:, None] + (o * FP4_DATA)[:, None]
+        data, scales = _record_addrs(base[:, None], o[:, None], BS, FP4_DATA, FP4_SCALES,
+                                     INLINE)
         nib = (tl.load(data + d // 2, mask=okd, other=0).to(tl.int32) >> ((d & 1) * 4)) & 0xF
-        sb = tl.load(base[:, None] + BS * FP4_DATA + (o * FP4_SCALES)[:, None] + d // 16,
-                     mask=okd, other=0x38)
+        sb = tl.load(scales + d // 16, mask=okd, other=0x38)
         s = e4m3_decode(sb, SOFT).to(tl.float32)
         tl.store(out_row + d, to_bf16(e2m1_value(nib) * s, SOFT), mask=okd)
     elif MODE == 0:

@@ -36,6 +36,18 @@ class PagedFormat:
     block_alignment: int      # vLLM rounds a page up to a multiple of this many bytes
     out_dim: int              # width of a dequantized row
     value_dtype: str = "e4m3"  # the data bytes' element type: "e4m3", or "e2m1" (two per byte)
+    record: str = ""          # the quantized record's encoding (quant.py); "" means ``name``:
+    #                           two layouts of one record share it (v41 / v41_inline)
+
+    @property
+    def codec(self) -> str:
+        """The record encoding this layout stores (the key of quant.quantize_record)."""
+        return self.record or self.name
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per token."""
+        return self.num_scales * (4 if self.scale_dtype == "fp32" else 1)
 
     def token_data_addr(self, block_size: int, offset):
         """Byte offset of a token's data record from its block base."""
@@ -86,11 +98,28 @@ V41_FP4 = PagedFormat(
     rope_dims=0, scale_dtype="e4m3", num_scales=32, tile=16, scale_in_tail=True,
     scale_offset=32, block_alignment=512, out_dim=512, value_dtype="e2m1")
 
-PAGED_FORMATS = {f.name: f for f in (V4, V32, V41, V41_FP4)}
+# The same two records token-inline, as vLLM 0.33.0 and FlashMLA main write them: per token
+# [512 e4m3 | 16 UE8M0] (528 B stride) and [256 B e2m1 pairs | 32 e4m3] (288 B stride), no page
+# footer (docs/semantics.md §12). vLLM 0.33 keeps the 512 B page alignment and pads the SWA
+# block stride to lcm(528, 288 or 528); caches here are addressed through stride(0), so pass
+# that stride as alloc_paged_cache's page_bytes.
+V41_INLINE = PagedFormat(
+    name="v41_inline", record="v41", bytes_per_token=528, token_data_bytes=528, data_bytes=512,
+    rope_offset=512, rope_dims=0, scale_dtype="ue8m0", num_scales=16, tile=32,
+    scale_in_tail=False, scale_offset=512, block_alignment=512, out_dim=512)
+V41_FP4_INLINE = PagedFormat(
+    name="v41_fp4_inline", record="v41_fp4", bytes_per_token=288, token_data_bytes=288,
+    data_bytes=256, rope_offset=256, rope_dims=0, scale_dtype="e4m3", num_scales=32, tile=16,
+    scale_in_tail=False, scale_offset=256, block_alignment=512, out_dim=512, value_dtype="e2m1")
+
+PAGED_FORMATS = {f.name: f for f in (V4, V32, V41, V41_FP4, V41_INLINE, V41_FP4_INLINE)}
 # The records DeepSeek-V4.1 layers may use: 528 B or 584 B SWA pages, and for compressed
-# entries also 288 B (vLLM 0.32.0 writes 528 / 288 only on SM100, 584 B elsewhere)
-V41_SWA_FORMATS = ("v41", "v4")
-V41_COMPRESSED_FORMATS = ("v41", "v41_fp4", "v4")
+# entries also 288 B (vLLM writes 528 / 288 only on SM100, 584 B elsewhere), each V4.1 record
+# page-footer (vLLM 0.32.0) or token-inline (vLLM 0.33.0)
+V41_SWA_FORMATS = ("v41", "v41_inline", "v4")
+V41_COMPRESSED_FORMATS = ("v41", "v41_fp4", "v41_inline", "v41_fp4_inline", "v4")
+# layout name -> the record it stores, for the V4.1 records only
+V41_RECORD_OF = {f.name: f.codec for f in (V41, V41_FP4, V41_INLINE, V41_FP4_INLINE)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -222,7 +222,9 @@ def dequantize_v41_fp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def quantize_record(x: torch.Tensor, fmt_name: str):
-    """Rows ``x`` [N, 512] (fp32, rotated) as ``(data, scales)`` of a V4 / V4.1 record."""
+    """Rows ``x`` [N, 512] (fp32, rotated) as ``(data, scales)`` of a V4 / V4.1 record
+    (``fmt_name`` a layout: both layouts of a record share its encoding)."""
+    fmt_name = _codec(fmt_name)
     if fmt_name == "v41":
         return quantize_v41(x)
     if fmt_name == "v41_fp4":
@@ -235,4 +237,9 @@ def quantize_record(x: torch.Tensor, fmt_name: str):
 def dequantize_record(data: torch.Tensor, scales: torch.Tensor, fmt_name: str) -> torch.Tensor:
     """bf16 rows [N, 512] of a V4 / V4.1 record's ``data`` and ``scales`` bytes."""
     return {"v4": dequantize_v4, "v41": dequantize_v41,
-            "v41_fp4": dequantize_v41_fp4}[fmt_name](data, scales)
+            "v41_fp4": dequantize_v41_fp4}[_codec(fmt_name)](data, scales)
+
+
+def _codec(fmt_name: str) -> str:
+    fmt = formats.PAGED_FORMATS.get(fmt_name)
+    return fmt.codec if fmt is not None else fmt_name

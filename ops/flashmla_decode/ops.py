@@ -21,10 +21,12 @@ from sparse_mla.ops.common.opdef import custom_op
 from sparse_mla.ops.flashmla_decode import reference, triton_impl, vendor
 
 MAX_HEADS = 128
-HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32, formats.V41, formats.V41_FP4)}
+HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32, formats.V41, formats.V41_FP4,
+                                         formats.V41_INLINE, formats.V41_FP4_INLINE)}
 # An extra (compressed) cache may hold another record than the main one where both are among
-# these: a V4.1 layer's 528 B SWA cache with its 288 B (or 528 B) compressed cache
-MIXABLE = ("v4", "v41", "v41_fp4")
+# these: a V4.1 layer's 528 B SWA cache with its 288 B (or 528 B) compressed cache, each V4.1
+# record page-footer (vLLM 0.32) or token-inline (vLLM 0.33)
+MIXABLE = ("v4",) + tuple(formats.V41_RECORD_OF)
 PREFILL_DIMS = (512, 576)     # d_qk of the prefill: V4, V3.2; the output is 512 wide either way
 
 
@@ -52,8 +54,8 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
                      extra_kv_format=None, q_positions=None, cos_sin_cache=None,
                      q_norm_eps=None):
     if kv_format not in HEAD_DIM:
-        raise ValueError(f"kv_format must be 'v4' (584 B), 'v32' (656 B), 'v41' (528 B) or "
-                         f"'v41_fp4' (288 B), got {kv_format!r}")
+        raise ValueError(f"kv_format must be 'v4' (584 B), 'v32' (656 B), 'v41' / 'v41_inline' "
+                         f"(528 B) or 'v41_fp4' / 'v41_fp4_inline' (288 B), got {kv_format!r}")
     extra_fmt = _extra_format(kv_format, extra_kv_format)
     if extra_fmt != kv_format and not (kv_format in MIXABLE and extra_fmt in MIXABLE):
         raise ValueError(f"extra_kv_format must be one of {MIXABLE} with kv_format "
@@ -111,7 +113,7 @@ def _check_fold(q, kv_format, q_positions, cos_sin_cache, q_norm_eps):
     576-wide q has its RoPE dims apart and no such norm)."""
     if (q_positions is not None or cos_sin_cache is not None) and HEAD_DIM[kv_format] != 512:
         raise ValueError(f"q_positions / cos_sin_cache (q normed and rotated by the kernel) "
-                         f"need 512-wide rows (kv_format 'v4', 'v41', 'v41_fp4'), got "
+                         f"need 512-wide rows (kv_format one of {MIXABLE}), got "
                          f"kv_format {kv_format!r}")
     qrot = qfold.check_qrot(q, q.shape[0] * q.shape[1], q_positions, cos_sin_cache,
                             q_norm_eps)
@@ -148,7 +150,7 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            q_norm_eps: Optional[float] = None, impl: str = "auto") -> None:
     """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
     ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
-    among "v4", "v41", "v41_fp4": docs/semantics.md §12).
+    among "v4", "v41", "v41_fp4", "v41_inline", "v41_fp4_inline": docs/semantics.md §12).
 
     The q fold (512-wide rows, bf16 q): with ``q_positions`` (int [b, s_q], contiguous) and
     ``cos_sin_cache`` (fp32 [max_pos, 64], cos || sin, contiguous), ``q`` is the raw q and the

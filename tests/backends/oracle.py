@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_mla.ops.common import quant
+from sparse_mla.ops.common import formats, quant
 
 NOPE = 448
 
@@ -79,15 +79,19 @@ def nvfp4_key(x: torch.Tensor) -> torch.Tensor:
 
 class Storage:
     """How a cache format holds a row (``fmt``: "v4", "v41", "v41_fp4", "plain_bf16",
-    "plain_fp8")."""
+    "plain_fp8", or a V4.1 record's token-inline layout: the same values). ``swa``: the SWA
+    writer's store, whose 528 B record quantizes the row rounded to bf16 (vLLM's CUDA writer;
+    the compressed writers quantize the fp32 row)."""
 
-    def __init__(self, fmt: str, kv_scale: float = 1.0, q_scale: float = 1.0):
-        self.fmt, self.kv_scale, self.q_scale = fmt, kv_scale, q_scale
+    def __init__(self, fmt: str, kv_scale: float = 1.0, q_scale: float = 1.0,
+                 swa: bool = False):
+        self.fmt = formats.V41_RECORD_OF.get(fmt, fmt)
+        self.kv_scale, self.q_scale, self.swa = kv_scale, q_scale, swa
 
     def key(self, row: torch.Tensor) -> torch.Tensor:
         """[n, 512] float → the float64 values the attention reads back."""
         if self.fmt == "v41":
-            return mxfp8_key(row.float())
+            return mxfp8_key(row.to(torch.bfloat16).float() if self.swa else row.float())
         if self.fmt == "v41_fp4":
             return nvfp4_key(row.float())
         x = row.to(torch.bfloat16).float()

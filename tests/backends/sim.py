@@ -206,13 +206,15 @@ class Simulator:
 
 # Paged records (docs/semantics.md §2.2, §12), written down here rather than read from
 # ops.common.formats: (data row bytes, scale row bytes); a page holds all its data rows, then
-# all its scale rows.
+# all its scale rows, or (the token-inline V4.1 layouts, vLLM 0.33.0) each token's data row
+# and then its scale row.
 PAGE_ROWS = {"v4": (576, 8), "v41": (512, 16), "v41_fp4": (256, 32)}
+INLINE_ROWS = {"v41_inline": (512, 16), "v41_fp4_inline": (256, 32)}
 
 
 def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) -> torch.Tensor:
     """A bool mask over the cache's whole allocation: the bytes of ``slots``' rows (``fmt``:
-    a ``PAGE_ROWS`` record, or "plain")."""
+    a ``PAGE_ROWS`` or ``INLINE_ROWS`` record, or "plain")."""
     flat = torch.empty(0, dtype=torch.uint8, device=cache.device)
     flat.set_(cache.untyped_storage())
     mask = torch.zeros(flat.numel(), dtype=torch.bool)
@@ -220,7 +222,11 @@ def written_bytes_mask(cache: torch.Tensor, slots, fmt: str, block_size: int) ->
     s0 = cache.stride(0) * cache.element_size()
     for s in set(slots):
         b, o = divmod(s, block_size)
-        if fmt != "plain":
+        if fmt in INLINE_ROWS:
+            rec = sum(INLINE_ROWS[fmt])
+            a = base + b * s0 + o * rec
+            mask[a:a + rec] = True
+        elif fmt != "plain":
             data, scales = PAGE_ROWS[fmt]
             a = base + b * s0 + o * data
             mask[a:a + data] = True

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from sparse_mla.ops.attention import launch, plan
-from sparse_mla.ops.common import triton_utils
+from sparse_mla.ops.common import formats, triton_utils
 
 # Shared memory one block may use, by arch (the CUDA programming guide's opt-in maxima)
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
@@ -195,28 +195,31 @@ def _family_variants(arch):
         byte = mode != ik.MODE_PLAIN_BF16
         out[f"fused_insert_mode{mode}"] = (
             INSERT, "fused_insert_kernel",
-            dict(HB=insert.CONFIG["heads_per_program"], MODE=mode, APPLY_NORM=True, SOFT=soft),
+            dict(HB=insert.CONFIG["heads_per_program"], MODE=mode, APPLY_NORM=True, SOFT=soft,
+                 INLINE=False),
             dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8" if byte else "*bf16",
                  pos_ptr="*i64", cs_ptr="*fp32",
                  qo_ptr="*u8" if mode == ik.MODE_PLAIN_FP8 else "*bf16",
                  kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
             {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
-    for fmt in ("v4", "v32", "v41", "v41_fp4"):
+    for fmt in ("v4", "v32", "v41", "v41_fp4", "v41_inline", "v41_fp4_inline"):
         out[f"gather_dequant_{fmt}"] = (
             INSERT, "gather_dequant_kernel",
             dict(MODE=insert.MODES.get(fmt, -1), HAS_GLEN=True,
-                 TB=insert.CONFIG["gather_tokens"], SOFT=soft),
+                 TB=insert.CONFIG["gather_tokens"], SOFT=soft, INLINE=insert._inline(fmt)),
             {"out_ptr": "*bf16", "cache_ptr": "*u8"}, set(), dict(num_warps=4, **fuse))
-    out["fused_insert_v41"] = (
-        INSERT, "fused_insert_kernel",
-        dict(HB=insert.CONFIG["heads_per_program"], MODE=ik.MODE_V41, APPLY_NORM=False,
-             SOFT=soft),
-        dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8", pos_ptr="*i64",
-             cs_ptr="*fp32", qo_ptr="*bf16", kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
-        {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
+    for fmt in formats.V41_SWA_FORMATS:
+        out[f"fused_insert_{fmt}"] = (
+            INSERT, "fused_insert_kernel",
+            dict(HB=insert.CONFIG["heads_per_program"], MODE=insert.MODES[fmt], APPLY_NORM=False,
+                 SOFT=soft, INLINE=insert._inline(fmt)),
+            dict(slots, q_ptr="*bf16", kv_ptr="*bf16", cache_ptr="*u8", pos_ptr="*i64",
+                 cs_ptr="*fp32", qo_ptr="*bf16", kv_scale_ptr="*fp32", q_scale_inv_ptr="*fp32"),
+            {"eps"}, dict(num_warps=insert.CONFIG["num_warps"], **fuse))
     for fmt, mode in insert.MODES.items():
         out[f"compressed_insert_{fmt}"] = (
-            INSERT, "compressed_insert_kernel", dict(MODE=mode, TPP=tpp, SOFT=soft),
+            INSERT, "compressed_insert_kernel",
+            dict(MODE=mode, TPP=tpp, SOFT=soft, INLINE=insert._inline(fmt)),
             dict(slots, k_ptr="*bf16", cache_ptr="*bf16" if fmt == "plain_bf16" else "*u8",
                  pos_ptr="*i64", cs_ptr="*fp32",
                  kv_scale_ptr="*fp32" if fmt == "plain_fp8" else "*i64"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
+from sparse_mla.backends.v41.backend import record_format
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.backends import cases, oracle
 from sparse_mla.tests.backends.sim import Simulator
@@ -52,9 +53,11 @@ class Harness(cases.Harness):
                  source=None, swa_blocks=64, comp_blocks=64, page_pad=0):
         self.name, self.cfg, self.device = "v41_flashmla", cfg, torch.device(device)
         self.backend = V41FlashMLABackend(cfg, device, impl, attention_impl, planner)
-        self.fmt = {"swa": FORMAT[cfg.swa_record], "compressed": FORMAT[cfg.compressed_record]}
+        self.fmt = {"swa": record_format(cfg.swa_record, "swa", cfg.record_layout).name,
+                    "compressed": record_format(cfg.compressed_record, "compressed",
+                                                cfg.record_layout).name}
         comp_seed = COMP_SEED if cfg.kind.compressed else None
-        self.sim = Simulator(cfg, device, oracle.Storage(self.fmt["swa"]), seed=seed,
+        self.sim = Simulator(cfg, device, oracle.Storage(self.fmt["swa"], swa=True), seed=seed,
                              swa_blocks=swa_blocks, comp_blocks=comp_blocks,
                              theta=THETA[cfg.kind], comp_seed=comp_seed,
                              comp_storage=oracle.Storage(self.fmt["compressed"]),

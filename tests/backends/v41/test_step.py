@@ -6,6 +6,8 @@ top-k 512 (prefill index width 640) and head counts, layers reading another laye
 compressed cache, and poisoned rows that show when read."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -49,6 +51,29 @@ def test_odd_blocks_in_padded_pages(device, kind, records):
     h = Harness(cfg, device, seed=stable_seed("odd", kind.name, *records), page_pad=96,
                 swa_blocks=96, comp_blocks=96)
     assert h.caches["swa"].stride(0) == h.backend.cache_specs()["swa"].page_bytes + 96
+    v4_cases.run_script(h, SCRIPT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("records", RECORDS[1:], ids=record_ids)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_token_inline_records_match_oracle(device, kind, records):
+    """record_layout="inline": the 528 B / 288 B records token-inline as vLLM 0.33.0 writes
+    them, the SWA blocks padded as 0.33 pads them (to a multiple of lcm(528, compressed
+    record): 32 * 528 = 16896 B pages -> 19008 B with 288 B compressed rows), odd compressed
+    blocks, every pad poisoned."""
+    cfg = config(kind, records=records, record_layout="inline",
+                 compressed_block_size=13 if kind.compressed else None)
+    lcm = math.lcm(528, records[1])
+    page = cfg.swa_block_size * 528
+    pad = -page % lcm
+    h = Harness(cfg, device, seed=stable_seed("inline", kind.name, *records), page_pad=pad,
+                swa_blocks=96, comp_blocks=96)
+    assert h.fmt["swa"] == "v41_inline"
+    want = {"swa": "v41_inline", "compressed": {528: "v41_inline",
+                                                 288: "v41_fp4_inline"}[records[1]]}
+    specs = h.backend.cache_specs()
+    assert {n: s.format for n, s in specs.items()} == {n: want[n] for n in specs}
     v4_cases.run_script(h, SCRIPT)
 
 

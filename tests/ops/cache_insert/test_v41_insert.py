@@ -16,7 +16,8 @@ from sparse_mla.tests.ops.cache_insert.test_triton import _rand, _slots
 
 DEVICES = triton_params()
 POISON = 0xFF
-PAGED = ("v41", "v41_fp4", "v4")
+PAGED = ("v41", "v41_fp4", "v41_inline", "v41_fp4_inline", "v4")
+V41_RECORDS = ("v41", "v41_fp4", "v41_inline", "v41_fp4_inline")
 
 
 def _turns(max_pos=8):
@@ -39,14 +40,19 @@ def _turned(x, p):
 
 def _record(cache, fmt_name, slot, raw=None):
     """(data, scale bytes) of ``slot`` read from the raw storage (``raw``, default the
-    cache's now) at the §12 addresses: data at block * stride0 + off * D, scales at
-    block * stride0 + P * D + off * S."""
-    f = formats.get_format(fmt_name)
+    cache's now) at the §12 addresses, written out here rather than taken from formats.py:
+    page footer (v4, v41, v41_fp4): data at block * stride0 + off * D, scales at
+    block * stride0 + P * D + off * S; token-inline (v41_inline, v41_fp4_inline): data at
+    block * stride0 + off * (D + S), its scales right after."""
+    d, s = {"v4": (576, 8), "v41": (512, 16), "v41_fp4": (256, 32), "v41_inline": (512, 16),
+            "v41_fp4_inline": (256, 32)}[fmt_name]
     raw = storage_bytes(cache) if raw is None else raw
     bs = cache.shape[1]
     b, o = divmod(slot, bs)
     base = b * cache.stride(0)
-    d, s = f.token_data_bytes, f.scale_offset
+    if fmt_name.endswith("_inline"):
+        rec = base + o * (d + s)
+        return raw[rec: rec + d], raw[rec + d: rec + d + s]
     return (raw[base + o * d: base + o * d + d],
             raw[base + bs * d + o * s: base + bs * d + o * s + s])
 
@@ -147,7 +153,7 @@ def test_compressed_plain_fp8_uses_the_bf16_row_and_reciprocal():
     assert torch.count_nonzero(cache[0, 0].float()) == 0
 
 
-@pytest.mark.parametrize("fmt", ["v41", "v41_fp4"])
+@pytest.mark.parametrize("fmt", V41_RECORDS)
 def test_gather_dequant_v41_reference(fmt):
     g = seeded(5)
     bs, nb = 3, 4
@@ -227,7 +233,7 @@ def test_compressed_triton_matches_reference(device, fmt, ratio, bs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["v41", "v41_fp4"])
+@pytest.mark.parametrize("fmt", V41_RECORDS)
 @pytest.mark.parametrize("bs", [3, 32, 64])
 def test_gather_dequant_v41_triton_matches_reference(device, fmt, bs):
     g = seeded(bs)
@@ -260,10 +266,11 @@ def test_gather_dequant_v41_triton_matches_reference(device, fmt, bs):
 def test_software_e4m3_route_matches_reference(device, monkeypatch):
     """The V4.1 kernels on the route GPUs below sm_89 take, forced on this GPU."""
     monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
-    test_swa_triton_matches_reference(device, "v41", 128, 128, 64)
+    for fmt in ("v41", "v41_inline"):
+        test_swa_triton_matches_reference(device, fmt, 128, 128, 64)
     for fmt in PAGED + ("plain_fp8",):
         test_compressed_triton_matches_reference(device, fmt, 2, 64)
-    for fmt in ("v41", "v41_fp4"):
+    for fmt in V41_RECORDS:
         test_gather_dequant_v41_triton_matches_reference(device, fmt, 32)
 
 

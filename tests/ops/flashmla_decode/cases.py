@@ -26,7 +26,7 @@ def paged_cache(fmt, n_rows, block_size, device, g, extra_pages=0, pad_bytes=0):
     slots = torch.arange(n_rows, device=device)
     if fmt == "v4":
         quantize_insert_v4(x, cache, slots)
-    elif fmt in ("v41", "v41_fp4"):
+    elif fmt in formats.V41_RECORD_OF:
         identity = torch.cat([torch.ones(1, 32), torch.zeros(1, 32)], dim=1).to(device)
         compressed_insert_v41(x, cache, slots, torch.zeros_like(slots), identity, 1,
                               cache_format=fmt)

@@ -25,6 +25,7 @@ from sparse_mla.tests.ops.flashmla_decode.cases import (decode_case, out_of_cach
 from sparse_mla.tests.ops.flashmla_decode.test_triton import check_decode
 
 DEVICES = triton_params()
+INLINE = ("v41_inline", "v41_fp4_inline")
 
 
 def _run(a, impl):
@@ -40,15 +41,18 @@ def _decoded_plain(cache, fmt, bs):
     blocks = checks.block_bytes_view(cache, f, bs)
     nb = cache.shape[0]
     rows = []
+    width = f.token_data_bytes if f.scale_in_tail else f.data_bytes   # V4: its RoPE bf16 too
     for o in range(bs):
-        data = blocks[:, f.token_data_addr(bs, o): f.token_data_addr(bs, o) + f.token_data_bytes]
-        sc = blocks[:, f.token_scale_addr(bs, o): f.token_scale_addr(bs, o) + f.scale_offset]
+        data = blocks[:, f.token_data_addr(bs, o): f.token_data_addr(bs, o) + width]
+        sc = blocks[:, f.token_scale_addr(bs, o): f.token_scale_addr(bs, o) + f.scale_bytes]
         rows.append(quant.dequantize_record(data, sc, fmt))
     return torch.stack(rows, dim=1).reshape(nb, bs, 512)
 
 
 @pytest.mark.parametrize("fmt,extra_fmt", [("v41", "v41_fp4"), ("v41", "v41"), ("v4", "v4"),
-                                           ("v41", None)])
+                                           ("v41", None), ("v41_inline", "v41_fp4_inline"),
+                                           ("v41_inline", "v41_inline"),
+                                           ("v41_fp4_inline", None)])
 def test_reference_reads_the_records_as_their_decoders_do(fmt, extra_fmt):
     b, s_q, h = 3, 2, 4
     a = decode_case("cpu", b=b, s_q=s_q, h=h, fmt=fmt, bs=32, topk=64,
@@ -83,10 +87,19 @@ GPU_GRID = [(1, 1, 64, 32, 64, 128, 512, "v41", "v41_fp4", 0),
             (9, 1, 64, 32, 64, 128, 512, "v41", "v4", 0),
             (40, 2, 128, 32, 64, 128, 512, "v41", "v41", 512),
             (16, 2, 128, 61, 53, 64, 128, "v41", "v41_fp4", 16),
-            (24, 1, 128, 32, 53, 128, 512, "v41", "v4", 0)]
+            (24, 1, 128, 32, 53, 128, 512, "v41", "v4", 0),
+            # token-inline records (vLLM 0.33): the portable kernel on every GPU; vLLM pads
+            # the SWA block to lcm(528, 288) = 6336 B multiples (32 * 528 = 16896 -> 19008)
+            (64, 2, 64, 32, 64, 128, 512, "v41_inline", "v41_fp4_inline", 2112),
+            (33, 2, 16, 61, 53, 64, 128, "v41_inline", "v41_inline", 16),
+            (5, 1, 128, 32, None, 128, 0, "v41_inline", None, 0),
+            (3, 2, 64, 32, 64, 128, 512, "v41", "v41_fp4_inline", 0)]
 CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
             (2, 1, 5, 3, 5, 32, 16, "v41", "v41", 4),
-            (1, 1, 16, 32, None, 32, 0, "v41", None, 0)]
+            (1, 1, 16, 32, None, 32, 0, "v41", None, 0),
+            (2, 2, 3, 32, 64, 32, 16, "v41_inline", "v41_fp4_inline", 2112),
+            (2, 1, 5, 3, 5, 32, 16, "v41_inline", "v41_inline", 4),
+            (1, 2, 4, 5, 3, 16, 8, "v41_fp4_inline", "v4", 0)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,6 +141,9 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
                 assert choice.plan.reason.startswith("tiny launch of one head block")
             elif _sm90_decodes(fmt, efmt, 0):     # blocks misaligned
                 assert choice.plan.reason == "v41 cache blocks not all 16-byte aligned"
+            elif fmt in INLINE or efmt in INLINE:
+                assert "token-inline ones (vLLM 0.33) run the portable kernel" in \
+                    choice.plan.reason
             elif fmt != "v4":
                 assert "V4.1 records" in choice.plan.reason
     elif device != "cpu":
@@ -197,3 +213,7 @@ def test_validation_names_the_formats():
         _run({k: v for k, v in a.items() if k != "extra_kv_format"}, "reference")
     with pytest.raises(ValueError, match="kv_format must be"):
         _run(dict(a, kv_format="v5"), "reference")
+    # a footer cache passed as its inline twin: the same 528 / 288 bytes per token, so the
+    # shape cannot tell them apart; the format argument is the caller's statement of layout
+    with pytest.raises(ValueError, match=r"extra_k_cache must use format v41_inline"):
+        _run(dict(a, extra_kv_format="v41_inline"), "reference")
