@@ -23,9 +23,10 @@ backend of a reading layer has ``owns_compressed=False`` and never writes it.
 
 Record layout: vLLM 0.32 lays V4.1's 528 B / 288 B records out as a page footer (a page's data
 rows, then its scale rows), vLLM 0.33 token-inline (each token's scales after its own data);
-584 B records are page-footer in both. :func:`record_format` is the one place that maps vLLM's
-release and record width to the ops' format; a layer whose caches vLLM lays out in a format
-the backend does not read is refused at construction (:func:`check_record_formats`).
+584 B records are page-footer in both. :func:`record_layout` / :func:`record_format` are the
+one place that maps vLLM's release and record width to the ops' format; the layer's backend is
+configured with that layout, and :func:`check_record_formats` proves at construction that the
+backend then reads each cache in the format vLLM writes it.
 """
 from __future__ import annotations
 
@@ -49,8 +50,7 @@ SUPPORTED = (names.SPARSE_MLA,)
 # The ops' cache formats of vLLM's V4.1 records, by bytes per token. 584 B is V4.0's record
 # (vLLM's choice off SM100, both releases); 528 B MXFP8 and 288 B NVFP4 are SM100's.
 FOOTER_FORMATS = {584: "v4", 528: "v41", 288: "v41_fp4"}
-# Token-inline formats (vLLM >= 0.33). The names are the ops' (added on another branch; to be
-# aligned at merge): here and nowhere else.
+# Token-inline formats (vLLM >= 0.33), the ops' names (ops/common/formats.py)
 INLINE_FORMATS = {584: "v4", 528: "v41_inline", 288: "v41_fp4_inline"}
 INLINE_SINCE = (0, 33)
 
@@ -63,38 +63,43 @@ def _release(vllm_version: str):
     return int(m.group(1)), int(m.group(2))
 
 
+def record_layout(vllm_version: str) -> str:
+    """The backend's ``record_layout`` for vLLM ``vllm_version``'s 528 B / 288 B records:
+    "footer" (0.32) or "inline" (0.33 on)."""
+    return "inline" if _release(vllm_version) >= INLINE_SINCE else "footer"
+
+
 def record_format(vllm_version: str, bytes_per_token: int) -> str:
     """The ops' format of a V4.1 cache record that vLLM ``vllm_version`` lays out with
     ``bytes_per_token`` bytes (the layer's ``swa_bytes_per_token`` /
     ``compressed_bytes_per_token``)."""
-    table = INLINE_FORMATS if _release(vllm_version) >= INLINE_SINCE else FOOTER_FORMATS
+    table = INLINE_FORMATS if record_layout(vllm_version) == "inline" else FOOTER_FORMATS
     if bytes_per_token not in table:
         raise ValueError(f"vLLM's DeepSeek-V4.1 record of {bytes_per_token} B per token is "
                          f"none of {sorted(table)}")
     return table[bytes_per_token]
 
 
-def check_record_formats(vllm_version: str, records) -> None:
+def check_record_formats(vllm_version: str, records, layout: str) -> None:
     """Refuses a layer whose caches (``records``: cache name -> vLLM's bytes per token) vLLM
-    lays out in a format other than the one the backend reads for that width: the compressed
-    cache is written by vLLM's compressor, and the SWA cache's pages are sized by vLLM for its
-    own layout, so a mismatch would read garbage, not fail."""
+    lays out in a format other than the one a backend of ``record_layout`` ``layout`` reads
+    for that width: the compressed cache is written by vLLM's compressor, and the SWA cache's
+    pages are sized by vLLM for its own layout, so a mismatch would read garbage, not fail."""
     for cache, width in records.items():
-        ours = backend_record_format(width, cache).name
+        ours = backend_record_format(width, cache, layout).name
         theirs = record_format(vllm_version, width)
         if ours != theirs:
             raise NotImplementedError(
                 f"vLLM {vllm_version} lays DeepSeek-V4.1's {width} B {cache} records out as "
                 f"{theirs!r}; this sparse_mla build's V4.1 backend reads {ours!r} at that "
-                f"width. Use a vLLM whose layout it reads (0.32: page footer) or keep vLLM's "
-                f"attention for this model")
+                f"width (record_layout {layout!r})")
 
 
 def layer_config(*, num_heads: int, compress_ratio: int, max_num_tokens: int,
                  max_num_reqs: int, max_model_len: int, topk: int, window: int,
                  swa_block_size: int, compressed_vllm_block_size, softmax_scale: float,
                  eps: float, swa_record: int, compressed_record: int,
-                 owns_compressed: bool) -> V41LayerConfig:
+                 owns_compressed: bool, record_layout: str = "footer") -> V41LayerConfig:
     """A V4.1 layer's backend config from what vLLM's layer holds (``compress_ratio``: its
     ``compress_ratios`` entry, 0 / 1 / 2)."""
     kind = V41Kind.from_ratio(int(compress_ratio))
@@ -108,7 +113,8 @@ def layer_config(*, num_heads: int, compress_ratio: int, max_num_tokens: int,
                           window=window, swa_block_size=swa_block_size,
                           compressed_block_size=cbs, softmax_scale=softmax_scale, eps=eps,
                           swa_record=swa_record, compressed_record=compressed_record,
-                          owns_compressed=owns_compressed if kind.compressed else True)
+                          owns_compressed=owns_compressed if kind.compressed else True,
+                          record_layout=record_layout)
 
 
 class SparseMLAV41LayerMixin(SparseMLALayerMixin):
@@ -121,8 +127,10 @@ class SparseMLAV41LayerMixin(SparseMLALayerMixin):
         records = {"swa": self.swa_bytes_per_token}
         if compressed:
             records["compressed"] = self.compressed_bytes_per_token
-        check_record_formats(vllm.__version__, records)
+        layout = record_layout(vllm.__version__)
+        check_record_formats(vllm.__version__, records, layout)
         self._sparse_config = layer_config(
+            record_layout=layout,
             num_heads=self.n_local_heads, compress_ratio=self.compress_ratio,
             max_num_tokens=vcfg.scheduler_config.max_num_batched_tokens,
             max_num_reqs=vcfg.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,

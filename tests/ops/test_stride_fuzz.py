@@ -175,7 +175,7 @@ def recorded_calls(device: str) -> dict:
             inputs = case.make()
             with rec:
                 case.run(inputs, "reference")
-    for op, drive in DRIVERS.items():
+    for drive in DRIVERS.values():
         with rec:
             drive(device)
     return rec.calls

@@ -280,18 +280,22 @@ def test_record_format_follows_vllms_release():
         v41.record_format("0.33.0", 600)
 
 
-def test_a_layout_the_backend_does_not_read_is_refused(monkeypatch):
-    """Until the backend reads the token-inline records, a V4.1 layer of vLLM 0.33 with 528 B /
-    288 B records is refused at construction; 584 B records (vLLM's off SM100) run on both
-    releases, and 0.32's footer records run."""
-    v41.check_record_formats("0.32.0", {"swa": 528, "compressed": 288})
-    v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 584})
+def test_each_release_gets_the_layout_vllm_writes(monkeypatch):
+    """vLLM 0.32's V4.1 layers get footer backends, 0.33's token-inline ones (584 B records
+    in both); a backend layout that differs from vLLM's release is refused by name."""
+    assert (v41.record_layout("0.32.0"), v41.record_layout("0.33.0+cu130")) == ("footer",
+                                                                                "inline")
+    v41.check_record_formats("0.32.0", {"swa": 528, "compressed": 288}, "footer")
+    v41.check_record_formats("0.33.0", {"swa": 528, "compressed": 288}, "inline")
+    v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 584}, "footer")
     with pytest.raises(NotImplementedError, match="528 B compressed records"):
-        v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 528})
+        v41.check_record_formats("0.33.0", {"swa": 584, "compressed": 528}, "footer")
+    with pytest.raises(NotImplementedError, match="528 B swa records"):
+        v41.check_record_formats("0.32.0", {"swa": 528, "compressed": 288}, "inline")
     # through the layer's own init, with vLLM's version as the layer reads it
-    monkeypatch.setattr(v41.vllm, "__version__", "0.33.0")
-    h = Harness(_layer_config(1, swa_record=528, compressed_record=288), "cpu", seed=7)
-    with pytest.raises(NotImplementedError, match="0.33.0 lays DeepSeek-V4.1's 528 B swa"):
-        _layer(h, 1, "model.layers.1.attn", monkeypatch=monkeypatch)
-    h = Harness(_layer_config(1), "cpu", seed=7)
-    _layer(h, 1, "model.layers.1.attn", monkeypatch=monkeypatch)        # 584 B: runs
+    for version, layout in (("0.33.0", "inline"), ("0.32.0", "footer")):
+        monkeypatch.setattr(v41.vllm, "__version__", version)
+        h = Harness(_layer_config(1, swa_record=528, compressed_record=288,
+                                  record_layout=layout), "cpu", seed=7)
+        layer = _layer(h, 1, "model.layers.1.attn", monkeypatch=monkeypatch)
+        assert layer._sparse_config.record_layout == layout
