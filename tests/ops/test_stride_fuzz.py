@@ -215,12 +215,12 @@ def relaid(t: torch.Tensor, variant: str):
     elif variant == "padded_rows":
         if t.dim() < 2:
             return None
-        # rows and the base 16-byte aligned, as vLLM's pages and padded rows are: the
-        # kernels may load 16 bytes at a time (an op may refuse a misaligned stride by name)
-        size = t.element_size()
+        # rows 16 elements apart and based 16 elements in, as vLLM's pages and padded rows
+        # are: the kernels may load 16 bytes at a time, and a route may depend on Triton's
+        # divisibility-by-16 specialization (other strides: test_plain_rows_off_16_elements)
         inner = t[0].numel()
-        row = -(-(inner * size + 16) // 16) * 16 // size
-        offset = 16 // size
+        row = -(-(inner + 1) // 16) * 16
+        offset = 16
         buf = _buffer(t, offset + shape[0] * row)
         inner_strides = torch.empty(shape[1:], device="meta").stride()
         view = buf.as_strided(shape, (row, *inner_strides), offset)
@@ -382,3 +382,28 @@ def test_fuzz_catches_a_kernel_that_reads_a_view_as_packed(monkeypatch):
     monkeypatch.setitem(d._impls, "reference", (packed, *real[1:]))
     with pytest.raises(AssertionError, match="k_cache differs"):
         fuzz_op("rope_insert_v4", "cpu", "reference", only=("positions",))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the sm_90 route's gate)")
+def test_plain_rows_off_16_elements_run_the_portable_kernel():
+    """A prefill kv whose rows are 520 elements apart (16-byte aligned, but not 16-element
+    strided) failed to compile in the sm_90 kernel's cp.async copy; it runs the portable
+    kernel, says so, and agrees with the contiguous call within the op's tolerance."""
+    from sparse_mla.tests.helpers import hopper_with_gluon
+    overload, args, kwargs = recorded_calls("cuda")["flashmla_sparse_prefill"]
+    names = _schema_names(overload)
+    base = _fresh(args)
+    _call(overload, base, kwargs, "triton")
+    trial = _fresh(args)
+    kv = trial[names.index("kv")]
+    row = 520
+    buf = torch.full((8 + kv.shape[0] * row,), float("nan"), dtype=kv.dtype, device=kv.device)
+    view = buf.as_strided(kv.shape, (row, kv.shape[-1], 1), 8)
+    view.copy_(kv)
+    trial[names.index("kv")] = view
+    _call(overload, trial, kwargs, "triton")
+    plan = dispatch.last_choice("flashmla_sparse_prefill").plan
+    if hopper_with_gluon():
+        assert plan.route in ("portable", "tiny") and "16-element strided" in plan.reason
+    out = names.index("out")
+    torch.testing.assert_close(trial[out].float(), base[out].float(), atol=1e-2, rtol=2 / 128)

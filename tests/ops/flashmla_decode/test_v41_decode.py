@@ -137,13 +137,13 @@ def test_triton_matches_reference(device, case, shape, monkeypatch):
                 assert f"V4.1 {records} rows staged by cp.async" in choice.plan.reason
         else:
             assert split_kernel_name() == "_split_kernel"
-            if choice.plan.route == "tiny":
+            if fmt in INLINE or efmt in INLINE:     # said before the launch shape
+                assert "token-inline ones (vLLM 0.33) run the portable kernel" in \
+                    choice.plan.reason
+            elif choice.plan.route == "tiny":
                 assert choice.plan.reason.startswith("tiny launch of one head block")
             elif _sm90_decodes(fmt, efmt, 0):     # blocks misaligned
                 assert choice.plan.reason == "v41 cache blocks not all 16-byte aligned"
-            elif fmt in INLINE or efmt in INLINE:
-                assert "token-inline ones (vLLM 0.33) run the portable kernel" in \
-                    choice.plan.reason
             elif fmt != "v4":
                 assert "V4.1 records" in choice.plan.reason
     elif device != "cpu":
