@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from unittest import mock
 
@@ -225,6 +226,10 @@ def test_cpu_flags_run(monkeypatch, tmp_path_factory, capsys, path, index):
         if "--unpack" in tool.runs[index] and not os.path.exists(bundle):
             importlib.import_module(tool.module).build("3.8.0", "3.12", wheel, tmp)
     argv = [a.format(tmp=tmp, wheel=wheel, bundle=bundle) for a in tool.runs[index]]
+    # --unpack extracts once per name under the temp dir: the fake bundle, named as the real
+    # 3.8.0 one, must not land where a real one is (or will be) unpacked on this machine
+    # (on the H200 it did, and a later --unpack of the real bundle kept the fake)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: tmp)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     # --compile raises dynamo's cache limit for the process: this one is shared with others
     monkeypatch.setattr(torch._dynamo.config, "cache_size_limit",
