@@ -20,7 +20,8 @@ import triton.language as tl
 
 from sparse_mla.ops.attention.qrot_kernels import q_position, q_rms_factor, rotated_q
 from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
-                                                grid_wait, to_bf16, ue8m0_scale)
+                                                grid_wait, to_bf16, ue8m0_scale,
+                                                v41_record_addrs)
 
 LN2 = tl.constexpr(0.6931471805599453)      # used inside kernels: must be a constexpr
 LOG2E_C = tl.constexpr(1.4426950408889634)
@@ -77,18 +78,6 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
 
 
 @triton.jit
-def _v41_row_addrs(base, off, BS, DATA: tl.constexpr, SCALES: tl.constexpr,
-                   INLINE: tl.constexpr):
-    """(data, scales) pointers of rows ``off`` [BN, 1] of a V4.1 block at ``base``: page
-    footer (vLLM 0.32: BS data rows, then BS scale rows) or token-inline (vLLM 0.33)."""
-    if INLINE:
-        rec = base + off * (DATA + SCALES)
-        return rec, rec + DATA
-    else:
-        return base + off * DATA, base + BS * DATA + off * SCALES
-
-
-@triton.jit
 def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT: tl.constexpr,
               SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False,
               SOFT: tl.constexpr = False):
@@ -125,7 +114,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims (two per tile)
         # in the block's tail (5) or right after the row's data (9, token-inline); e4m3 × 2^k
         # is exact in bf16
-        data, scales = _v41_row_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == 9)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == 9)
         x = _load_values(data + TILE * 64 + c, v, True, SOFT)
         sb = tl.load(scales + TILE * 2 + c // 32, mask=v, other=127).to(tl.int32)
         k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
@@ -135,7 +124,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         # e2m1 × e4m3 is exact in bf16
         # (the tile's 32 bytes loaded once and their nibbles interleaved: a load of each
         # byte per dim took three times the shared memory, more than sm_86 / sm_89 allow)
-        data, scales = _v41_row_addrs(cache_ptr + blk * s0, off, BS, 256, 32, FMT == 10)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 256, 32, FMT == 10)
         j = tl.arange(0, 32)[None, :]
         b = tl.load(data + TILE * 32 + j, mask=v, other=0).to(tl.int32)
         sc = _load_values(scales + TILE * 4 + j // 8, v, True, SOFT)

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.triton_utils import (ceil_log2, e2m1_value, e4m3_decode, e4m3_sat,
-                                                exp2_int, to_bf16, ue8m0_scale)
+                                                exp2_int, to_bf16, ue8m0_scale,
+                                                v41_record_addrs)
 
 MODE_V4 = 0          # 584 B paged cache (docs/semantics.md §2.2)
 MODE_PLAIN_BF16 = 1  # [nb, bs, 512] bf16 (docs/semantics.md §2.3)
@@ -84,19 +85,6 @@ def _store_v4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _record_addrs(base, off, BS, DATA: tl.constexpr, SCALES: tl.constexpr,
-                  INLINE: tl.constexpr):
-    """(data, scales) byte pointers of token ``off`` of the block at ``base``: a page footer
-    (BS data rows, then BS scale rows: vLLM 0.32's "v41" / "v41_fp4") or token-inline
-    ([data | scales] per token: vLLM 0.33's "v41_inline" / "v41_fp4_inline")."""
-    if INLINE:
-        rec = base + off * (DATA + SCALES)
-        return rec, rec + DATA
-    else:
-        return base + off * DATA, base + BS * DATA + off * SCALES
-
-
-@triton.jit
 def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr,
                      INLINE: tl.constexpr):
     """Quantize one token ``y`` [16, 32] fp32 (rotated; the SWA writer rounds it to bf16
@@ -109,7 +97,7 @@ def _store_v41_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr,
     abits = amax.to(tl.int32, bitcast=True)
     e = ((abits >> 23) & 0xFF) - 127 - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
     base = cache_ptr + (slot // BS).to(tl.int64) * stride0
-    data, scales = _record_addrs(base, slot % BS, BS, V41_DATA, V41_SCALES, INLINE)
+    data, scales = v41_record_addrs(base, slot % BS, BS, V41_DATA, V41_SCALES, INLINE)
     tl.store(data + t * 32 + c, e4m3_sat(y * exp2_int(-e)[:, None], SOFT))
     tl.store(scales + tl.arange(0, 16), tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8))
 
@@ -140,7 +128,7 @@ def _store_v41_fp4_token(cache_ptr, slot, stride0, BS, y, SOFT: tl.constexpr,
     codes = _e2m1_code(tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape)))
     lo, hi = tl.split(tl.reshape(codes, (256, 2)))
     base = cache_ptr + (slot // BS).to(tl.int64) * stride0
-    data, scales = _record_addrs(base, slot % BS, BS, FP4_DATA, FP4_SCALES, INLINE)
+    data, scales = v41_record_addrs(base, slot % BS, BS, FP4_DATA, FP4_SCALES, INLINE)
     tl.store(data + tl.arange(0, 256), (lo | (hi << 4)).to(tl.uint8))
     tl.store(scales + tl.arange(0, 32), sbyte)
 
@@ -339,14 +327,14 @@ def gather_dequant_kernel(out_ptr, out_s0, out_s1, cache_ptr, stride0, num_block
     okd = ok[:, None]
     out_row = out_ptr + r * out_s0 + dst[:, None] * out_s1
     if MODE == 3:
-        data, scales = _record_addrs(base[:, None], o[:, None], BS, V41_DATA, V41_SCALES,
-                                     INLINE)
+        data, scales = v41_record_addrs(base[:, None], o[:, None], BS, V41_DATA, V41_SCALES,
+                                        INLINE)
         q = e4m3_decode(tl.load(data + d, mask=okd, other=0), SOFT).to(tl.float32)
         sb = tl.load(scales + d // 32, mask=okd, other=127).to(tl.int32)
         tl.store(out_row + d, to_bf16(q * ue8m0_scale(sb), SOFT), mask=okd)
     elif MODE == 4:
-        data, scales = _record_addrs(base[:, None], o[:, None], BS, FP4_DATA, FP4_SCALES,
-                                     INLINE)
+        data, scales = v41_record_addrs(base[:, None], o[:, None], BS, FP4_DATA, FP4_SCALES,
+                                        INLINE)
         nib = (tl.load(data + d // 2, mask=okd, other=0).to(tl.int32) >> ((d & 1) * 4)) & 0xF
         sb = tl.load(scales + d // 16, mask=okd, other=0x38)
         s = e4m3_decode(sb, SOFT).to(tl.float32)

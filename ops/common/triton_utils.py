@@ -274,3 +274,17 @@ def launch_capped(fn, grid, args, kwargs, ctas_per_sm):
         launch_compiled(kernel, fn, grid, args, kwargs)
     finally:
         kernel.packed_metadata = packed
+
+
+@triton.jit
+def v41_record_addrs(base, off, BS, DATA: tl.constexpr, SCALES: tl.constexpr,
+                     INLINE: tl.constexpr):
+    """(data, scales) byte pointers of token(s) ``off`` of a V4.1 block at ``base``: a page
+    footer (BS data rows, then BS scale rows: vLLM 0.32's "v41" / "v41_fp4") or token-inline
+    ([data | scales] per token: vLLM 0.33's "v41_inline" / "v41_fp4_inline"). The inserts,
+    the gather and the attention kernels all address the records through it."""
+    if INLINE:
+        rec = base + off * (DATA + SCALES)
+        return rec, rec + DATA
+    else:
+        return base + off * DATA, base + BS * DATA + off * SCALES
