@@ -44,7 +44,7 @@ def load_targets(root: pathlib.Path = ROOT) -> dict:
         package = os.path.relpath(dirpath, root).replace(os.sep, "/")
         package = "" if package == "." else package
         path = pathlib.Path(dirpath) / "BUILD"
-        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"),  # noqa: S102
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"),
              {"True": True, "False": False, "None": None}, _Package(package, targets))
     return targets
 

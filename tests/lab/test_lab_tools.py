@@ -2,7 +2,6 @@
 ones cannot run here; their CPU-checkable parts have their own tests next to this file)."""
 from __future__ import annotations
 
-import pathlib
 import py_compile
 import re
 import subprocess
