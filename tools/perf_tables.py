@@ -58,8 +58,8 @@ def render(path: pathlib.Path) -> str:
 def update(text: str, perf_dir: pathlib.Path) -> str:
     """``text`` with every table block regenerated from ``perf_dir``."""
     def block(m):
-        name = m.group(1)
-        return f"<!-- perf-table: {name} -->\n{render(perf_dir / f'{name}.csv')}<!-- /perf-table -->"
+        table = render(perf_dir / f"{m.group(1)}.csv")
+        return f"<!-- perf-table: {m.group(1)} -->\n{table}<!-- /perf-table -->"
     return BLOCK.sub(block, text)
 
 
