@@ -59,23 +59,28 @@ def absolute(label: str, package: str) -> str:
     return f"//{package}:{label}"       # a file of the package
 
 
+def direct(targets: dict, label: str) -> list:
+    """The labels (targets and files) ``label``'s label attributes name, made absolute."""
+    if label not in targets:
+        return []
+    package = label[2:].split(":", 1)[0]
+    _, kwargs = targets[label]
+    out = []
+    for attr in LABEL_ATTRS:
+        value = kwargs.get(attr) or []
+        out += [absolute(item, package) for item in ([value] if isinstance(value, str) else value)
+                if isinstance(item, str)]
+    return out
+
+
 def reachable(targets: dict, start: str) -> set:
     """Every label ``start`` reaches through its label attributes (files included)."""
     seen, todo = set(), [start]
     while todo:
         label = todo.pop()
-        if label in seen:
-            continue
-        seen.add(label)
-        if label not in targets:
-            continue
-        package = label[2:].split(":", 1)[0]
-        _, kwargs = targets[label]
-        for attr in LABEL_ATTRS:
-            value = kwargs.get(attr) or []
-            for item in [value] if isinstance(value, str) else value:
-                if isinstance(item, str):
-                    todo.append(absolute(item, package))
+        if label not in seen:
+            seen.add(label)
+            todo += direct(targets, label)
     return seen
 
 

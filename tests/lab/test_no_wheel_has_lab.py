@@ -24,18 +24,10 @@ def test_no_wheel_target_reaches_the_lab():
 
 def test_only_the_lab_and_tests_depend_on_the_lab():
     targets = buildgraph.load_targets()
-    users = {}
-    for label in targets:
-        if _in_lab(label):
-            continue
-        _, kwargs = targets[label]
-        package = label[2:].split(":", 1)[0]
-        for attr in buildgraph.LABEL_ATTRS:
-            value = kwargs.get(attr) or []
-            for item in [value] if isinstance(value, str) else value:
-                if isinstance(item, str) and buildgraph.absolute(item, package).startswith(
-                        ("//lab:", "//lab/")):
-                    users.setdefault(label, []).append(item)
+    users = {label: [x for x in buildgraph.direct(targets, label)
+                     if x.startswith(("//lab:", "//lab/"))]
+             for label in targets if not _in_lab(label)}
+    users = {label: names for label, names in users.items() if names}
     assert not users, f"product targets depending on lab/: {users}"
 
 
