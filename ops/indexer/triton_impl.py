@@ -27,13 +27,13 @@ _LAUNCH = dict(enable_fp_fusion=False)
 # itself: the block-table lookups serialize its loads). BN 128: 96 / 166 / 244 us against
 # 99 / 188 / 270 with BN 64 at b 64, 16k entries, s_q 1 / 2 / 4 on an H200. Decode puts the heads on the dot's N axis ([BN, 128] keys as stored times [128,
 # heads] q) on the archs in ``decode_heads_n_archs``: 0.106 / 0.194 ms against 0.151 / 0.273
-# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (docs/PERF.md "Lightning
+# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (lab/perf-history.md "Lightning
 # indexer after the select kernel"); elsewhere, and on the software e4m3 route, heads on M
 # (heads on N spills 200-216 B of registers at sm_120 under Triton 3.9, against 32-64 on M:
 # tests/ops/test_arch_compile.py). ``decode_heads_n`` True / False forces one orientation.
 # A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
 # The launch shapes are the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
-# an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
+# an H200 (lab/perf-log.md, "Session 37: the indexer's launch shapes").
 # The top-k: triton_select's kernels wherever K <= triton_select.MAX_K (8,192 x 16k prefill
 # keys on an H200: 3.6 ms against torch.topk's 4.3), else ``torch.topk`` over the keys. A
 # prefill chunk (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
