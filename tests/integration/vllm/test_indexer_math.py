@@ -8,6 +8,10 @@ kernels (``fused_indexer_q_rope_quant_cpu`` for q and the folded weights,
 integration/vllm/indexer.py). The selected sets must agree; where two candidates' float64
 scores tie within fp32 rounding at the K-th place either may be chosen (tests/ops/indexer's
 rule). vLLM orders a row's ids by its top-k kernel, ours by score, so rows compare as sets.
+
+The second half tests the plugin's replacement layer (integration/vllm/indexer_layer.py) on
+vLLM's real ``SparseAttnIndexer`` and its q quantizer (indexer_q.py) byte for byte against
+vLLM's CPU kernel. Not run here: the replacement's CUDA forward on a GPU.
 """
 import types
 from unittest import mock
