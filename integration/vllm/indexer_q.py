@@ -4,8 +4,9 @@ plain PyTorch, for GPUs whose Triton cannot emit e4m3 (below sm_89).
 vLLM 0.32.0 / 0.33.0 (models/deepseek_v4/common/ops/fused_indexer_q.py) compute, per (token,
 head) of ``q [T, H, D]``: GPT-J (interleaved) RoPE on the last ``rope_dim`` dims (cos / sin
 the two halves of the cache row at the token's position; ``even' = fma(even, cos, -(odd *
-sin))``, ``odd' = fma(odd, cos, even * sin)``: the contraction Triton's fp fusion makes on
-CUDA, ROCm's explicit one, and what the CPU kernel computes), rounded to bf16; the first
+sin))``, ``odd' = fma(odd, cos, even * sin)``: what vLLM's CPU kernel computes (checked
+byte for byte) and its ROCm path writes explicitly; its CUDA Triton kernel asks for fp
+fusion, which contracts the same way — not checked on a GPU here), rounded to bf16; the first
 ``D - rope_dim`` dims pass through; ``scale`` = the smallest power of two >=
 ``max(amax, 1e-4) / 448``; ``q8 = e4m3(x / scale)``; and ``w_out = w * scale * softmax_scale *
 head_scale`` (fp32, multiplied in that order). Every step here is exact in PyTorch on any

@@ -464,3 +464,20 @@ def test_install_replaces_v4_attention_names_once(monkeypatch):
     assert attention.SparseAttnIndexer is cls and attention.fused_indexer_q_rope_quant is q
     assert issubclass(cls, SparseAttnIndexer) and cls is not SparseAttnIndexer
     assert q.wrapped is original_q
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_q_quant_on_cuda_equals_cpu():
+    """The quantizer is plain PyTorch: the same bytes on a GPU (any generation: the e4m3 cast
+    and the fp64 FMA emulation are software) as on the CPU."""
+    from sparse_mla.integration.vllm.indexer_q import q_rope_quant
+
+    g = torch.Generator().manual_seed(12)
+    q = (torch.randn(40, H, DIM, generator=g) * 3).bfloat16()
+    w = torch.randn(40, H, generator=g).bfloat16()
+    pos = torch.randint(0, 50, (40,), generator=g)
+    cs = torch.randn(50, 64, generator=g)
+    want = q_rope_quant(pos, q, cs, w, DIM ** -0.5, H ** -0.5)
+    got = q_rope_quant(pos.cuda(), q.cuda(), cs.cuda(), w.cuda(), DIM ** -0.5, H ** -0.5)
+    assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].cpu().view(torch.int32), want[1].view(torch.int32))
