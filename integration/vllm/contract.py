@@ -32,6 +32,21 @@ REPLACED = {
     "vllm.models.deepseek_v4.nvidia.model:_select_dsv4_attn_cls": ("vllm_config",),
     "vllm.models.deepseek_v41.nvidia.model:_select_dsv4_attn_cls": ("vllm_config",),
     "vllm.models.deepseek_v4.cpu.model:DeepseekV4CPUAttention": None,   # a class, imported
+    # indexer_layer.install: the indexer's class (0.32.0 calls it, 0.33.0's _get_attn_cls
+    # returns it) and its q quantizer, both looked up in V4's attention module.
+    "vllm.models.deepseek_v4.attention:SparseAttnIndexer": None,
+    "vllm.models.deepseek_v4.attention:fused_indexer_q_rope_quant": (
+        "positions", "index_q", "index_q_cos_sin_cache", "index_weights",
+        "index_weights_softmax_scale", "index_weights_head_scale", "use_fp4",
+        "weights_out_dtype"),
+}
+
+# Module globals the plugin swaps for the length of one call of vLLM's: (module attribute,
+# the function or method that must look it up by its bare name) -> the parameters it
+# declares. indexer_layer._deep_gemm_check_waived: SparseAttnIndexer's constructor check.
+SWAPPED = {
+    ("vllm.model_executor.layers.sparse_attn_indexer:has_deep_gemm",
+     "SparseAttnIndexer.__init__"): (),
 }
 
 # vLLM classes the plugin subclasses and the methods it overrides: the parameters vLLM's
@@ -49,6 +64,11 @@ OVERRIDDEN = {
     "vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention": _V4_LAYER,
     "vllm.models.deepseek_v4.sparse_mla:DeepseekV4SparseMLABackend": {
         "supports_combination": None,     # ours forwards *args / **kwargs
+    },
+    "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer": {
+        "__init__": None,                 # ours forwards *args / **kwargs
+        "forward_cuda": ("self", "hidden_states", "q_quant", "k", "weights"),
+        "forward_cpu": ("self", "hidden_states", "q_quant", "k", "weights"),
     },
     "vllm.model_executor.layers.attention.mla_attention:MLACommonBaseImpl": {
         "forward_mqa": ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
@@ -91,6 +111,17 @@ READ = {
                                                                        "block_size"),
     "vllm.models.deepseek_v41.sparse_mla:DeepseekV4FlashMLAMetadata": ("block_table",
                                                                         "block_size"),
+    "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer": (
+        "k_cache", "topk_tokens", "topk_indices_buffer", "use_fp4_cache", "dcp_world_size",
+        "use_pcp", "skip_k_cache_insert"),
+    "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerMetadata": (
+        "slot_mapping", "num_prefills", "prefill", "num_decodes", "decode",
+        "num_decode_tokens"),
+    "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerPrefillChunkMetadata": (
+        "token_start", "token_end", "cu_seqlen_ks", "cu_seqlen_ke", "local_cu_seq_lens",
+        "cu_seq_lens", "block_table"),
+    "vllm.v1.attention.backends.mla.indexer:DeepSeekV32IndexerDecodeMetadata": (
+        "decode_lens", "seq_lens", "block_table"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": (
         "num_reqs", "num_actual_tokens", "query_start_loc", "query_start_loc_cpu", "seq_lens",
         "seq_lens_cpu_upper_bound", "block_table_tensor", "slot_mapping", "positions",

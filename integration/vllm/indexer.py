@@ -50,18 +50,37 @@ def indexer_topk(q_quant, weights, kv_cache, metadata, topk_out, impl="auto"):
                        chunk.block_table[req.clamp_min(0)], topk_out[rows], block_size,
                        int(counts.max()), impl)
     if metadata.num_decodes > 0 and metadata.decode is not None:
-        dec = metadata.decode
-        if dec.requires_padding:
-            raise NotImplementedError("sparse_mla's vLLM indexer: decode batches of unequal "
-                                      "query lengths (requires_padding) are not mapped yet")
         n = metadata.num_decode_tokens
-        seq = dec.seq_lens.reshape(-1)[:n].to(torch.int32)      # [B, next_n] -> per row
-        table = dec.block_table
-        if table.shape[0] != n:                # one table row per request: one per row
-            table = table.repeat_interleave(n // max(table.shape[0], 1), dim=0)[:n]
+        seq, table = decode_rows(metadata.decode, n)
         _rows_topk(q_quant[:n], weights[:n], kv_cache, seq, table, topk_out[:n], block_size,
                    None, impl)
     return topk_out
+
+
+def decode_rows(decode, num_tokens):
+    """Each decode token's entry count and block-table row from vLLM's
+    ``DeepSeekV32IndexerDecodeMetadata``, on the device, without a host sync.
+
+    ``decode_lens[b]`` tokens of entry b (a request, or one token where vLLM flattened the
+    batch) lie back to back; its token j reads ``seq_lens[b, j]`` (2-D, native MTP) or
+    ``seq_lens[b]`` (1-D) and ``block_table[b]``. That is vLLM's own pairing in every layout,
+    the padded one (``requires_padding``: unequal ``decode_lens``, which vLLM packs to
+    ``[B, max]`` rows and unpacks after its top-k) included. Tokens past ``sum(decode_lens)``
+    (a padded batch's tail) get no entry.
+    """
+    lens = decode.decode_lens.reshape(-1).to(torch.int64)
+    ends = torch.cumsum(lens, 0)
+    t = torch.arange(num_tokens, device=lens.device)
+    b = torch.searchsorted(ends, t, right=True).clamp_max(max(lens.numel() - 1, 0))
+    j = t - (ends[b] - lens[b])
+    live = j < lens[b]
+    seq_lens = decode.seq_lens
+    if seq_lens.ndim == 2:
+        seq = seq_lens[b, j.clamp(0, seq_lens.shape[1] - 1)]
+    else:
+        seq = seq_lens[b]
+    seq = torch.where(live, seq, torch.zeros_like(seq)).to(torch.int32)
+    return seq, decode.block_table[b]
 
 
 def _rows_topk(q, weights, kv_cache, counts, table, out, block_size, max_count, impl):

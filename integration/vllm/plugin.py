@@ -24,6 +24,10 @@
 4. DeepSeek-V4.1's layer choice, the same way: ``SPARSE_MLA`` wraps
    ``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` (both routes import
    that module; ``v41.py``).
+5. DeepSeek-V4's indexer (CUDA route): ``SparseAttnIndexer`` and
+   ``fused_indexer_q_rope_quant`` in ``vllm.models.deepseek_v4.attention`` become
+   ``indexer_layer``'s, which run vLLM's own unless one of our names is selected and
+   DeepGEMM cannot run (``SPARSE_MLA_VLLM_INDEXER`` overrides; ``indexer_layer.py``).
 """
 from __future__ import annotations
 
@@ -126,6 +130,11 @@ def _patch_cuda() -> None:
     from sparse_mla.integration.vllm import cuda_layer
 
     _wrap_selector(cuda_model, cuda_layer.layer_class)
+    from vllm.models.deepseek_v4 import attention as v4_attention
+
+    from sparse_mla.integration.vllm import indexer_layer
+
+    indexer_layer.install(v4_attention)
 
 
 def _patch_v41() -> None:
@@ -175,7 +184,7 @@ def register() -> None:
         if route == "cpu":
             from sparse_mla.integration.vllm import cpu_layer  # noqa: F401
         else:
-            from sparse_mla.integration.vllm import cuda_layer  # noqa: F401
+            from sparse_mla.integration.vllm import cuda_layer, indexer_layer  # noqa: F401
         from sparse_mla.integration.vllm import vllm_backends  # noqa: F401
     except Exception:
         logger.exception("sparse_mla vLLM plugin: cannot import its layer for vLLM %s; not "

@@ -295,11 +295,43 @@ def check_replaced(tree: Tree, replaced: dict) -> list:
         if declared is not None and (not isinstance(found[1], ast.FunctionDef)
                                      or params(found[1]) != tuple(declared)):
             problems.append(f"{target}: expected a function of {declared}")
-        if not calls_in(tree.module(module), name):
-            problems.append(f"{target}: the module never calls {name}(...) by its bare name, "
-                            f"so replacing the module attribute would not reach it")
+        if not loads_in_functions(tree.module(module), name):
+            problems.append(f"{target}: no function of the module reads {name} by its bare "
+                            f"name, so replacing the module attribute would not reach it")
         problems += [f"{target}: {other} imports it by name (the patch would not reach that "
                      f"copy)" for other in importers(tree, module, name)]
+    return problems
+
+
+def loads_in_functions(node, name: str) -> list:
+    """Lines where a function inside ``node`` reads ``name`` as a bare name (a call or, as
+    0.33.0's ``_get_attn_cls`` does, a return): looked up when it runs, so a replaced module
+    attribute reaches it. Module-level reads are not counted: they copy at import."""
+    return [n.lineno for f in ast.walk(node)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+
+
+def check_swapped(tree: Tree, swapped: dict) -> list:
+    """A module global swapped around a call of vLLM's: it exists, takes the declared
+    parameters, and the named function reads it by its bare name."""
+    problems = []
+    for (target, reader), declared in swapped.items():
+        module, _, name = target.partition(":")
+        found = tree.resolve(module, name)
+        if found is None or not isinstance(found[1], ast.FunctionDef):
+            problems.append(f"{target}: not a function")
+            continue
+        if params(found[1]) != tuple(declared):
+            problems.append(f"{target}: parameters {params(found[1])}, expected {declared}")
+        cls, _, meth = reader.partition(".")
+        fn, _ = tree.method(module, cls, meth)
+        if fn is None:
+            problems.append(f"{module}:{reader}: does not exist")
+        elif not loads_in_functions(fn, name):
+            problems.append(f"{module}:{reader} does not read {name} by its bare name: "
+                            f"swapping the module global would not reach it")
     return problems
 
 
@@ -504,6 +536,10 @@ def test_replaced_attributes_reach_every_layer(release):
     assert check_replaced(release[1], contract.REPLACED) == []
 
 
+def test_swapped_globals_are_read_where_swapped(release):
+    assert check_swapped(release[1], contract.SWAPPED) == []
+
+
 def test_overridden_methods(release):
     version, tree = release
     assert check_overridden(tree, contract.OVERRIDDEN, version) == []
@@ -560,6 +596,17 @@ def test_checker_reports_an_unreachable_replacement(v033):
     problems = check_replaced(v033, bad)
     assert any("imports it by name" in p for p in problems), problems     # cpu/model.py
     assert len(problems) >= 2, problems
+
+
+def test_checker_reports_an_unread_swap(v033):
+    # forward_cuda never asks has_deep_gemm, which takes no parameter x
+    bad = {("vllm.model_executor.layers.sparse_attn_indexer:has_deep_gemm",
+            "SparseAttnIndexer.forward_cuda"): (),
+           ("vllm.model_executor.layers.sparse_attn_indexer:has_deep_gemm",
+            "SparseAttnIndexer.__init__"): ("x",)}
+    problems = check_swapped(v033, bad)
+    assert any("does not read has_deep_gemm" in p for p in problems), problems
+    assert any("parameters" in p for p in problems), problems
 
 
 def test_checker_reports_a_call_we_cannot_take(v033, tmp_path, monkeypatch):
