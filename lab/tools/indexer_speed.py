@@ -64,11 +64,11 @@ def check_select(keys, lim, k):
     return bool(torch.equal(got, want))
 
 
-def _with(cfg, fn, **kw):
+def _with(cfg, fn, timed=True, **kw):
     saved = dict(cfg)
     cfg.update(kw)
     try:
-        return time_graph(fn)
+        return time_graph(fn) if timed else fn()
     except Exception as e:          # a shape that does not compile: say so, go on
         return type(e).__name__
     finally:
@@ -76,16 +76,13 @@ def _with(cfg, fn, **kw):
         cfg.update(saved)
 
 
-def sweep(scores, select, copy_only, floor):
-    """The scores kernel's tile and warps, the select's chunk and one-program row limit."""
-    for bn, warps in itertools.product((64, 128), (4, 8)):
-        s = _with(triton_impl.CONFIG, scores, decode_bn=bn, decode_warps=warps)
-        print(f"   scores bn={bn} warps={warps}: {s if isinstance(s, str) else s * 1e6:.6}")
-    c = time_graph(copy_only)
-    for chunk, row_max, warps in itertools.product((4096, 8192), (4096, 8192, 16384), (8, 16)):
-        s = _with(triton_select.CONFIG, select, chunk=chunk, row_max=row_max, warps=warps)
-        print(f"   select chunk={chunk} row_max={row_max} warps/4k={warps}: "
-              f"{s if isinstance(s, str) else (s - c) * 1e6:.6}", flush=True)
+def sweep(scores):
+    """The decode scores kernel's tile, tiles per program and warps."""
+    for bn, tiles, warps in itertools.product((64, 128), (1, 2, 4), (4, 8)):
+        s = _with(triton_impl.CONFIG, scores, decode_bn=bn, decode_tiles=tiles,
+                  decode_warps=warps)
+        print(f"   scores bn={bn} tiles={tiles} warps={warps}: "
+              f"{s if isinstance(s, str) else s * 1e6:.6}", flush=True)
 
 
 def prefill(bw):
@@ -134,6 +131,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="also time the scores kernel under "
                    "other launch shapes")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     a = p.parse_args(argv)
     dev = "cuda"
     bw = copy_bw(dev)
@@ -153,10 +151,11 @@ def main(argv=None):
               f"floor {floor * 1e6:.1f}", "select exact" if ok else "SELECT MISMATCH",
               flush=True)
         if a.sweep and (batch, cand, next_n) in SWEPT:
-            sweep(scores, select, copy_only, floor)
+            sweep(scores)
         del x, keys, lim
         torch.cuda.empty_cache()
-    prefill(bw)
+    if not a.no_prefill:
+        prefill(bw)
     print("\nshape                 floor_us scores_us select_us   op_us  op%copy  exact")
     for name, floor, t, ok in rows:
         print(f"{name:22s} {floor * 1e6:8.1f} {t['scores'] * 1e6:9.1f} "

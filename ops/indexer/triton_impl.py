@@ -21,29 +21,29 @@ from sparse_mla.ops.indexer.triton_kernels import (NOT_A_CANDIDATE, decode_keys_
 
 _LAUNCH = dict(enable_fp_fusion=False)
 
-# prefill: BT tokens x BN entries per program; decode: BN entries of one request per program
-# (one program per tile: looping a program over tiles with its q kept ran 2x slower on an
-# H200, and 2.9x slower when a program looped over 4,096 entries to select among them
-# itself: the block-table lookups serialize its loads). BN 128: 96 / 166 / 244 us against
-# 99 / 188 / 270 with BN 64 at b 64, 16k entries, s_q 1 / 2 / 4 on an H200. Decode puts the heads on the dot's N axis ([BN, 128] keys as stored times [128,
-# heads] q) on the archs in ``decode_heads_n_archs``: 0.106 / 0.194 ms against 0.151 / 0.273
-# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (lab/perf-history.md "Lightning
-# indexer after the select kernel"); elsewhere, and on the software e4m3 route, heads on M
-# (heads on N spills 200-216 B of registers at sm_120 under Triton 3.9, against 32-64 on M:
+# prefill: BT tokens x BN entries per program; a prefill program reads every head's q rows once
+# per BN entries, so a wider BN moves less. decode: TILES tiles of BN entries of one request
+# per program, its tokens' q loaded once and all of them in one dot per tile (a key tile is read
+# once for every token): on an H200 at b 64 x 16k entries, s_q 1 / 2 / 4, 86 / 119 / 222 us
+# against 96 / 166 / 244 for one tile per program and a dot per token. A program that looped
+# over 4,096 entries to select among them itself ran 2.9x slower (the block-table lookups
+# serialize its loads). Decode puts the heads on the dot's N axis ([BN, 128] keys as stored
+# times [128, heads] q) on the archs in ``decode_heads_n_archs`` (heads on M took 2-3x as long
+# on an H200); elsewhere, and on the software e4m3 route, heads on M (heads on N spilled
+# 200-216 B of registers at sm_120 under Triton 3.9, against 32-64 on M:
 # tests/ops/test_arch_compile.py). ``decode_heads_n`` True / False forces one orientation.
-# A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
-# The launch shapes are the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
-# an H200 (lab/perf-log.md, "Session 37: the indexer's launch shapes").
+# Measured with lab/tools/indexer_speed.py --sweep (lab/perf-log.md, "The indexer at the
+# step's speed").
 # The top-k: triton_select's kernels wherever K <= triton_select.MAX_K (8,192 x 16k prefill
 # keys on an H200: 3.6 ms against torch.topk's 4.3), else ``torch.topk`` over the keys. A
 # prefill chunk (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
           "prefill_chunk_bytes": 1 << 30,
-          "decode_bn": 128, "decode_warps": 4, "decode_heads_n": None,
+          "decode_bn": 64, "decode_tiles": 4, "decode_warps": 4, "decode_heads_n": None,
           "decode_heads_n_archs": (90,),
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick
-INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16}
+INTERPRET_CONFIG = {"prefill_bt": 16, "prefill_bn": 16, "decode_bn": 16, "decode_tiles": 2}
 
 
 def _config(device):
@@ -172,10 +172,12 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     hp = max(16, triton.next_power_of_2(q.shape[1]))
     bn = cfg["decode_bn"]
     soft = soft_fp8(q.device)
-    decode_keys_kernel[(batch, triton.cdiv(width, bn))](
+    tiles = cfg["decode_tiles"]
+    decode_keys_kernel[(batch, triton.cdiv(width, bn * tiles))](
         _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
         k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
-        keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, next_n, HP=hp, BN=bn,
+        keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, NEXT_N=next_n,
+        NT=triton.next_power_of_2(next_n), HP=hp, BN=bn, TILES=tiles,
         HEADS_N=decode_heads_n(_arch(q.device), soft), QFP8=q.dtype == torch.float8_e4m3fn,
         KFP8=kfp8, SOFT=soft, DOT_F32=triton_interpreting(),
         num_warps=cfg["decode_warps"], **_LAUNCH)

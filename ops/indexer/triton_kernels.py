@@ -136,70 +136,88 @@ def prefill_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, k_ptr, k_s0, ks_ptr, cu_
 
 
 @triton.jit
-def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
-                       bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, lim_ptr, H, width,
-                       ratio, BS, NEXT_N, HP: tl.constexpr, BN: tl.constexpr,
-                       HEADS_N: tl.constexpr, QFP8: tl.constexpr, KFP8: tl.constexpr,
-                       SOFT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Keys of request pid0's NEXT_N tokens x ids [pid1*BN, +BN) over the paged cache. Token
-    i sits at position seq - NEXT_N + i and may select ids < (position + 1) // ratio whose
-    block is in [0, num_blocks); all heads of one token are one [HP, 128] x [128, BN] dot, or
-    with ``HEADS_N`` one [BN, 128] x [128, HP] dot (the head sum within accumulator rows).
-    pid1 0 writes each token's candidate bound min(width, (position + 1) // ratio) to
-    ``lim``."""
-    b = tl.program_id(0)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    seq = tl.load(seq_ptr + b).to(tl.int64)
-    if tl.program_id(1) == 0:
-        for i in range(NEXT_N):
-            pos1 = seq - NEXT_N + i + 1
-            nc_i = tl.minimum(tl.where(pos1 > 0, pos1 // ratio, 0), width)
-            tl.store(lim_ptr + b * NEXT_N + i, nc_i.to(tl.int32))
-    last = tl.where(seq > 0, seq // ratio, 0)         # what the last token may select
-    col = j // BS
-    ok = (j < width) & (j < last) & (col < bt_cols)
-    blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok, other=-1).to(tl.int64)
-    ok &= (blk >= 0) & (blk < num_blocks)
-    h = tl.arange(0, HP)
-    d = tl.arange(0, D)
-    if tl.program_id(1) * BN < last:
-        off = j % BS
-        base = cache_ptr + blk * c_s0
-        if KFP8:
-            row = off * D
-        else:
-            row = off * c_s1
-        if HEADS_N:
-            kt = tl.load(base[:, None] + row[:, None] + d[None, :], mask=ok[:, None], other=0)
-        else:
-            kt = tl.load(base[None, :] + row[None, :] + d[:, None], mask=ok[None, :], other=0)
-        kt = _operand(kt, KFP8, SOFT, DOT_F32)
-        if KFP8:
-            scale = tl.load((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)),
-                            mask=ok, other=0.0)
-        for i in range(NEXT_N):
-            t = (b * NEXT_N + i).to(tl.int64)
-            w = tl.load(w_ptr + t * w_s0 + h, mask=h < H, other=0.0).to(tl.float32)
-            if HEADS_N:
-                q = tl.load(q_ptr + t * q_s0 + h[None, :] * q_s1 + d[:, None],
-                            mask=(h < H)[None, :], other=0)
-                dot = tl.dot(kt, _operand(q, QFP8, SOFT, DOT_F32))
-                score = tl.sum(tl.maximum(dot, 0.0) * w[None, :], axis=1)
-            else:
-                q = tl.load(q_ptr + t * q_s0 + h[:, None] * q_s1 + d[None, :],
-                            mask=(h < H)[:, None], other=0)
-                dot = tl.dot(_operand(q, QFP8, SOFT, DOT_F32), kt)
-                score = tl.sum(tl.maximum(dot, 0.0) * w[:, None], axis=0)
-            if KFP8:
-                score = score * scale
-            pos1 = seq - NEXT_N + i + 1
-            nc = tl.where(pos1 > 0, pos1 // ratio, 0)
-            tl.store(key_ptr + t * key_s0 + j, _keys(score, j, ok & (j < nc)), mask=j < width)
+def _tile_scores(q, w, kt, HEADS_N: tl.constexpr, NT: tl.constexpr, HP: tl.constexpr):
+    """Scores [BN, NT] of one tile of keys for NT tokens of HP heads each: q [NT * HP, 128]
+    (token-major), w [NT * HP] their weights, kt the keys as ``_operand``s ([BN, 128] with
+    ``HEADS_N``, else [128, BN]). Every token's heads go through one dot, so a key tile is
+    read once for all of a request's tokens."""
+    if HEADS_N:
+        dot = tl.dot(kt, tl.trans(q))                                   # [BN, NT * HP]
+        part = tl.maximum(dot, 0.0) * w[None, :]
+        return tl.sum(tl.reshape(part, (dot.shape[0], NT, HP)), axis=2)
     else:
-        for i in range(NEXT_N):
-            t = (b * NEXT_N + i).to(tl.int64)
-            tl.store(key_ptr + t * key_s0 + j,
-                     tl.full((BN,), MIN_KEY, tl.int64), mask=j < width)
+        dot = tl.dot(q, kt)                                             # [NT * HP, BN]
+        part = tl.maximum(dot, 0.0) * w[:, None]
+        return tl.trans(tl.sum(tl.reshape(part, (NT, HP, dot.shape[1])), axis=1))
+
+
+@triton.jit
+def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, num_blocks,
+                         bt_ptr, bt_s0, bt_cols, seq_ptr, key_ptr, key_s0, lim_ptr, H, width,
+                         ratio, BS, NEXT_N: tl.constexpr, NT: tl.constexpr, HP: tl.constexpr,
+                         BN: tl.constexpr, TILES: tl.constexpr, HEADS_N: tl.constexpr,
+                         QFP8: tl.constexpr, KFP8: tl.constexpr, SOFT: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+    """Keys of request pid0's NEXT_N tokens x ids [pid1 * TILES * BN, +TILES * BN) over the
+    paged cache, BN at a time. Token i sits at position seq - NEXT_N + i and may select ids <
+    (position + 1) // ratio whose block is in [0, num_blocks). Every token's q is loaded once
+    per program and all of them go through one dot per tile (``_tile_scores``): a key tile is
+    read once for all of a request's tokens. pid1 0 writes each token's candidate bound
+    min(width, (position + 1) // ratio) to ``lim``."""
+    b = tl.program_id(0)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    it = tl.arange(0, NT)
+    pos1 = seq - NEXT_N + it + 1
+    nc = tl.where(pos1 > 0, pos1 // ratio, 0)                          # [NT]
+    tok = (b * NEXT_N + it).to(tl.int64)
+    live_t = it < NEXT_N
+    if tl.program_id(1) == 0:
+        tl.store(lim_ptr + tok, tl.minimum(nc, width).to(tl.int32), mask=live_t)
+    last = tl.where(seq > 0, seq // ratio, 0)         # what the last token may select
+    d = tl.arange(0, D)
+    j0 = tl.program_id(1) * (TILES * BN)
+    if j0 < last:
+        r = tl.arange(0, NT * HP)
+        rt, rh = r // HP, r % HP
+        qok = (rt < NEXT_N) & (rh < H)
+        qt = (b * NEXT_N + rt).to(tl.int64)
+        q = tl.load(q_ptr + qt[:, None] * q_s0 + rh[:, None] * q_s1 + d[None, :],
+                    mask=qok[:, None], other=0)
+        q = _operand(q, QFP8, SOFT, DOT_F32)
+        w = tl.load(w_ptr + qt * w_s0 + rh, mask=qok, other=0.0).to(tl.float32)
+        for u in tl.static_range(TILES):
+            j = j0 + u * BN + tl.arange(0, BN)
+            col = j // BS
+            ok = (j < width) & (j < last) & (col < bt_cols)
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + col, mask=ok,
+                          other=-1).to(tl.int64)
+            ok &= (blk >= 0) & (blk < num_blocks)
+            off = j % BS
+            base = cache_ptr + blk * c_s0
+            if KFP8:
+                row = off * D
+            else:
+                row = off * c_s1
+            if HEADS_N:
+                kt = tl.load(base[:, None] + row[:, None] + d[None, :], mask=ok[:, None],
+                             other=0)
+            else:
+                kt = tl.load(base[None, :] + row[None, :] + d[:, None], mask=ok[None, :],
+                             other=0)
+            score = _tile_scores(q, w, _operand(kt, KFP8, SOFT, DOT_F32), HEADS_N, NT, HP)
+            if KFP8:
+                scale = tl.load((base + BS * D + off * 4).to(tl.pointer_type(tl.float32)),
+                                mask=ok, other=0.0)
+                score = score * scale[:, None]
+            key = _keys(score, j[:, None], ok[:, None] & (j[:, None] < nc[None, :]))
+            tl.store(key_ptr + tok[None, :] * key_s0 + j[:, None], key,
+                     mask=live_t[None, :] & (j < width)[:, None])
+    else:
+        for u in tl.static_range(TILES):
+            j = j0 + u * BN + tl.arange(0, BN)
+            tl.store(key_ptr + tok[None, :] * key_s0 + j[:, None],
+                     tl.full((BN, NT), MIN_KEY, tl.int64),
+                     mask=live_t[None, :] & (j < width)[:, None])
 
 
 @triton.jit

@@ -266,20 +266,27 @@ def _indexer_variants(arch, soft):
                 {"q_ptr": byte(q8), "w_ptr": "*fp32", "k_ptr": byte(k8), "ks_ptr": "*fp32",
                  "cu_k_ptr": "*i64", "key_ptr": "*i64"}, set(),
                 dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
-            out[f"indexer_decode_{name}"] = (
-                INDEXER, "decode_keys_kernel",
-                dict(HP=64, BN=cfg["decode_bn"], HEADS_N=ix.decode_heads_n(arch, soft),
-                     QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
-                {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8), "key_ptr": "*i64",
-                 "lim_ptr": "*i32"},
-                set(), dict(num_warps=cfg["decode_warps"], **fuse))
-    # the top-k select at the model's K (512) and the widest it takes
+            for next_n in (1, 2):       # s_q 2: every token's heads in one dot (N = 128)
+                sq = "" if next_n == 1 else f"_sq{next_n}"
+                out[f"indexer_decode_{name}{sq}"] = (
+                    INDEXER, "decode_keys_kernel",
+                    dict(NEXT_N=next_n, NT=next_n, HP=64, BN=cfg["decode_bn"],
+                         TILES=cfg["decode_tiles"], HEADS_N=ix.decode_heads_n(arch, soft),
+                         QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
+                    {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8),
+                     "key_ptr": "*i64", "lim_ptr": "*i32"},
+                    set(), dict(num_warps=cfg["decode_warps"], **fuse))
+    # the top-k select's two kernels at the model's K (512) and the widest it takes
     for k in (512, sel.MAX_K):
-        out[f"indexer_select_k{k}"] = (
-            "sparse_mla.ops.indexer.triton_select", "select_topk_kernel",
-            dict(BLOCK=sel.CONFIG["block"], KP=k, HAS_LIM=True),
-            {"key_ptr": "*i64", "lim_ptr": "*i32", "out_ptr": "*i32"}, set(),
-            dict(num_warps=sel.CONFIG["warps"]))
+        ch = sel.chunk_size(k, torch.device("cuda"))
+        for kernel in ("partial_kernel", "final_kernel"):
+            out[f"indexer_select_{kernel.split('_')[0]}_k{k}"] = (
+                "sparse_mla.ops.indexer.triton_select", kernel,
+                dict(CH=ch, KP=k, HAS_LIM=True),
+                {"key_ptr": "*i64", "lim_ptr": "*i32",
+                 "part_ptr" if kernel == "partial_kernel" else "out_ptr":
+                     "*i64" if kernel == "partial_kernel" else "*i32"}, set(),
+                dict(num_warps=sel.warps_for(ch)))
     for fp8 in (False, True):
         out[f"indexer_k_insert_{'fp8' if fp8 else 'bf16'}"] = (
             INDEXER, "k_insert_kernel", dict(FP8=fp8, TPP=cfg["insert_tokens"], SOFT=soft),
