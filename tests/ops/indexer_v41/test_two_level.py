@@ -138,10 +138,11 @@ def test_level2_candidate_lists_as_given(impl, device):
     of the list does not matter."""
     g = seeded(9)
     bs, cb = 5, 8
-    case, cache, bt, seq_lens = _decode_batch(g, [40, 40, 40], 1, 1, bs, exact=True)
+    case, cache, bt, seq_lens = _decode_batch(g, [40, 40, 40, 40], 1, 1, bs, exact=True)
     cand = torch.tensor([[3, -1, 3, 0, 99],
                          [-1, -1, -1, -1, -1],
-                         [4, 2, -7, 2 ** 28, 1]], dtype=torch.int32)
+                         [4, 2, -7, 2 ** 28, 1],
+                         [2, 2, 2, 2, 2]], dtype=torch.int32)
     args = (case.q.to(device), case.w.to(device), cases.to_device(cache, device),
             seq_lens.to(device), bt.to(device))
     top = lightning_indexer_v41_decode(*args, cand.to(device), ratio=1, topk=12, block_size=bs,
@@ -150,6 +151,7 @@ def test_level2_candidate_lists_as_given(impl, device):
     want, _ = oracle.level2(case, cand, 12, cb, readable)
     assert torch.equal(top, want), (top, want)
     assert (top[1] == -1).all()
+    assert sorted(top[3, :8].tolist()) == list(range(16, 24)) and (top[3, 8:] == -1).all()
     flipped = lightning_indexer_v41_decode(*args, cand.flip(1).contiguous().to(device), ratio=1,
                                            topk=12, block_size=bs, candidate_block=cb,
                                            impl=impl).cpu()
