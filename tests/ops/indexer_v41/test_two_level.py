@@ -208,3 +208,26 @@ def test_prefill_random(impl, device):
     want_top, rows2 = oracle.level2(case, cand, 7, 8)
     cases.assert_selection(top, want_top, [r[0] for r in rows2], [r[1] for r in rows2],
                            TOL[impl])
+
+
+@pytest.mark.parametrize("device", triton_devices() or
+                         [pytest.param("cpu", marks=pytest.mark.skip(reason="no Triton route"))])
+def test_triton_route_declines_selections_wider_than_select(device):
+    """K or NB above triton_select.MAX_K: the Triton route says why and auto takes another;
+    within it, Triton runs."""
+    from sparse_mla.ops.common import dispatch
+    from sparse_mla.ops.indexer import triton_select
+    g = seeded(13)
+    case, cache, bt, seq_lens = _decode_batch(g, [9], 1, 1, 4, exact=True)
+    args = [case.q, case.w, cache, seq_lens, bt]
+    args = [cases.to_device(a, device) if a is cache else a.to(device) for a in args]
+
+    def rows(k):
+        return torch.empty(1, k, dtype=torch.int32, device=device)
+    for out, cand in ((rows(triton_select.MAX_K + 1), rows(4)),
+                      (rows(4), rows(triton_select.MAX_K + 1))):
+        choice = dispatch.explain("indexer_v41_candidates_decode", *args, out, cand, 1)
+        assert choice.impl != "triton"
+        assert "at most" in choice.rejected["triton"]
+    choice = dispatch.explain("indexer_v41_candidates_decode", *args, rows(4), rows(4), 1)
+    assert choice.impl == "triton"
