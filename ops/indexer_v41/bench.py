@@ -23,7 +23,7 @@ HEADS, TOPK, BLOCKS, CB, RATIO = 32, 512, 2048, 8, 2
 
 def _sizes(small):
     if small:      # the stride fuzz interprets these: a few blocks, a short top-k
-        return dict(batch=2, cand=40, tokens=6, heads=4, topk=16, blocks=4)
+        return dict(batch=2, cand=40, tokens=2, heads=4, topk=16, blocks=4)
     return dict(batch=64, cand=65536, tokens=2048, heads=HEADS, topk=TOPK, blocks=BLOCKS)
 
 

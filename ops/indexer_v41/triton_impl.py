@@ -23,7 +23,7 @@ _LAUNCH = dict(enable_fp_fusion=False)
 # ``select_rows``: rows per select call (select's torch.topk fallback beyond its kernel's row
 # count would return columns, which level 2's keys do not index by position).
 CONFIG = {"blocks": 8, "warps": 8, "chunk_bytes": 1 << 30, "select_rows": 2048}
-INTERPRET_CONFIG = {"blocks": 2}
+INTERPRET_CONFIG = {"blocks": 4}
 
 
 def _config(device):
