@@ -54,8 +54,8 @@ def _select_rows(keys, out, lim):
 class _Keys:
     """The common launch arguments of one call: q, weights and the key source."""
 
-    def __init__(self, q, weights, ratio):
-        self.q, self.w, self.ratio = q, weights, ratio
+    def __init__(self, q, weights):
+        self.q, self.w = q, weights
         self.cfg = _config(q.device)
         self.is_paged = False
         self.paged = (q, 0, 0, 0, q, 0, 0, 1, 1)       # placeholders where dense
@@ -83,8 +83,8 @@ class _Keys:
             DOT_F32=triton_interpreting(), num_warps=self.cfg["warps"], **_LAUNCH)
 
 
-def _paged(q, weights, k_cache, block_table, ratio, next_n, block_size):
-    src = _Keys(q, weights, ratio)
+def _paged(q, weights, k_cache, block_table, next_n, block_size):
+    src = _Keys(q, weights)
     kfp8, cache, s0, s1 = _cache_args(k_cache, block_size)
     src.kfp8, src.is_paged = kfp8, True
     src.paged = (cache, s0, s1, k_cache.shape[0], block_table, block_table.stride(0),
@@ -123,7 +123,7 @@ def candidates_decode(q, weights, k_cache, seq_lens, block_table, out, candidate
     n = _decode_counts(seq_lens, n_rows, next_n, ratio, width)
     keys = torch.empty(n_rows, width, dtype=torch.int64, device=q.device)
     bkeys = torch.empty(n_rows, triton.cdiv(width, cb), dtype=torch.int64, device=q.device)
-    _paged(q, weights, k_cache, block_table, ratio, next_n, block_size).launch(
+    _paged(q, weights, k_cache, block_table, next_n, block_size).launch(
         n, 0, n_rows, keys, bkeys, None, cb)
     _select_rows(keys, out, n)
     _select_rows(bkeys, candidates, _block_counts(n, cb))
@@ -140,7 +140,7 @@ def topk_in_candidates_decode(q, weights, k_cache, seq_lens, block_table, candid
         return
     n = _decode_counts(seq_lens, n_rows, next_n, ratio, width)
     keys = torch.empty(n_rows, candidates.shape[1] * cb, dtype=torch.int64, device=q.device)
-    _paged(q, weights, k_cache, block_table, ratio, next_n, block_size).launch(
+    _paged(q, weights, k_cache, block_table, next_n, block_size).launch(
         n, 0, n_rows, keys, None, _sorted(candidates), cb)
     _select_rows(keys, out, None)
 
@@ -148,7 +148,7 @@ def topk_in_candidates_decode(q, weights, k_cache, seq_lens, block_table, candid
 def _dense(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, ratio):
     """(the key source, each token's causal count min(C_r, (p + 1) // ratio) int32): the
     token's request found on the device (cu_seqlens_q is non-decreasing)."""
-    src = _Keys(q, weights, ratio)
+    src = _Keys(q, weights)
     src.kfp8 = k.dtype != torch.bfloat16
     t = torch.arange(q.shape[0], device=q.device)
     req = torch.searchsorted(cu_seqlens_q[1:].long().contiguous(), t, right=True)
