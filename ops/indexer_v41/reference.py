@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparse_mla.ops.indexer import format as fmt
-from sparse_mla.ops.indexer.reference import _dense_keys, _scores, paged_keys, select
+from sparse_mla.ops.indexer.reference import _dense_keys, _scores, decode_requests, select
 
 
 def block_scores(logits: torch.Tensor, live: torch.Tensor, n: torch.Tensor, cb: int):
@@ -69,18 +69,12 @@ def _level(logits, live, n, out, candidates, cb, write_candidates):
 
 def _decode(q, weights, k_cache, seq_lens, block_table, out, candidates, ratio, next_n,
             block_size, cb, width, write_candidates):
-    cache = k_cache.cpu()
-    qd, wd = q.cpu().double(), weights.cpu().double()
-    sl = seq_lens.long().cpu()
-    bt = block_table.cpu()
     cols = torch.arange(width)
-    for b in range(q.shape[0] // next_n):
-        keys, ok = paged_keys(cache, bt[b], block_size, width)
-        r = slice(b * next_n, (b + 1) * next_n)
-        p1 = sl[b] - next_n + torch.arange(next_n) + 1
-        n = torch.div(p1.clamp_min(0), ratio, rounding_mode="floor").clamp_max(width)
+    for r, logits, ok, pos in decode_requests(q, weights, k_cache, seq_lens, block_table, next_n,
+                                              block_size, width):
+        n = torch.div((pos + 1).clamp_min(0), ratio, rounding_mode="floor").clamp_max(width)
         live = (cols.unsqueeze(0) < n.unsqueeze(1)) & ok.unsqueeze(0)
-        _level(_scores(qd[r], wd[r], keys), live, n, out[r], candidates[r], cb, write_candidates)
+        _level(logits, live, n, out[r], candidates[r], cb, write_candidates)
 
 
 def candidates_decode(q, weights, k_cache, seq_lens, block_table, out, candidates, ratio,
