@@ -130,20 +130,27 @@ def paged_keys(k_cache, block_table_row, block_size, n):
     return keys, ok
 
 
-def topk_decode(q, weights, k_cache, seq_lens, block_table, ratio, next_n, out, block_size,
-                max_candidates):
+def decode_requests(q, weights, k_cache, seq_lens, block_table, next_n, block_size, width):
+    """Per request b of a decode step: (its rows' slice, their float64 scores over entries
+    0..width-1 [next_n, width], which entries are readable, its tokens' positions)."""
     cache = k_cache.cpu()
-    width = fmt.decode_width(block_table, block_size, max_candidates)
     qd, wd = q.cpu().double(), weights.cpu().double()
     sl = seq_lens.long().cpu()
     bt = block_table.cpu()
-    cols = torch.arange(width)
     for b in range(q.shape[0] // next_n):
         keys, ok = paged_keys(cache, bt[b], block_size, width)
         rows = slice(b * next_n, (b + 1) * next_n)
-        pos = sl[b] - next_n + torch.arange(next_n)
+        yield rows, _scores(qd[rows], wd[rows], keys), ok, sl[b] - next_n + torch.arange(next_n)
+
+
+def topk_decode(q, weights, k_cache, seq_lens, block_table, ratio, next_n, out, block_size,
+                max_candidates):
+    width = fmt.decode_width(block_table, block_size, max_candidates)
+    cols = torch.arange(width)
+    for rows, scores, ok, pos in decode_requests(q, weights, k_cache, seq_lens, block_table,
+                                                 next_n, block_size, width):
         n_cand = torch.div(pos + 1, ratio, rounding_mode="floor")
         cand = (cols.unsqueeze(0) < n_cand.unsqueeze(1)) & ok.unsqueeze(0)
         sel = torch.empty(next_n, out.shape[1], dtype=torch.int32)
-        select(_scores(qd[rows], wd[rows], keys), cand, sel)
+        select(scores, cand, sel)
         out[rows] = sel.to(out.device)
