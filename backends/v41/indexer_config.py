@@ -49,8 +49,9 @@ class V41IndexerConfig:
             raise ValueError(f"k_source_layer_id must be a layer at or below {self.layer_id}, "
                              f"got {self.k_source_layer_id}")
         if (self.topk_source_layer_id is None) == (self.index_role == "reuse"):
-            raise ValueError(f"topk_source_layer_id is for index_role 'reuse' only (layer "
-                             f"{self.layer_id}, {self.index_role!r})")
+            raise ValueError(f"topk_source_layer_id must be {'set' if not scoring else 'None'} "
+                             f"for index_role {self.index_role!r} (layer {self.layer_id}): "
+                             f"only a reuse layer reads another layer's top-k")
         if self.index_role == "reuse" and not 0 <= self.topk_source_layer_id < self.layer_id:
             raise ValueError(f"topk_source_layer_id must be a layer below {self.layer_id}, got "
                              f"{self.topk_source_layer_id}")

@@ -36,6 +36,10 @@ from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
 from sparse_mla.backends.v41.backend import V41FlashMLABackend
 from sparse_mla.backends.v41.indexer_config import V41IndexerConfig
 from sparse_mla.ops.common.dispatch import canonical_device
+from sparse_mla.ops.indexer_v41 import (indexer_v41_candidates_decode,
+                                        indexer_v41_candidates_prefill,
+                                        indexer_v41_topk_in_candidates_decode,
+                                        indexer_v41_topk_in_candidates_prefill)
 
 
 class V41IndexerState:
@@ -191,11 +195,11 @@ class V41IndexerStep(IndexerStep):
                       candidate_block=idx.candidate_block_size, impl=self.impl)
         if idx.index_role == "candidate_source":
             cgrid = cands.new_empty((g.q.shape[0], cands.shape[1]))
-            _op("indexer_v41_candidates_decode")(g.q, g.weights, ix.k_cache, g.seq_lens,
-                                                 g.block_table, grid, cgrid, **common)
+            indexer_v41_candidates_decode(g.q, g.weights, ix.k_cache, g.seq_lens,
+                                          g.block_table, grid, cgrid, **common)
             cands.copy_(cgrid[g.dst])
         else:
-            _op("indexer_v41_topk_in_candidates_decode")(
+            indexer_v41_topk_in_candidates_decode(
                 g.q, g.weights, ix.k_cache, g.seq_lens, g.block_table, g.scatter(cands, -1),
                 grid, **common)
         out.copy_(grid[g.dst])
@@ -205,17 +209,8 @@ class V41IndexerStep(IndexerStep):
         common = dict(ratio=self.config.kind.ratio, candidate_block=idx.candidate_block_size,
                       impl=self.impl)
         if idx.index_role == "candidate_source":
-            _op("indexer_v41_candidates_prefill")(*a[:7], out, cands,
-                                                  max_seqlen_k=a.max_seqlen_k, **common)
+            indexer_v41_candidates_prefill(*a[:7], out, cands, max_seqlen_k=a.max_seqlen_k,
+                                           **common)
         else:
-            _op("indexer_v41_topk_in_candidates_prefill")(*a[:7], cands, out, **common)
-
-
-def _op(name: str):
-    """The registered op (``torch.ops.sparse_mla``), looked up when called."""
-    try:
-        return getattr(torch.ops.sparse_mla, name)
-    except AttributeError:
-        raise RuntimeError(f"the op sparse_mla::{name} is not registered (ops/indexer_v41)") \
-            from None
+            indexer_v41_topk_in_candidates_prefill(*a[:7], cands, out, **common)
 
