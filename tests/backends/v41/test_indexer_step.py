@@ -22,7 +22,9 @@ from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.cases import check_rows
 from sparse_mla.tests.backends.test_indexer_step import DIM, IDX_HEADS, IndexerHarness, stored
 from sparse_mla.tests.backends.v41.cases import Harness, config
-from sparse_mla.tests.helpers import requires_cuda, storage_bytes
+from sparse_mla.tests.helpers import CUDA, requires_cuda, storage_bytes
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 TOPK, NB, CB = 16, 5, 4          # 5 blocks of 4 = 20 candidate positions > TOPK
 HF = dict(compress_ratios=[1, 2, 2, 2, 2], num_hidden_layers=5, kv_source_layer_ids=[0, 1],
@@ -195,7 +197,7 @@ class Model:
         IndexerHarness.check_untouched(view)
 
 
-@pytest.mark.parametrize("device", ["cpu"])
+@pytest.mark.parametrize("device", DEVICES)
 def test_model_steps_match_oracle(device):
     m = Model(device, seed=3)
     assert [i.index_role for i in m.roles.values()] == [
@@ -357,51 +359,67 @@ def test_bad_indexer_config_raises(kw, match):
 
 # -- CUDA graphs ----------------------------------------------------------------------------
 
-@requires_cuda
-def test_decode_forward_graph_replays():
-    """Every layer's decode step (MTP next_n 2) captured in one CUDA graph and replayed with
-    the inputs updated in place: each replay equals the eager model run on the same inputs
-    (the same top-k buffer contents and outputs). Under capture there is no short-context
-    rule, so the graph holds the scoring path; the contexts are long enough that the eager
-    steps score too."""
-    reqs = [(0, 90), (1, 60), (2, 120)]
-    dec = [(r, 2) for r, _ in reqs]
-    graphed, eager = Model("cuda", seed=8, impl="auto"), Model("cuda", seed=8, impl="auto")
-    for m in (graphed, eager):
-        m.run([], reqs)
-    toks = [rid for rid, n in dec for _ in range(n)]
-    static = {}
-    for layer, idx in graphed.roles.items():
-        h = graphed.h[layer]
+GRAPH_FIELDS = ("query_start_loc", "seq_lens", "positions", "swa_block_table",
+                "swa_slot_mapping", "compressed_block_table", "compressed_slot_mapping")
+
+
+def _draw(m, dec, toks):
+    """Every layer's inputs of the next decode step, in ``Model.run``'s order of draws."""
+    step = {}
+    for layer, idx in m.roles.items():
+        h = m.h[layer]
         st = h.sim.step(dec, [])
         if h.source is not None:
             st.compressed_kv, st.comp_slots = None, []
             st.batch.compressed_slot_mapping = None
-        ix = graphed.inputs(layer, st, toks)[0] if idx.index_role != "reuse" else None
-        static[layer] = (st, dataclasses.replace(st.batch, topk_indices=None), ix,
-                         torch.zeros(st.q.shape, dtype=torch.bfloat16, device="cuda"))
+        ix = m.inputs(layer, st, toks)[0] if idx.index_role != "reuse" else None
+        step[layer] = (st, ix)
+    return step
+
+
+@requires_cuda
+def test_decode_forward_graph_replays():
+    """Every layer's decode step (MTP next_n 2) captured in one CUDA graph and replayed with
+    the inputs updated in place: each replay gives every layer's output, the last top-k and
+    the candidates of the same forward run eagerly on the same inputs (a twin model, same
+    seeds), which is held to the oracle. Under capture there is no short-context rule; the
+    contexts are long enough that the eager forward scores too."""
+    reqs = [(0, 90), (1, 60), (2, 120)]
+    dec = [(r, 2) for r, _ in reqs]
+    toks = [rid for rid, n in dec for _ in range(n)]
+    graphed, eager = Model("cuda", seed=8, impl="auto"), Model("cuda", seed=8, impl="auto")
+    for m in (graphed, eager):
+        m.run([], reqs)
+        m.run(dec, [])                       # warm-up: compiles every kernel
+    static = _draw(graphed, dec, toks)
+    outs = {ly: torch.zeros(st.q.shape, dtype=torch.bfloat16, device="cuda")
+            for ly, (st, _) in static.items()}
+    batches = {ly: dataclasses.replace(st.batch, topk_indices=None)
+               for ly, (st, _) in static.items()}
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer, (st, batch, ix, out) in static.items():
+        for layer, (st, ix) in static.items():
             h = graphed.h[layer]
-            graphed.steps[layer].forward(st.q, st.kv, h.caches, batch, ix, h.cos_sin, h.sink,
-                                         out, st.compressed_kv)
+            graphed.steps[layer].forward(st.q, st.kv, h.caches, batches[layer], ix, h.cos_sin,
+                                         h.sink, outs[layer], st.compressed_kv)
     for i in range(3):
-        for layer, (st, batch, ix, out) in static.items():
-            h = eager.h[layer]
-            new = h.sim.step(dec, [])
-            for dst, src in ((st.q, new.q), (st.kv, new.kv)):
-                dst.copy_(src)
-            if st.compressed_kv is not None:
-                st.compressed_kv.copy_(new.compressed_kv)
-            for f in ("query_start_loc", "seq_lens", "positions", "swa_block_table",
-                      "swa_slot_mapping", "compressed_block_table", "compressed_slot_mapping"):
-                if getattr(batch, f) is not None:
-                    getattr(batch, f).copy_(getattr(new.batch, f))
-        eager.run(dec, [])
-        # the graph replays the same index inputs the eager model drew for this forward
+        if i:
+            for layer, (st, ix) in _draw(graphed, dec, toks).items():
+                old, old_ix = static[layer]
+                pairs = [(old.q, st.q), (old.kv, st.kv), (old.compressed_kv, st.compressed_kv)]
+                if ix is not None:
+                    pairs += [(old_ix.q, ix.q), (old_ix.weights, ix.weights), (old_ix.k, ix.k)]
+                pairs += [(getattr(batches[layer], f), getattr(st.batch, f))
+                          for f in GRAPH_FIELDS]
+                for dst, src in pairs:
+                    if dst is not None:
+                        dst.copy_(src)
         graph.replay()
+        ref = eager.run(dec, [])
         torch.cuda.synchronize()
-        for layer, (st, batch, ix, out) in static.items():
-            assert torch.isfinite(out.float()).all(), f"replay {i} layer {layer}"
+        for layer, (_, ref_out) in ref.items():
+            assert torch.equal(outs[layer], ref_out), f"replay {i}: layer {layer} output"
+        assert torch.equal(graphed.state.topk, eager.state.topk), f"replay {i}: top-k"
+        assert torch.equal(graphed.state.candidates, eager.state.candidates), (
+            f"replay {i}: candidates")
