@@ -100,14 +100,10 @@ class Model:
         got, ref_topk = {}, {}
         for layer, idx in self.roles.items():
             h, step = self.h[layer], self.steps[layer]
-            st = h.sim.step(decodes, prefills, **kw)
+            st, ix = self.draw(layer, toks, decodes, prefills, **kw)
             T, pos = st.q.shape[0], st.batch.positions.cpu()
-            if h.source is not None:
-                st.compressed_kv, st.comp_slots = None, []
-                st.batch.compressed_slot_mapping = None
-            ix = None
-            if idx.index_role != "reuse":
-                ix, q, w = self.inputs(layer, st, toks)
+            if ix is not None:
+                q, w = ix.q.cpu(), ix.weights.cpu()
                 ref_topk[layer] = self.oracle_topk(layer, q, w, toks, pos, st.batch, T)
             else:
                 ref_topk[layer] = ref_topk[idx.topk_source_layer_id]
@@ -132,6 +128,17 @@ class Model:
             self.check_index_cache(ly)
         return got
 
+    def draw(self, layer, toks, decodes, prefills, **kw):
+        """A layer's simulated step and indexer inputs (None for a reuse layer); a layer
+        reading the candidate source's compressed cache gets no compressor rows."""
+        h = self.h[layer]
+        st = h.sim.step(decodes, prefills, **kw)
+        if h.source is not None:
+            st.compressed_kv, st.comp_slots = None, []
+            st.batch.compressed_slot_mapping = None
+        ix = self.inputs(layer, st, toks) if self.roles[layer].index_role != "reuse" else None
+        return st, ix
+
     def inputs(self, layer, st, toks):
         T = st.q.shape[0]
         q = torch.randn(T, IDX_HEADS, DIM, generator=self.g).to(torch.bfloat16)
@@ -147,9 +154,8 @@ class Model:
             self.written[layer].update(st.comp_slots)
             k = k.to(self.device)
         dev = self.device
-        ix = IndexerInputs(q.to(dev), w.to(dev), k,
-                           self.cache[self.roles[layer].k_source_layer_id])
-        return ix, q, w
+        return IndexerInputs(q.to(dev), w.to(dev), k,
+                             self.cache[self.roles[layer].k_source_layer_id])
 
     def oracle_topk(self, layer, q, w, toks, pos, batch, T):
         """(top-k [T, TOPK], candidates [T, NB] or None) as §11.6 has them."""
@@ -234,12 +240,8 @@ def _prepared(layer, skip=()):
     kw = dict(decodes=[(0, 2)], prefills=[(1, 40)])
     toks = [rid for rid, n in kw["decodes"] + kw["prefills"] for _ in range(n)]
     for ly in range(layer + 1):
-        h, step, idx = m.h[ly], m.steps[ly], m.roles[ly]
-        st = h.sim.step(**kw)
-        if h.source is not None:
-            st.compressed_kv, st.comp_slots = None, []
-            st.batch.compressed_slot_mapping = None
-        ix = m.inputs(ly, st, toks)[0] if idx.index_role != "reuse" else None
+        h, step = m.h[ly], m.steps[ly]
+        st, ix = m.draw(ly, toks, **kw)
         batch = dataclasses.replace(st.batch, topk_indices=None)
         out = torch.empty(st.q.shape, dtype=torch.bfloat16)
         if ly == layer:
@@ -365,16 +367,7 @@ GRAPH_FIELDS = ("query_start_loc", "seq_lens", "positions", "swa_block_table",
 
 def _draw(m, dec, toks):
     """Every layer's inputs of the next decode step, in ``Model.run``'s order of draws."""
-    step = {}
-    for layer, idx in m.roles.items():
-        h = m.h[layer]
-        st = h.sim.step(dec, [])
-        if h.source is not None:
-            st.compressed_kv, st.comp_slots = None, []
-            st.batch.compressed_slot_mapping = None
-        ix = m.inputs(layer, st, toks)[0] if idx.index_role != "reuse" else None
-        step[layer] = (st, ix)
-    return step
+    return {layer: m.draw(layer, toks, dec, []) for layer in m.roles}
 
 
 @requires_cuda
