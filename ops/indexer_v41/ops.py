@@ -45,6 +45,11 @@ _CAND_DECODE = implementations("indexer_v41_candidates_decode", vendor=vendor.RO
 _TOPK_DECODE = implementations("indexer_v41_topk_in_candidates_decode", vendor=vendor.ROUTE,
                                triton=triton_impl.topk_in_candidates_decode,
                                reference=reference.topk_in_candidates_decode)
+# Triton selects at most triton_select.MAX_K per row: wider ``out`` / ``candidates`` (argument
+# positions below) take the reference
+_CAND_DECODE.register("triton", triton_impl.candidates_decode, triton_impl.route_check(5, 6))
+_TOPK_DECODE.register("triton", triton_impl.topk_in_candidates_decode,
+                      triton_impl.route_check(6))
 
 
 def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, candidates, ratio, next_n,
@@ -118,6 +123,9 @@ _CAND_PREFILL = implementations("indexer_v41_candidates_prefill", vendor=vendor.
 _TOPK_PREFILL = implementations("indexer_v41_topk_in_candidates_prefill", vendor=vendor.ROUTE,
                                 triton=triton_impl.topk_in_candidates_prefill,
                                 reference=reference.topk_in_candidates_prefill)
+_CAND_PREFILL.register("triton", triton_impl.candidates_prefill, triton_impl.route_check(7, 8))
+_TOPK_PREFILL.register("triton", triton_impl.topk_in_candidates_prefill,
+                       triton_impl.route_check(8))
 
 
 def _validate_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, out,

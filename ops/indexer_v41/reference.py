@@ -21,8 +21,7 @@ def block_scores(logits: torch.Tensor, live: torch.Tensor, n: torch.Tensor, cb: 
     pad = nblk * cb - width
     vals = torch.where(live, logits, torch.full_like(logits, float("-inf")))
     vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf")).view(rows, nblk, cb)
-    scores = vals.amax(dim=2)
-    scores[vals.isnan().any(dim=2)] = float("nan")
+    scores = vals.amax(dim=2)              # amax propagates NaN, as vLLM's _max_with_nan
     newest = torch.div(n - 1, cb, rounding_mode="floor")
     pinned = (n > 0).unsqueeze(1) & (torch.arange(nblk).unsqueeze(0) == newest.unsqueeze(1))
     return torch.where(pinned, torch.full_like(scores, float("inf")), scores)

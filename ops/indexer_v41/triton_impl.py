@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparse_mla.ops.common.dispatch import triton_interpreting
-from sparse_mla.ops.common.errors import ImplementationUnavailable
+from sparse_mla.ops.common.dispatch import triton_check_args, triton_interpreting
 from sparse_mla.ops.common.triton_utils import soft_fp8
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import triton_select
@@ -23,7 +22,7 @@ _LAUNCH = dict(enable_fp_fusion=False)
 # ``blocks``: candidate blocks per program (BSL); ``chunk_bytes``: a prefill chunk's keys;
 # ``select_rows``: rows per select call (select's torch.topk fallback beyond its kernel's row
 # count would return columns, which level 2's keys do not index by position).
-CONFIG = {"blocks": 8, "warps": 4, "chunk_bytes": 1 << 30, "select_rows": 2048}
+CONFIG = {"blocks": 8, "warps": 8, "chunk_bytes": 1 << 30, "select_rows": 2048}
 INTERPRET_CONFIG = {"blocks": 2}
 
 
@@ -31,11 +30,19 @@ def _config(device):
     return {**CONFIG, **INTERPRET_CONFIG} if device.type == "cpu" else CONFIG
 
 
-def _need_select(k: int, what: str):
-    if not triton_select.selectable(k):
-        raise ImplementationUnavailable(
-            f"the Triton route selects 1..{triton_select.MAX_K} {what} per row, got {k}",
-            f"{what} > {triton_select.MAX_K}")
+def route_check(*written):
+    """The Triton route's check of an op whose arguments ``written`` (positions) are the
+    [n, K] selections: Triton's device check, and K within what ``select`` takes."""
+    def check(*args, **kwargs):
+        reason = triton_check_args(*args, **kwargs)
+        if reason is None:
+            widths = [args[i].shape[1] for i in written if i < len(args)]
+            wide = [k for k in widths if k > triton_select.MAX_K]
+            if wide:
+                reason = (f"the Triton route selects at most {triton_select.MAX_K} per row "
+                          f"(top-k and candidate blocks), got {wide[0]}")
+        return reason
+    return check
 
 
 def _select_rows(keys, out, lim):
@@ -94,14 +101,17 @@ def _decode_counts(seq_lens, n_rows, next_n, ratio, width):
         torch.int32)
 
 
+def _block_counts(n, cb):
+    """Blocks holding a row's causal positions: ceil(n / cb), int32 (select's ``lim``)."""
+    return torch.div(n + cb - 1, cb, rounding_mode="floor").to(torch.int32)
+
+
 def _sorted(candidates):
     return torch.sort(candidates, dim=1).values if candidates.shape[1] else candidates
 
 
 def candidates_decode(q, weights, k_cache, seq_lens, block_table, out, candidates, ratio,
                       next_n, block_size, cb, max_candidates):
-    _need_select(out.shape[1], "top-k ids")
-    _need_select(candidates.shape[1], "candidate blocks")
     n_rows = q.shape[0]
     width = fmt.decode_width(block_table, block_size, max_candidates)
     if n_rows == 0:
@@ -116,13 +126,11 @@ def candidates_decode(q, weights, k_cache, seq_lens, block_table, out, candidate
     _paged(q, weights, k_cache, block_table, ratio, next_n, block_size).launch(
         n, 0, n_rows, keys, bkeys, None, cb)
     _select_rows(keys, out, n)
-    _select_rows(bkeys, candidates, torch.div(n + cb - 1, cb, rounding_mode="floor").to(
-        torch.int32))
+    _select_rows(bkeys, candidates, _block_counts(n, cb))
 
 
 def topk_in_candidates_decode(q, weights, k_cache, seq_lens, block_table, candidates, out,
                               ratio, next_n, block_size, cb):
-    _need_select(out.shape[1], "top-k ids")
     n_rows = q.shape[0]
     if n_rows == 0:
         return
@@ -162,8 +170,6 @@ def _max_width(cu_seqlens_k, max_seqlen_k):
 
 def candidates_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, out,
                        candidates, ratio, cb, chunk, max_seqlen_k):
-    _need_select(out.shape[1], "top-k ids")
-    _need_select(candidates.shape[1], "candidate blocks")
     n_rows = q.shape[0]
     if n_rows == 0:
         return
@@ -182,13 +188,11 @@ def candidates_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, posit
         m = min(rows, n_rows - s)
         src.launch(n, s, m, keys, bkeys, None, cb)
         _select_rows(keys[:m], out[s:s + m], n[s:s + m])
-        _select_rows(bkeys[:m], candidates[s:s + m],
-                     torch.div(n[s:s + m] + cb - 1, cb, rounding_mode="floor").to(torch.int32))
+        _select_rows(bkeys[:m], candidates[s:s + m], _block_counts(n[s:s + m], cb))
 
 
 def topk_in_candidates_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions,
                                candidates, out, ratio, cb):
-    _need_select(out.shape[1], "top-k ids")
     n_rows = q.shape[0]
     if n_rows == 0:
         return

@@ -60,6 +60,12 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
                "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 64,
                "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
+# The V4.1 indexer's keys kernel (8 warps: at 4 its paged variants spilled 1-20 KB) spills a
+# little on its bf16-cache variants under Triton 3.9 (sm_86..120: 16-136 B)
+SPILL_BOUND.update({"indexer_v41_blocks_paged_qbf16_kbf16": 170,
+                    "indexer_v41_in_cand_paged_qbf16_kbf16": 140,
+                    "indexer_v41_in_cand_dense_qbf16_k8": 20})
+
 # Tritons before 3.9 allocate the indexer's decode scores kernel (4 warps) more tightly: at
 # sm_80-120 it spills up to 1,112 B on 3.6 (torch 2.11's), 1,000 B on 3.7, 176 B on 3.8, where
 # 3.9 spills 0-40 B; on the H200 this launch was still the fastest with 3.6 (heads on M, 88-176 B
@@ -242,6 +248,7 @@ def _family_variants(arch):
         {n: "*i32" for n in ("seq_lens", "cu", "topk_lens", "out_a", "out_b")}, set(),
         dict(num_warps=4))
     out.update(_indexer_variants(arch, soft))
+    out.update(_indexer_v41_variants(soft))
     out["flashmla_usable_ids"] = (
         "sparse_mla.ops.flashmla_decode.vendor", "_usable_ids_kernel", dict(BLOCK=1024),
         {"src": "*i32", "dst": "*i32"}, set(), dict(num_warps=4))
@@ -285,6 +292,28 @@ def _indexer_variants(arch, soft):
             INDEXER, "k_insert_kernel", dict(FP8=fp8, TPP=cfg["insert_tokens"], SOFT=soft),
             {"k_ptr": "*bf16", "cache_ptr": "*u8" if fp8 else "*bf16", "slot_ptr": "*i64"},
             set(), dict(num_warps=cfg["insert_warps"], **fuse))
+    return out
+
+
+def _indexer_v41_variants(soft):
+    """The V4.1 indexer's keys kernel: both levels, paged and dense keys, bf16 and e4m3."""
+    from sparse_mla.ops.indexer_v41 import triton_impl as v41
+    out = {}
+    for level1 in (True, False):
+        for paged in (True, False):
+            for q8, k8 in ((False, False), (False, True), (True, True)):
+                byte = lambda fp8: "*u8" if fp8 else "*bf16"  # noqa: E731
+                name = (f"indexer_v41_{'blocks' if level1 else 'in_cand'}_"
+                        f"{'paged' if paged else 'dense'}_{'q8' if q8 else 'qbf16'}_"
+                        f"{'k8' if k8 else 'kbf16'}")
+                out[name] = (
+                    "sparse_mla.ops.indexer_v41.triton_kernels", "v41_keys_kernel",
+                    dict(HP=32, BSL=v41.CONFIG["blocks"], CBP=8, PAGED=paged, LEVEL1=level1,
+                         QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
+                    {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8),
+                     "k_ptr": byte(k8), "ks_ptr": "*fp32", "k0_ptr": "*i64",
+                     "key_ptr": "*i64", "bkey_ptr": "*i64"}, set(),
+                    dict(num_warps=v41.CONFIG["warps"], enable_fp_fusion=False))
     return out
 
 
