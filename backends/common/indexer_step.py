@@ -15,13 +15,13 @@ compressed cache's addressing unless the inputs name their own block table and s
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from sparse_mla.backends.common.base import Backend, _ops_run
-from sparse_mla.backends.common.batch import BatchDescription, LayerKind
+from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import canonical_device
 from sparse_mla.ops.indexer import format as fmt
@@ -36,7 +36,8 @@ class IndexerInputs:
       of the attention q (graph-padding rows included; they select nothing).
     - ``weights`` ``[T, H_idx]`` fp32 / bf16: every scale folded in (§11.2).
     - ``k`` ``[N, 128]``: this step's indexer compressor rows, row i written at
-      ``slot_mapping[i]`` (-1: none); default ``batch.compressed_slot_mapping``.
+      ``slot_mapping[i]`` (-1: none); default ``batch.compressed_slot_mapping``. None (with
+      no slot mapping) for a DeepSeek-V4.1 layer scoring another layer's keys.
     - ``k_cache``: the paged indexer cache (``ops.indexer.alloc_cache``: fp8 pages or bf16).
     - ``block_table`` ``[R, *]``: its blocks per request; default
       ``batch.compressed_block_table``.
@@ -44,30 +45,72 @@ class IndexerInputs:
 
     q: Tensor
     weights: Tensor
-    k: Tensor
+    k: Optional[Tensor]
     k_cache: Tensor
     slot_mapping: Optional[Tensor] = None
     block_table: Optional[Tensor] = None
 
 
+class DecodeGrid(NamedTuple):
+    """Decode tokens laid out as the paged ops take them (:meth:`IndexerStep._decode_grid`):
+    grid row ``dst[i]`` holds decode token i."""
+
+    dst: Tensor
+    q: Tensor
+    weights: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    next_n: int
+
+    def scatter(self, x: Tensor, fill) -> Tensor:
+        """Per-token rows ``x`` (decode tokens first) -> grid rows, ``fill`` elsewhere."""
+        g = x.new_full((self.q.shape[0],) + tuple(x.shape[1:]), fill)
+        g[self.dst] = x[:self.dst.shape[0]]
+        return g
+
+
+class PrefillArgs(NamedTuple):
+    """The prefill tokens and their requests' keys as the dense prefill ops take them."""
+
+    q: Tensor
+    weights: Tensor
+    k: Tensor
+    k_scale: Optional[Tensor]
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    positions: Tensor
+    max_seqlen_k: int
+
+
 class IndexerStep:
     """A C4A backend plus the Lightning indexer. ``impl`` forces the indexer ops'
-    implementation ("reference", "triton", ...; default: the backend's ``impl``)."""
+    implementation ("reference", "triton", ...; default: the backend's ``impl``). ``topk``:
+    the persistent ``[max_num_tokens, config.topk]`` int32 buffer to write (default: a new
+    one; DeepSeek-V4.1's layers share one)."""
 
     OPS = ("indexer_k_insert", "indexer_topk_decode", "indexer_topk_prefill")
 
-    def __init__(self, backend: Backend, impl: Optional[str] = None):
+    def __init__(self, backend: Backend, impl: Optional[str] = None,
+                 topk: Optional[Tensor] = None):
         cfg = backend.config
-        if getattr(cfg, "kind", None) is not LayerKind.C4A:
-            raise ValueError(f"IndexerStep needs a C4A backend (the only layer kind with an "
-                             f"indexer), got kind {getattr(cfg, 'kind', None)}")
+        kind = getattr(cfg, "kind", None)
+        if not getattr(kind, "uses_topk", False):
+            raise ValueError(f"IndexerStep needs a C4A backend (or DeepSeek-V4.1's C1A / C2A: "
+                             f"the layer kinds that select by top-k), got kind {kind}")
         self.backend = backend
         self.config = cfg
         self.impl = impl or backend.impl
         self.block_size = cfg.compressed_block_size
         # Persistent like the planner's buffers: a graph-captured step reads the same memory.
-        self.topk = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32,
-                               device=backend.device)
+        if topk is None:
+            topk = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32,
+                              device=backend.device)
+        checks.expect_tensor("topk", topk, torch.int32, (None, cfg.topk))
+        if topk.shape[0] < cfg.max_num_tokens or \
+                canonical_device(topk.device) != canonical_device(backend.device):
+            raise ValueError(f"topk must hold max_num_tokens = {cfg.max_num_tokens} rows on "
+                             f"{backend.device}, got {list(topk.shape)} on {topk.device}")
+        self.topk = topk
         self._choices = {}
 
     def allocate_cache(self, num_blocks: int, fp8: bool = True, fill: Optional[int] = None):
@@ -99,15 +142,20 @@ class IndexerStep:
         persistent buffer (decode tokens, prefill tokens, then -1 rows for graph padding)."""
         out = self.topk[:rows]
         with _ops_run(self.OPS) as ran:
-            indexer_k_insert(ix.k, ix.k_cache, slots, self.block_size, impl=self.impl)
+            if ix.k is not None:
+                indexer_k_insert(ix.k, ix.k_cache, slots, self.block_size, impl=self.impl)
             out[batch.num_tokens:].fill_(-1)
-            nd, ndt = batch.num_decodes, batch.num_decode_tokens
-            if ndt:
-                self._decode(ix, batch, table[:nd], out[:ndt])
-            if batch.num_prefill_tokens:
-                self._prefill(ix, batch, table, out[ndt:batch.num_tokens])
+            self._score(ix, batch, table, out)
         self._choices = ran
         return out
+
+    def _score(self, ix, batch, table, out):
+        """Every real token's top-k into ``out`` (decode tokens, then prefill tokens)."""
+        nd, ndt = batch.num_decodes, batch.num_decode_tokens
+        if ndt:
+            self._decode(ix, batch, table[:nd], out[:ndt])
+        if batch.num_prefill_tokens:
+            self._prefill(ix, batch, table, out[ndt:batch.num_tokens])
 
     def explain(self):
         """What each op of the last step ran: the indexer's, then the backend's."""
@@ -124,15 +172,23 @@ class IndexerStep:
                              f"(one row per row of q), got {list(ix.q.shape)}")
         checks.expect_tensor("indexer.weights", ix.weights, (torch.float32, torch.bfloat16),
                              (rows, ix.q.shape[1]))
-        slots = batch.compressed_slot_mapping if ix.slot_mapping is None else ix.slot_mapping
         table = batch.compressed_block_table if ix.block_table is None else ix.block_table
-        if slots is None or table is None:
-            raise ValueError("the indexer cache needs a slot mapping and a block table: "
-                             "indexer.slot_mapping / block_table, or the batch's compressed_*")
-        checks.expect_tensor("indexer.k", ix.k, (torch.bfloat16, torch.float16, torch.float32),
-                             (None, fmt.DIM))
-        checks.expect_vector("indexer.slot_mapping", slots, checks.INDEX_DTYPES,
-                             at_most=ix.k.shape[0], note=" (one per row of indexer.k)")
+        slots = None
+        if ix.k is not None:
+            slots = batch.compressed_slot_mapping if ix.slot_mapping is None \
+                else ix.slot_mapping
+            if slots is None:
+                raise ValueError("the indexer keys need a slot mapping: indexer.slot_mapping "
+                                 "or batch.compressed_slot_mapping")
+            checks.expect_tensor("indexer.k", ix.k,
+                                 (torch.bfloat16, torch.float16, torch.float32), (None, fmt.DIM))
+            checks.expect_vector("indexer.slot_mapping", slots, checks.INDEX_DTYPES,
+                                 at_most=ix.k.shape[0], note=" (one per row of indexer.k)")
+        elif ix.slot_mapping is not None:
+            raise ValueError("indexer.slot_mapping must be None without indexer.k")
+        if table is None:
+            raise ValueError("the indexer cache needs a block table: indexer.block_table or "
+                             "batch.compressed_block_table")
         checks.expect_block_table("indexer.block_table", table, min_rows=batch.num_reqs)
         if ix.k_cache.dtype == torch.bfloat16:
             checks.expect_tensor("indexer.k_cache", ix.k_cache, torch.bfloat16,
@@ -141,15 +197,17 @@ class IndexerStep:
             checks.expect_dtype("indexer.k_cache", ix.k_cache, checks.BYTE_DTYPES)
             checks.paged_cache_block_size("indexer.k_cache", ix.k_cache, fmt.FP8,
                                           self.block_size)
-        checks.expect_same_device(q=ix.q, weights=ix.weights, k=ix.k, k_cache=ix.k_cache,
-                                  slot_mapping=slots, block_table=table)
+        checks.expect_same_device(**{n: t for n, t in dict(
+            q=ix.q, weights=ix.weights, k=ix.k, k_cache=ix.k_cache, slot_mapping=slots,
+            block_table=table).items() if t is not None})
         # a backend made for "cuda" takes inputs on "cuda:0" (found on the H200)
         if canonical_device(ix.q.device) != canonical_device(self.backend.device):
             raise ValueError(f"the indexer inputs must be on the backend's device "
                              f"{self.backend.device}, got {ix.q.device}")
-        if checks.value_checks_enabled(slots, table):
+        if slots is not None and checks.value_checks_enabled(slots):
             checks.expect_slots_in_range("indexer.slot_mapping", slots,
                                          ix.k_cache.shape[0] * self.block_size)
+        if checks.value_checks_enabled(table):
             self._check_prefill_blocks(batch, table, ix.k_cache.shape[0])
         return slots, table
 
@@ -180,21 +238,23 @@ class IndexerStep:
         sync. So every token is scattered into a grid of ``next_n`` rows per request, where
         the op puts row i at ``seq_len - next_n + i``, plus one group with no candidates
         (seq_len 0) that takes the padding tokens."""
+        g = self._decode_grid(ix, batch, table)
+        grid = out.new_empty((g.q.shape[0], out.shape[1]))
+        indexer_topk_decode(g.q, g.weights, ix.k_cache, g.seq_lens, g.block_table, grid,
+                            ratio=self.config.kind.ratio, next_n=g.next_n,
+                            block_size=self.block_size, impl=self.impl)
+        out.copy_(grid[g.dst])
+
+    def _decode_grid(self, ix, batch, table) -> DecodeGrid:
         nd, ndt, next_n = batch.num_decodes, batch.num_decode_tokens, batch.max_decode_query_len
-        dev = ix.q.device
         dst = self._decode_rows(batch.query_start_loc, nd, ndt, next_n)
         rows = (nd + 1) * next_n
+        g = DecodeGrid(dst, ix.q, ix.weights,
+                       torch.cat([batch.seq_lens[:nd], batch.seq_lens.new_zeros(1)]),
+                       torch.cat([table, table.new_full((1, table.shape[1]), -1)]), next_n)
         q = ix.q.new_zeros((rows,) + tuple(ix.q.shape[1:]))
-        w = ix.weights.new_zeros((rows, ix.weights.shape[1]))
         q[dst] = ix.q[:ndt]
-        w[dst] = ix.weights[:ndt]
-        seq_lens = torch.cat([batch.seq_lens[:nd], batch.seq_lens.new_zeros(1)])
-        table = torch.cat([table, table.new_full((1, table.shape[1]), -1)])
-        grid = torch.empty(rows, out.shape[1], dtype=out.dtype, device=dev)
-        indexer_topk_decode(q, w, ix.k_cache, seq_lens, table, grid,
-                            ratio=self.config.kind.ratio, next_n=next_n,
-                            block_size=self.block_size, impl=self.impl)
-        out.copy_(grid[dst])
+        return g._replace(q=q, weights=g._replace(q=q).scatter(ix.weights, 0))
 
     @staticmethod
     def _decode_rows(query_start_loc, nd, ndt, next_n):
@@ -212,6 +272,11 @@ class IndexerStep:
 
     # -- prefill: the requests' entries gathered densely, then the chunked op ---------------
     def _prefill(self, ix, batch, table, out):
+        a = self._prefill_args(ix, batch, table)
+        indexer_topk_prefill(*a[:7], out, ratio=self.config.kind.ratio,
+                             max_seqlen_k=a.max_seqlen_k, impl=self.impl)
+
+    def _prefill_args(self, ix, batch, table) -> PrefillArgs:
         nd, npf = batch.num_decodes, batch.num_prefills
         qsl = batch.query_start_loc_cpu
         seq = batch.seq_lens_cpu
@@ -224,11 +289,9 @@ class IndexerStep:
         cu_k[1:] = torch.tensor(entries, dtype=torch.int64).cumsum(0)
         k, k_scale = self._gather(ix.k_cache, table[nd:nd + npf], entries)
         lo, hi = int(qsl[0]), int(qsl[-1])
-        indexer_topk_prefill(ix.q[lo:hi], ix.weights[lo:hi], k, k_scale,
-                             (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
-                             batch.positions[lo:hi], out,
-                             ratio=self.config.kind.ratio, max_seqlen_k=max(entries, default=0),
-                             impl=self.impl)
+        return PrefillArgs(ix.q[lo:hi], ix.weights[lo:hi], k, k_scale,
+                           (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
+                           batch.positions[lo:hi], max(entries, default=0))
 
     def _gather(self, k_cache, table, entries):
         """Entries ``0..entries[r]-1`` of each request, densely: (bf16 rows, None) or (e4m3
