@@ -59,6 +59,7 @@ from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
 from sparse_mla.backends.flashmla import FlashMLABackend
 from sparse_mla.backends.v41.backend import V41FlashMLABackend
 from sparse_mla.backends.v41.config import V41Kind, V41LayerConfig
+from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.indexer import format as ifmt
 from sparse_mla.ops.indexer import indexer_k_insert
 from sparse_mla.tools import bench_backend as bb
@@ -131,9 +132,8 @@ def v41_ops():
         pass
     ns = torch.ops.sparse_mla
     if not all(hasattr(ns, op) for op in V41_OPS):
-        raise RuntimeError(f"the V4.1 rows need ops {', '.join(V41_OPS)} "
-                           f"(ops indexer_v41_*, branch v41-indexer-ops), which this build "
-                           f"does not have")
+        raise RuntimeError(f"the V4.1 rows need ops indexer_v41_* ({', '.join(V41_OPS)}; "
+                           f"branch v41-indexer-ops), which this build does not have")
     return tuple(getattr(ns, op) for op in V41_OPS)
 
 
@@ -240,7 +240,7 @@ def run_case(layer: Layer, h: int, ctx: int, b: int, s_q: int, device: str,
     time = _timer(device)
     res = dict.fromkeys(PARTS)
 
-    indexer = None
+    indexer = whole = None
     if layer.index_heads:
         cbs, table = cfg.compressed_block_size, batch.compressed_block_table
         k_cache = ifmt.alloc_cache(blocks["compressed"], cbs, fp8=True, device=device)
@@ -257,16 +257,20 @@ def run_case(layer: Layer, h: int, ctx: int, b: int, s_q: int, device: str,
         if not layer.v41:
             ixstep = IndexerStep(be, impl)
             select = lambda: ixstep._decode(ix, batch, table, topk)  # noqa: E731
+            # the whole step as the product runs it: IndexerStep.forward computes the top-k
+            unselected = dataclasses.replace(batch, topk_indices=None)
+            whole = lambda: ixstep.forward(q, kv, caches, unselected, ix, cos_sin, sink,  # noqa: E731
+                                           out, comp)
         elif layer.role == "cand":
-            select = lambda: levels[0](ix.q, ix.weights, k_cache, batch.seq_lens, table,  # noqa: E731,E501
+            select = lambda: levels[0](ix.q, ix.weights, k_cache, batch.seq_lens, table,  # noqa: E731
                                        topk, cands, **v41_args)
         else:
             # the candidates a level-1 layer of this step left behind
             levels[0](ix.q, ix.weights, k_cache, batch.seq_lens, table, topk, cands,
                       **v41_args)
-            select = lambda: levels[1](ix.q, ix.weights, k_cache, batch.seq_lens, table,  # noqa: E731,E501
+            select = lambda: levels[1](ix.q, ix.weights, k_cache, batch.seq_lens, table,  # noqa: E731
                                        cands, topk, **v41_args)
-        insert_keys = lambda: indexer_k_insert(ix.k, k_cache, slots, cbs, impl=impl)  # noqa: E731,E501
+        insert_keys = lambda: indexer_k_insert(ix.k, k_cache, slots, cbs, impl=impl)  # noqa: E731
 
         def indexer():
             if layer.writes_keys:
@@ -283,7 +287,9 @@ def run_case(layer: Layer, h: int, ctx: int, b: int, s_q: int, device: str,
         be.planner.c4a_decode(batch)
 
     def step():
-        if indexer is not None:
+        if whole is not None:
+            return whole()
+        if indexer is not None:      # V4.1: the levels' ops, then the backend's step
             indexer()
         be.forward(q, kv, caches, batch, cos_sin, sink, out, comp)
 
@@ -294,7 +300,9 @@ def run_case(layer: Layer, h: int, ctx: int, b: int, s_q: int, device: str,
     res["attn"] = time(lambda: be._decode(be.q_rot[:T], caches, batch, sink, out))
     res["step"] = time(step)
     res["floor_bytes"] = floor_bytes(layer, h, ctx, b, s_q)
-    res["ran"] = be.explain()
+    index_ops = ("indexer_k_insert",) + (V41_OPS if layer.v41 else ("indexer_topk_decode",))
+    res["ran"] = {**{op: dispatch.last_choice(op) for op in index_ops if layer.index_heads},
+                  **be.explain()}
     return res
 
 
@@ -374,6 +382,13 @@ def main(argv=None):
           f"(read + write); h{args.heads}; µs per step", flush=True)
     rows, ran, missing = [], None, None
     for layer in layers(args.kinds):
+        if layer.v41:
+            try:
+                v41_ops()
+            except RuntimeError as e:
+                missing = str(e)
+                print(f"# skipped every {layer.name} {layer.role} row: {e}", flush=True)
+                continue
         for ctx in contexts:
             for b in batches:
                 for s_q in sqs:
@@ -383,14 +398,7 @@ def main(argv=None):
                         print(f"# skipped {name}: needs ~{need / 2**30:.1f} GiB, "
                               f"{free / 2**30:.1f} GiB free", flush=True)
                         continue
-                    try:
-                        res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
-                    except RuntimeError as e:
-                        if layer.v41 and "indexer_v41" in str(e):
-                            missing = str(e)
-                            print(f"# skipped {name}: {e}", flush=True)
-                            continue
-                        raise
+                    res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
                     rows.append(row_of(layer, ctx, b, s_q, res, bandwidth))
                     print_row(rows[-1], header=len(rows) == 1)
                     ran = ran or res["ran"]
