@@ -61,6 +61,8 @@ OPS_BY_FAMILY = {
     "flashmla_decode": ("flashmla_sparse_decode", "flashmla_sparse_prefill"),
     "trtllm_decode": ("trtllm_decode_dsv4", "trtllm_decode_v32"),
     "indexer": ("indexer_k_insert", "indexer_topk_prefill", "indexer_topk_decode"),
+    "indexer_v41": ("indexer_v41_candidates_decode", "indexer_v41_topk_in_candidates_decode",
+                    "indexer_v41_candidates_prefill", "indexer_v41_topk_in_candidates_prefill"),
 }
 FAMILY_OF = {op: fam for fam, ops in OPS_BY_FAMILY.items() for op in ops}
 
