@@ -398,7 +398,14 @@ def main(argv=None):
                         print(f"# skipped {name}: needs ~{need / 2**30:.1f} GiB, "
                               f"{free / 2**30:.1f} GiB free", flush=True)
                         continue
-                    res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
+                    try:
+                        res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
+                    except torch.cuda.OutOfMemoryError:
+                        # the estimate counts the caches, not the ops' own workspaces
+                        torch.cuda.empty_cache()
+                        print(f"# skipped {name}: out of device memory (the caches fit: "
+                              f"~{need / 2**30:.1f} GiB)", flush=True)
+                        continue
                     rows.append(row_of(layer, ctx, b, s_q, res, bandwidth))
                     print_row(rows[-1], header=len(rows) == 1)
                     ran = ran or res["ran"]

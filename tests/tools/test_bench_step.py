@@ -1,7 +1,9 @@
 """The layer-step benchmark on CPU at tiny shapes: its table and CSV carry every column with
 values that agree with each other and with the floor recomputed here, the V4.1 rows need the
 two-level indexer's ops (and say so), and the GPU-only path exits naming the GPU."""
+import contextlib
 import csv
+import io
 
 import pytest
 import torch
@@ -18,8 +20,6 @@ def v4_run(tmp_path_factory):
     """One tiny run of both V4 kinds (MTP at positions 255 and 256: the first completes a
     compressed entry of both kinds, so every insert has work)."""
     path = tmp_path_factory.mktemp("bench_step") / "step.csv"
-    import contextlib
-    import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = bs.main(TINY + ["--kinds", "C4A", "C128A", "--csv", str(path)])
