@@ -82,7 +82,7 @@ def _batch(cfg, lens, device, g):
         comp_slot = torch.where((pos + 1) % r == 0,
                                 comp_table[req, e // cbs].long() * cbs + e % cbs,
                                 torch.full_like(pos, -1))
-    if kind.uses_topk:      # C4A; DeepSeek-V4.1's C1A / C2A (tools/dev/gpu_v41be.sh)
+    if kind.uses_topk:      # C4A; DeepSeek-V4.1's C1A / C2A (lab/tools/gpu_v41be.sh)
         # the indexer's output: min(entries, top-k) distinct ids, left-aligned, -1 after
         topk = torch.full((len(pos), cfg.topk), -1, dtype=torch.int32)
         for t, a in enumerate(((pos + 1) // kind.ratio).tolist()):

@@ -15,7 +15,7 @@ bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA
 ``--rounds N`` times FlashMLA and ours alternately N times per shape: the µs columns are then
 medians over the rounds, the ratio is the median of the rounds' own ratios, and "range" gives
 their lowest and highest (the V3.2 row's rounds spread 4-9 % within one process:
-docs/perf-log.md, "Parity in alternating rounds").
+lab/perf-log.md, "Parity in alternating rounds").
 ``--soft`` adds the software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``: the portable kernel decoding
 e4m3 in integer arithmetic, what GPUs below sm_89 run): "soft µs", its time over the portable
 kernel's with hardware e4m3 ("soft/hw": the cost of the software decode alone) and over ours

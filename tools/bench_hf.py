@@ -71,7 +71,7 @@ def _alternating(model, device, reps, runs):
     """Median seconds per implementation of ``runs[impl]()``, the implementations taking
     turns rep by rep after two warm-ups each, so that drift (clocks, allocator, other work)
     falls on both alike. Measured first-impl-then-the-other, the same eager forward read very
-    different times ahead of sparse_mla and behind it (docs/perf-log.md, "Session 35: HF
+    different times ahead of sparse_mla and behind it (lab/perf-log.md, "Session 35: HF
     transformers, eager vs sparse_mla, measured taking turns")."""
     times = {impl: [] for impl in runs}
     for rep in range(reps + 2):
@@ -79,7 +79,7 @@ def _alternating(model, device, reps, runs):
             model.set_attn_implementation(impl)
             if device == "cuda":
                 # the other implementation's freed blocks would otherwise fragment this one's
-                # (eager's long prompts only fit once it is emptied: docs/perf-log.md,
+                # (eager's long prompts only fit once it is emptied: lab/perf-log.md,
                 # "Session 35: HF transformers, eager vs sparse_mla, measured taking turns").
                 # So each timed run starts from an empty allocator cache and pays its own
                 # cudaMalloc calls: eager's prefill allocates far more than ours, which this

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import datetime
 import os
 import sys
 import torch
@@ -335,12 +336,15 @@ def print_row(row: dict, header: bool = False) -> None:
     print(" ".join(f"{_cell(row[c]):>11s}" for c in cols), flush=True)
 
 
-def write_csv(path: str, rows) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
+def write_csv(path: str, rows, caption: str) -> None:
+    """docs/perf's form (``tools/perf_tables``): ``#`` caption lines, then the table with the
+    numbers as the table prints them ("-" where a layer has no such part)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        f.write(f"# {caption}\n")
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
         for r in rows:
-            w.writerow({k: "" if r[k] is None else r[k] for k in COLUMNS})
+            w.writerow([_cell(r[k]) for k in COLUMNS])
 
 
 def main(argv=None):
@@ -378,6 +382,7 @@ def main(argv=None):
         ap.error("--batch must be positive")
     dev = args.device
     bandwidth = harness.copy_bandwidth(dev)
+    timing = "CUDA-graph replays" if dev == "cuda" else "CPU wall time"
     print(f"# {harness.device_name(dev)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(read + write); h{args.heads}; µs per step", flush=True)
     rows, ran, missing = [], None, None
@@ -415,7 +420,12 @@ def main(argv=None):
         print("# ops ran (first row): " + ", ".join(f"{op}={c.impl}" for op, c in ran.items()
                                                     if c))
     if args.csv:
-        write_csv(args.csv, rows)
+        write_csv(args.csv, rows, f"{harness.device_name(dev)}, {datetime.date.today()}, "
+                  f"`python3 -m sparse_mla.tools.bench_step "
+                  f"{' '.join(sys.argv[1:] if argv is None else argv)}`: one attention "
+                  f"layer's decode step, h{args.heads}, µs per step ({timing}); floor = the "
+                  f"bytes the step must move / the run's copy bandwidth "
+                  f"({bandwidth / 1e9:.0f} GB/s, read + write); see the tool's docstring")
         print(f"# wrote {len(rows)} rows to {args.csv}")
     if missing:
         print(f"# V4.1 rows missing: {missing}", file=sys.stderr)

@@ -28,7 +28,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 [ $# -gt 0 ] || set -- -n 8 --dist loadfile tests --ignore=tests/integration/vllm \
   --ignore=tests/downstream
 # Each xdist worker's CPU-route tests would use every core's threads: 12 workers on a 16-core
-# machine stalled them past 90 s a test (docs/perf-log.md, "Session 36: the GPU tree after the
+# machine stalled them past 90 s a test (lab/perf-log.md, "Session 36: the GPU tree after the
 # split"). Two threads a worker keep the whole tree near its usual time.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log" | tail -25

@@ -26,7 +26,7 @@ D = formats.HEAD_DIM
 class FlashMLABackend(V4Backend):
     name = "flashmla"
     # The fold is off: on the H200 the folded kernel costs more than the pass over q it
-    # removes (docs/PERF.md, "The q fold"); ``QFOLD = True`` turns it on
+    # removes (lab/perf-history.md, "The q fold"); ``QFOLD = True`` turns it on
     QFOLD = False
     OPS = ("fused_qnorm_rope_insert_v4", "rope_insert_v4", "quantize_insert_v4",
            "swa_indices_and_lens",

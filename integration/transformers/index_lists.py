@@ -115,7 +115,7 @@ _lists_kernel = triton.jit(_lists_body)
 # steps (the key count grows by one a step, which moves Triton's divisibility-by-16 key, and
 # buffer alignment), bar a unit key stride, the calls it takes: compiled once per device and
 # mask dtype, it is launched without Triton's argument binding and cache lookup, which cost
-# more host time than the rest of a decode call's lists (docs/PERF.md, "HF attention call").
+# more host time than the rest of a decode call's lists (lab/perf-history.md, "HF attention call").
 _INT_ARGS = ("S", "N", "W", "stride_b", "stride_s", "col_offset")
 _lists_kernel_steady = triton.jit(
     _lists_body, do_not_specialize=_INT_ARGS,

@@ -41,7 +41,7 @@ def greedy_config(**overrides) -> DeepseekV4Config:
     keeps every causal entry and makes no choice that rounding can flip. With top-4, the
     indexer's input (the layers below, whose attention rounds differently in bf16) already
     changes its picks in the prefill for 4 of 6 seeds, and a token then differs where eager's
-    top-2 logits are 0.31 apart (torch 2.11 on CPU; tools/dev/diag_greedy.py shows it). That
+    top-2 logits are 0.31 apart (torch 2.11 on CPU; lab/tools/diag_greedy.py shows it). That
     tests HF's indexer, not attention, as a top-2 router would (see ``tiny_config``)."""
     kw = dict(index_topk=16)
     kw.update(overrides)
@@ -106,7 +106,7 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=20, streamer=None):
 # bf16's and sparse_mla's logits each differ from the same weights' fp32 logits by up to
 # about half of it (tiny model; test_bf16_forward_logits... prints it), so from each other
 # by up to about all of it: a smaller gap can come out either way. Half of it was tried
-# first and a GPU run flipped a gap between the two (docs/perf-log.md, "HF transformers:
+# first and a GPU run flipped a gap between the two (lab/perf-log.md, "HF transformers:
 # first measurements (superseded)").
 NEAR_TIE = 0.1
 

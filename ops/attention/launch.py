@@ -56,11 +56,11 @@ NO_QROT = dict(qpos_ptr=None, qcs_ptr=None, q_max_pos=None)
 
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
-# launch latency is hidden (docs/perf-log.md, "Fixed per-call costs").
+# launch latency is hidden (lab/perf-log.md, "Fixed per-call costs").
 PDL = True
 # Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
 # values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
-# bytes where -> bf16 is three: the fp8 path is faster on both kernels (docs/perf-log.md,
+# bytes where -> bf16 is three: the fp8 path is faster on both kernels (lab/perf-log.md,
 # "V3.2 and 576-wide rows on sm_90")
 # The software e4m3 route (``SOFT``) keeps it: its fp32 decode converts to fp16 exactly too.
 FP16_FOR_E4M3 = True
@@ -215,7 +215,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
                          out_scale, pdl, interp=False)
         return launch
     # waves of one program per SM even where two 4-warp programs fit (dv 2): twice the splits
-    # were slower (docs/perf-log.md, "FlashMLA timed per layer")
+    # were slower (lab/perf-log.md, "FlashMLA timed per layer")
     n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, sms,
                                   cfg["split_overhead"], cfg["max_splits"])
     hb = plan.head_block(H, cfg["tiny"], dev, src0.fmt)
@@ -226,7 +226,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
         # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
         # slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
         # launches (one or two tiles per program) decode in the kernel: the extra launch
-        # would cost them more (docs/perf-log.md, "Attention core rework") — except on the
+        # would cost them more (lab/perf-log.md, "Attention core rework") — except on the
         # software e4m3 route, where decoding a whole q block in integer arithmetic spilled
         # tens of KB of registers (tests/ops/test_arch_compile.py, SPILL_BOUND); torch's
         # cast is exact on any GPU. (Interpreted launches keep the in-kernel decode tested.)
@@ -260,7 +260,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
 
 # Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
 # fp32: half the bytes between the split kernels and the combine, faster at small and medium
-# batches and a tie at large ones (docs/perf-log.md, "bf16 split partials"). Each partial is
+# batches and a tie at large ones (lab/perf-log.md, "bf16 split partials"). Each partial is
 # rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex combination,
 # within docs/semantics.md §9's rel 2/128; the error against the reference did not change).
 # A launch of one split (the portable kernel, whose combine then only applies the sink and
@@ -285,7 +285,7 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
         part_o = part_o.view(torch.int16)
     # 2-byte partials: two warps span a row's 512 dims in 16-byte loads, so all splits of a
     # column sit in one thread; with four, the splits were summed across warps through shared
-    # memory and the combine ran several times slower (docs/perf-log.md, "bf16 split partials")
+    # memory and the combine ran several times slower (lab/perf-log.md, "bf16 split partials")
     grid = (t1 - t0, H)
     args = (
         part_o, part_ml, n_splits, t0, H, sink if sink is not None else part_ml, out,
@@ -311,7 +311,7 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
 # Launched early (PDL), the combine's CTAs all land on the SMs the split launch leaves free,
 # as many as fit, and only those SMs merge the partials (at batch 2, h128: fewer than half the
 # SMs). Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty,
-# and small calls got faster (docs/perf-log.md, "Small-launch timeline and combine cap").
+# and small calls got faster (lab/perf-log.md, "Small-launch timeline and combine cap").
 # Large combines (thousands of CTAs) lost under a cap, so only small ones are capped:
 # ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
 COMBINE_SPREAD = 8

@@ -85,48 +85,48 @@ class LaunchPlan:
                 + (f" [{splits}{persist}]" if splits else ""))
 
 
-# Launch shape; tools/dev/tune_decode.py sweeps it (docs/perf-log.md, "Attention core rework").
+# Launch shape; lab/tools/tune_decode.py sweeps it (lab/perf-log.md, "Attention core rework").
 # "split_overhead": the fixed cost of one program (q load, partial store and its share of the
 # combine) in key tiles, for choose_splits' cost model.
-# "num_stages_v32": V3.2's 656 B records gain from a third stage (docs/perf-log.md, "Attention
+# "num_stages_v32": V3.2's 656 B records gain from a third stage (lab/perf-log.md, "Attention
 # core rework"); V4 gains nothing from it and plain bf16 rows do not fit.
 CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "prefetch": True,
           "split_overhead": 3, "dv": 1, "num_stages_v32": 3, "max_splits": None, "tiny": False,
           "tiled_bf16": False}
 # Tiny launches (<= SMALL_UNITS token x head-block units): split the 512 output dims over two
 # 4-warp programs ("dv": 2; both compute q·k), two of which fit on an SM: faster at batch 2,
-# slower as soon as the batch fills the card (docs/perf-log.md, "Attention core rework"). Where
+# slower as soon as the batch fills the card (lab/perf-log.md, "Attention core rework"). Where
 # the sm_90 warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it
-# instead (faster: docs/perf-log.md, "Small head counts"), and so do those of one head block
+# instead (faster: lab/perf-log.md, "Small head counts"), and so do those of one head block
 # past ``WS_TINY``.
 SMALL_UNITS = 8
 # Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
 # 64-key tiles each (index columns): that kernel wins from 4 units up and, at 1-2 units, from
-# 17 tiles up, where 16 tiles stay faster split (docs/perf-log.md, "Small head counts", "Tiny
+# 17 tiles up, where 16 tiles stay faster split (lab/perf-log.md, "Small head counts", "Tiny
 # launches up to 16 tiles"). None: ``SMALL_UNITS`` alone.
 WS_TINY = {"units": 2, "tiles": 16}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
-# step; more cost it more than a second tile per split program saves (docs/perf-log.md,
+# step; more cost it more than a second tile per split program saves (lab/perf-log.md,
 # "FlashMLA timed per layer")
 SMALL_CONFIG = {"dv": 2, "block_n": 32, "num_stages": 1, "num_stages_v32": 1, "max_splits": 32,
                 "tiny": True}
 # Tiny launches on sm_90 run a 64-row head block whatever the head count (rows past H masked):
 # Triton issues wgmma for 64-row dots and mma.sync for 16- and 32-row ones, which were much
-# slower at h8-h32 (docs/perf-log.md, "Small head counts"). Plain bf16 rows (no decoding) at
+# slower at h8-h32 (lab/perf-log.md, "Small head counts"). Plain bf16 rows (no decoding) at
 # <= 16 heads keep their 16-row block, faster there (same section). Elsewhere (mma.sync only)
 # the smallest block that holds the heads stays.
 SMALL_HEAD_BLOCK_SM90 = 64
 # The sm_90 kernel's programs cost more than the model's 3 tiles each (ring fill and drain,
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
-# faster at h64 and h128, and no measured shape got slower (docs/perf-log.md, "V4 rows staged
+# faster at h64 and h128, and no measured shape got slower (lab/perf-log.md, "V4 rows staged
 # by cp.async"). The portable kernel keeps 3 (not re-measured).
 WS_CONFIG = {"split_overhead": 5}
 # The combine launch that follows an sm_90 launch of more than one split, in key tiles, charged
 # by ``choose_splits`` / ``plan_phases`` to every plan that splits. At 3 tiles a token (C128A
 # rows: window 128 + 64) a split saves one tile and adds the partials and a combine launch of
 # about the same cost: at 1, V4 b64 s_q1 h64 runs one split where 0 chose two, 1.13x faster
-# (H200; docs/perf-log.md, "Short key lists"); no other bench_flashmla row changes plan
+# (H200; lab/perf-log.md, "Short key lists"); no other bench_flashmla row changes plan
 # (tests/ops/attention/test_split_model.py).
 SPLIT_COMBINE_TILES = 1
 # Shared memory one block may use (the opt-in maximum) by GPU capability: what the portable
@@ -276,10 +276,10 @@ def cluster_pays(fmt, units, tiles, sms):
     """Whether a launch of ``units`` token x head-block units of at most ``tiles`` key tiles
     each may run a token's two head blocks as a 2-CTA cluster (each CTA dequantizing half of
     every tile for both; the formats' own switches aside): not in tiny launches (slower there:
-    docs/perf-log.md, "Two-launch schedule and 2-CTA clusters"), nor for V4 rows in one wave
+    lab/perf-log.md, "Two-launch schedule and 2-CTA clusters"), nor for V4 rows in one wave
     of fewer than ``tuning.CLUSTER_V4_MIN_TILES`` tiles a token (C128A layers' 192 keys at
     batch 64: one CTA a head block was 1.024 / 1.038x faster on the H200 / H100, the exchange
-    costing more than half of three tiles' dequantization saves; docs/PERF.md, "Issue 55:
+    costing more than half of three tiles' dequantization saves; lab/perf-history.md, "Issue 55:
     persistent programs over V4.1, V3.2 and prefill rows")."""
     from sparse_mla.ops.attention.sm90 import tuning
     if units <= CLUSTER_MIN_UNITS:
@@ -308,7 +308,7 @@ def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits, cluster=F
 
 # Launches whose splits are at most one tile each run the split kernel without its key loop
 # (``ONE_TILE``), so q's arrival and the gather overlap: tiny launches a little faster, outputs
-# bit-identical (docs/perf-log.md, "Tiny launches without the key loop").
+# bit-identical (lab/perf-log.md, "Tiny launches without the key loop").
 ONE_TILE_FORM = True
 
 
@@ -320,7 +320,7 @@ def one_tile(max_tiles, n_splits):
 
 # The sm_90 Gluon kernel compiles and runs on these Triton releases (major, minor), with the
 # shims of ``sm90/compat.py``; each one was checked by compiling every launch variant for
-# sm_90a (``sm90/variants.py``) and the GPU tests (docs/PERF.md, "Triton 3.6-3.9"). A release
+# sm_90a (``sm90/variants.py``) and the GPU tests (lab/perf-history.md, "Triton 3.6-3.9"). A release
 # outside the range falls back to the portable kernel, and ``plan_launch`` says so: a new
 # Triton's Gluon API changes are found by tests/ops/attention/test_sm90_compile.py first.
 GLUON_TRITON = ((3, 6), (3, 9))
@@ -408,7 +408,7 @@ GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_f
 _V41_EXTRA_BYTES = {"v41_fp4": "288 B", "v4": "584 B"}
 # Whether V4.1 launches that the sm_90 kernel takes may still run the portable kernel's tiny
 # shape (``WS_TINY``, measured on V4 rows): off, the sm_90 kernel takes them however small,
-# since the tiny shape decodes V4.1 records more slowly than V4's (tools/dev/bench_v41gluon.py
+# since the tiny shape decodes V4.1 records more slowly than V4's (lab/tools/bench_v41gluon.py
 # times both routes)
 V41_WS_TINY = False
 

@@ -490,7 +490,7 @@ def _split_kernel(
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     # the block's first partial row as one 64-bit scalar, its rows' offsets from it in 32 bits:
-    # 64-bit row products per element made the epilogue longer (docs/perf-log.md, "Batch-2 time
+    # 64-bit row products per element made the epilogue longer (lab/perf-log.md, "Batch-2 time
     # and the combine")
     row0 = (t.to(tl.int64) * H + hb * HB) * n_splits + sp
     hrow = tl.arange(0, HB) * n_splits
@@ -520,7 +520,7 @@ def _combine_kernel(part_o, part_ml, n_splits, t0, H, sink_ptr, out_ptr, out_s0,
     # so the sink and scale are already final. After the wait the partial rows are loaded
     # first, and as volatile loads, which ptxas keeps in program order among themselves: as
     # plain loads, in some variants it moved them all behind the lse max's first shuffle,
-    # which waits for the lse loads, and paid a second round trip (docs/perf-log.md, "Batch-2
+    # which waits for the lse loads, and paid a second round trip (lab/perf-log.md, "Batch-2
     # time and the combine").
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)

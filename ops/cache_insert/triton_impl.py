@@ -18,7 +18,7 @@ from sparse_mla.ops.common.triton_utils import soft_fp8
 # No fused multiply-add (triton_kernels.py's exactness rules): products round like PyTorch's.
 _LAUNCH = dict(enable_fp_fusion=False)
 
-# Launch shapes, swept with tools/dev/tune_insert.py (docs/perf-log.md, "First numbers: cache
+# Launch shapes, swept with lab/tools/tune_insert.py (lab/perf-log.md, "First numbers: cache
 # insert and index combine", "What the tuning showed"): the fused q path is fastest with 2 heads
 # and 1 warp per program (more warps lose to the fp64 norm), the row inserts with 4 tokens on
 # 1 warp, the gather with 4 tokens per program.

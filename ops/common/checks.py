@@ -87,7 +87,7 @@ def unit_stride(t):
     Kernels here and FlashMLA's take index lists, lengths and sinks by base pointer (index
     lists with their row stride), so an argument given as a strided view, e.g. every second
     column of a wider list, is copied first: read as it is, its elements are the wrong ones
-    (docs/perf-log.md, "Edges of the ops"). None passes through."""
+    (lab/perf-log.md, "Edges of the ops"). None passes through."""
     if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()
@@ -115,7 +115,7 @@ def is_fake(t: torch.Tensor) -> bool:
 
 def value_checks_enabled(*tensors) -> bool:
     # ordered cheapest-first for the usual GPU call (switch off): per-call host time
-    # (docs/PERF.md, "HF attention call")
+    # (lab/perf-history.md, "HF attention call")
     present = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" for t in present) and \
             os.environ.get("SPARSE_MLA_CHECK_VALUES", "") in ("", "0"):

@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
+from sparse_mla.ops.common import env as env_vars
 from sparse_mla.ops.common.errors import ImplementationUnavailable
 
 IMPLS = ("vendor", "triton", "reference")
@@ -146,7 +147,7 @@ def parse_env(raw: str) -> dict:
 
 
 def _env_request(op: str) -> Optional[str]:
-    request = parse_env(os.environ.get(ENV_VAR, ""))
+    request = parse_env(env_vars.getenv(ENV_VAR))
     return request.get("*", request.get(op))
 
 
@@ -453,7 +454,7 @@ SOFT_FP8_ENV = "SPARSE_MLA_SOFT_FP8"
 
 
 def soft_fp8_forced() -> bool:
-    return os.environ.get(SOFT_FP8_ENV, "0") not in ("", "0")
+    return env_vars.getenv(SOFT_FP8_ENV) not in ("", "0")
 
 
 def triton_check(*tensors) -> Optional[str]:

@@ -23,7 +23,7 @@ from sparse_mla.ops.common.dispatch import soft_fp8_forced, triton_interpreting
 # The first capability whose Triton compiles e4m3 conversions (Ada)
 HARDWARE_FP8_CAPABILITY = (8, 9)
 # Triton 3.6 lowers e4m3 -> bf16 for sm_89 through a cvt.bf16.f16 that ptxas takes only from
-# sm_90 on (the portable kernel over plain e4m3 rows did not compile: tools/dev/ptx_digest.py);
+# sm_90 on (the portable kernel over plain e4m3 rows did not compile: lab/tools/ptx_digest.py);
 # 3.9 compiles it, 3.7 and 3.8 were not tried. Below this release sm_89 takes the software route.
 SM89_HARDWARE_FP8_TRITON = (3, 7)
 

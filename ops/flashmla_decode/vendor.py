@@ -6,7 +6,7 @@ heads and top-k widths that are multiples of 64 (decode) / 128 (prefill): this m
 heads (zero q rows, -inf sinks) and index lists (-1) itself and copies the real heads back.
 FlashMLA's decode skips only the slot id -1 (docs/semantics.md §5.1): on the H200 and H100 an id of
 -2, -64 or INT_MAX within the lengths faulted (illegal memory access, the CUDA context lost), and
-one at or past the capacity read past the cache (docs/perf-log.md, "Vendor decode route").
+one at or past the capacity read past the cache (lab/perf-log.md, "Vendor decode route").
 The reference and Triton paths skip every id outside [0, capacity), so this path writes its padded
 index lists with every such id as -1 (one small kernel per list) and gives their answer. FlashMLA
 also refuses strided lengths, sinks and prefill index lists (RuntimeError), which the op accepts:
@@ -110,7 +110,7 @@ def _usable_lengths(lengths: Optional[torch.Tensor], width: int) -> Optional[tor
     """``lengths`` clamped to [0, width] (a new contiguous list), as the op defines them
     (``KeySource.usable``). FlashMLA reads index columns up to a length past the list's width
     (an H200 faulted at 5000 over a 64-wide list) and gave another answer than the reference
-    for negative ones (docs/perf-log.md, "Edges of the ops")."""
+    for negative ones (lab/perf-log.md, "Edges of the ops")."""
     return None if lengths is None else lengths.clamp(0, width)
 
 
@@ -182,10 +182,10 @@ def decode_automatic(*args, **kwargs):
     """Why the automatic choice passes this path over where our sm_90 kernel can run: a
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
     every time, and the path was then slower than the Triton op on every decode shape measured
-    (docs/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still runs it."""
+    (lab/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still runs it."""
     if gluon_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
-                "slower here than the Triton kernel (docs/perf-log.md, 'Vendor decode route'); "
+                "slower here than the Triton kernel (lab/perf-log.md, 'Vendor decode route'); "
                 "impl='vendor' runs it")
     return None
 
@@ -215,7 +215,7 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     lse.copy_(l[:, :h])
 
 
-# Where this project's tests ran the legacy kernels: H100 and H200 (docs/perf-log.md); the
+# Where this project's tests ran the legacy kernels: H100 and H200 (lab/perf-log.md); the
 # checks above refuse every other architecture, so no canary is ever needed.
 VERIFIED_CCS = ((9, 0),)
 

@@ -86,8 +86,8 @@ def c128a_indices_and_lens(positions, slot_mapping, token_to_req_indices, block_
 # ---------------------------------------------------------------------------------------------
 # §4.4 combine_topk_swa_indices
 
-# Launch shape of the prefill combine (tools/dev/tune_index.py sweeps it; block None = widest):
-# 128 columns on 1 warp beat the earlier 256 on 2 (docs/perf-log.md, "Attention core rework",
+# Launch shape of the prefill combine (lab/tools/tune_index.py sweeps it; block None = widest):
+# 128 columns on 1 warp beat the earlier 256 on 2 (lab/perf-log.md, "Attention core rework",
 # "Index combine (issue 3), corrected").
 COMBINE_CONFIG = {"block": 128, "num_warps": 1}
 

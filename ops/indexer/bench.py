@@ -1,5 +1,5 @@
 """Benchmark cases of the indexer family (ops/common/benchcase.py contract), and the H200
-comparison ``python3 -m sparse_mla.ops.indexer.bench`` (tools/dev/gpu_indexer.sh runs it).
+comparison ``python3 -m sparse_mla.ops.indexer.bench`` (lab/tools/gpu_indexer.sh runs it).
 
 Shapes (small=False): DeepSeek-V4's indexer, 64 heads of 128, top-512, ratio 4, fp8 cache in
 64-entry blocks. Decode: batch 64, s_q 1 and 2, 16,384 candidates each (64k context).

@@ -23,22 +23,23 @@ _LAUNCH = dict(enable_fp_fusion=False)
 
 # prefill: BT tokens x BN entries per program; decode: BN entries of one request per program
 # (one program per tile: looping a program over tiles with its q kept ran 2x slower on an
-# H200). Decode puts the heads on the dot's N axis ([BN, 128] keys as stored times [128,
+# H200, and 2.9x slower when a program looped over 4,096 entries to select among them
+# itself: the block-table lookups serialize its loads). BN 128: 96 / 166 / 244 us against
+# 99 / 188 / 270 with BN 64 at b 64, 16k entries, s_q 1 / 2 / 4 on an H200. Decode puts the heads on the dot's N axis ([BN, 128] keys as stored times [128,
 # heads] q) on the archs in ``decode_heads_n_archs``: 0.106 / 0.194 ms against 0.151 / 0.273
-# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (docs/PERF.md "Lightning
+# with heads on M at b 64, 16k entries, s_q 1 / 2 on an H200 (lab/perf-history.md "Lightning
 # indexer after the select kernel"); elsewhere, and on the software e4m3 route, heads on M
 # (heads on N spills 200-216 B of registers at sm_120 under Triton 3.9, against 32-64 on M:
 # tests/ops/test_arch_compile.py). ``decode_heads_n`` True / False forces one orientation.
 # A prefill program reads every head's q rows once per BN entries, so a wider BN moves less.
 # The launch shapes are the fastest of ``python3 -m sparse_mla.ops.indexer.bench --sweep`` on
-# an H200 (docs/perf-log.md, "Session 37: the indexer's launch shapes").
-# The top-k: triton_select's kernel for chunks of at most ``select_max_rows`` tokens (decode,
-# short prefills: one launch, a program per row), ``torch.topk`` over the keys for larger
-# chunks, where it was faster on an H200 (8,192 x 16k: 3.6 ms against 4.3). A prefill chunk
-# (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
+# an H200 (lab/perf-log.md, "Session 37: the indexer's launch shapes").
+# The top-k: triton_select's kernels wherever K <= triton_select.MAX_K (8,192 x 16k prefill
+# keys on an H200: 3.6 ms against torch.topk's 4.3), else ``torch.topk`` over the keys. A
+# prefill chunk (``chunk=0``) holds ``prefill_chunk_bytes`` of keys.
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
-          "prefill_chunk_bytes": 1 << 30, "select_max_rows": 2048,
-          "decode_bn": 64, "decode_warps": 4, "decode_heads_n": None,
+          "prefill_chunk_bytes": 1 << 30,
+          "decode_bn": 128, "decode_warps": 4, "decode_heads_n": None,
           "decode_heads_n_archs": (90,),
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick
@@ -82,21 +83,22 @@ def _cache_args(k_cache, block_size):
 
 def select(keys: torch.Tensor, out: torch.Tensor, lim: torch.Tensor | None = None) -> None:
     """``out`` [n, K] <- the top-K columns of ``keys`` [n, width], columns from ``lim[row]``
-    on not candidates (the scores kernels also write them as such): triton_select.py's kernel
-    (``keys`` overwritten) where K and n allow (``CONFIG``), else ``torch.topk``."""
-    cfg = _config(keys.device)
-    if triton_select.selectable(out.shape[1]) and keys.shape[0] <= cfg["select_max_rows"]:
+    on not candidates (the scores kernels also write them as such): triton_select.py's kernels
+    (``keys`` overwritten) where K allows, else ``torch.topk``."""
+    if triton_select.selectable(out.shape[1]):
         triton_select.select_topk(keys, out, lim)
     else:
         select_from_keys(keys, out)
 
 
 def select_from_keys(keys: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` [n, K] <- the columns of the K largest keys of each row, in key order, -1 where
-    the key says "not a candidate" and for columns beyond the keys' width."""
+    """``out`` [n, K] <- the ids (decoded from the keys) of the K largest keys of each row, in
+    key order, -1 where the key says "not a candidate" and for columns beyond the keys'
+    width."""
     k = min(out.shape[1], keys.shape[1])
     if k:
-        vals, ids = torch.topk(keys, k, dim=1, largest=True, sorted=True)
+        vals = torch.topk(keys, k, dim=1, largest=True, sorted=True).values
+        ids = 0xFFFFFFFF - (vals & 0xFFFFFFFF)
         out[:, :k] = torch.where(vals == NOT_A_CANDIDATE, -1, ids).to(out.dtype)
     if k < out.shape[1]:
         out[:, k:] = -1

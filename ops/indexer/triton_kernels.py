@@ -23,10 +23,10 @@ import triton.language as tl
 
 from sparse_mla.ops.common.triton_utils import e4m3_decode, e4m3_sat, exp2_int, to_bf16
 from sparse_mla.ops.indexer import format as fmt
+from sparse_mla.ops.indexer.triton_select import MIN_KEY, NOT_A_CANDIDATE
 
+__all__ = ["NOT_A_CANDIDATE"]       # re-exported: the launchers and tests name it here
 D = tl.constexpr(fmt.DIM)
-NOT_A_CANDIDATE = -(2 ** 63)
-MIN_KEY = tl.constexpr(NOT_A_CANDIDATE)
 
 
 @triton.jit

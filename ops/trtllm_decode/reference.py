@@ -115,7 +115,7 @@ def dsv4_problem(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spars
     fmt = plain_format(query.dtype)
     if cum_seq_lens_q is None:
         # One query length Q: the kernels derive each token's counts from seq_lens and
-        # sparse_topk_lens themselves, with no lengths launch (docs/perf-log.md, "In-kernel
+        # sparse_topk_lens themselves, with no lengths launch (lab/perf-log.md, "In-kernel
         # TRTLLM column counts")
         swa_counts = dict(lengths=seq_lens, tokens_per_length=Q, causal=True)
         cmp_counts = dict(lengths=sparse_topk_lens, length_offset=SWA_COLS)

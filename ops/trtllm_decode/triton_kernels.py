@@ -4,7 +4,7 @@ launch (a dense batch's counts are derived inside the attention kernels, see
 
 The PyTorch formulation (``reference.dsv4_lengths`` / ``reference.v32_lengths``, kept as the
 readable definition and used by the reference path) costs about ten small PyTorch kernels
-(docs/perf-log.md, "Attention core rework"); this kernel computes the same int32 counts in one
+(lab/perf-log.md, "Attention core rework"); this kernel computes the same int32 counts in one
 launch.
 
 Per token t: its request r (``t // Q``, or the varlen request whose ``cum_seq_lens_q`` range

@@ -1,16 +1,16 @@
-"""The README's environment-variable table is complete and current.
+"""One registry of environment variables (ops/common/env.py), complete and rendered in the README.
 
-It must name exactly the project's variables (`SPARSE_MLA_*`, and any off-prefix `SMLA_*`,
-which must not exist) that the code reads anywhere in the tree, tests included; every other
-variable it names must be read somewhere; and every variable product code (outside tests/)
-reads must be in it, except Bazel's test protocol (`TEST_*`, `XML_OUTPUT_FILE`: Bazel sets
-them, a user never does).
+The registry must declare exactly the project's variables (`SPARSE_MLA_*`, and any off-prefix
+`SMLA_*`, which must not exist) that the code reads anywhere in the tree, tests included, with
+the files that read them; every variable product code (outside tests/ and lab/) reads must be
+declared, except Bazel's test protocol (`TEST_*`, `XML_OUTPUT_FILE`: Bazel sets them, a user
+never does); and the README's environment-variable table must equal the registry's rendering.
 
 Reads are found in Python by syntax (`os.environ.get(X)`, `os.environ[X]`, `os.getenv(X)`,
-`X in os.environ`, with X a string or a module-level string constant) and in shell scripts
-by `$X` / `${X...}` of a variable the script does not assign itself. The scan reads the
-source tree (found through README.md's real path), not Bazel's runfiles, so the target is
-tagged `external` (never cached: a new read anywhere must fail it).
+`env.getenv(X)`, `X in os.environ`, with X a string or a module-level string constant) and in
+shell scripts by `$X` / `${X...}` of a variable the script does not assign itself. The scan
+reads the source tree (found through README.md's real path), not Bazel's runfiles, so the
+target is tagged `external` (never cached: a new read anywhere must fail it).
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 import sparse_mla
+from sparse_mla.ops.common import env
 
 ROOT = pathlib.Path(os.path.realpath(pathlib.Path(sparse_mla.__file__).parent / "README.md")).parent
 SKIP_DIRS = {".git", ".pyroot", "__pycache__", ".whl"}
@@ -120,42 +123,66 @@ def code_reads() -> dict:
     return reads
 
 
-def readme_table() -> set:
+def readme_table() -> str:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
     assert rows, "README.md lost its environment-variable table"
-    return {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`",
-                                                        row.split(" | ")[0])}
+    return "\n".join(rows) + "\n"
 
 
-def test_readme_names_exactly_the_project_variables_the_code_reads():
+def test_readme_table_is_the_registry():
+    assert readme_table() == env.readme_table(), (
+        "README.md's environment-variable table differs from ops/common/env.py: paste "
+        "`python3 -m sparse_mla.ops.common.env` over it")
+
+
+def test_registry_declares_exactly_the_project_variables_the_code_reads():
     reads = code_reads()
     ours = {name for name in reads if PROJECT.match(name)}
-    documented = {name for name in readme_table() if PROJECT.match(name)}
-    missing = {name: sorted(reads[name]) for name in ours - documented}
-    assert not missing, f"read by the code, missing from README's table: {missing}"
-    stale = documented - ours
-    assert not stale, f"in README's table, read by no code: {sorted(stale)}"
+    declared = set(env.BY_NAME)
+    missing = {name: sorted(reads[name]) for name in ours - declared}
+    assert not missing, f"read by the code, missing from ops/common/env.py: {missing}"
     off_prefix = {name: sorted(reads[name]) for name in ours if not name.startswith("SPARSE_MLA_")}
     assert not off_prefix, f"project variables must be named SPARSE_MLA_*: {off_prefix}"
+    assert len(env.VARIABLES) == len(declared), "a variable is declared twice"
 
 
-def test_readme_other_variables_are_read_and_product_reads_are_documented():
+def test_every_declared_variable_is_read_by_its_declared_readers():
     reads = code_reads()
-    table = readme_table()
-    stale = {name for name in table if name not in reads}
-    assert not stale, f"in README's table, read by no code: {sorted(stale)}"
-    product = {name: sorted(files) for name, files in reads.items()
-               if any(not f.startswith("tests/") for f in files)
-               and not BAZEL_PROTOCOL.match(name) and name not in table}
-    assert not product, f"read outside tests/, missing from README's table: {product}"
+    wrong = {}
+    for var in env.VARIABLES:
+        actual = {f for f in reads.get(var.name, ()) if not f.startswith("lab/")
+                  and (var.set_by == env.TEST or not f.startswith("tests/"))}
+        if actual != set(var.readers):
+            wrong[var.name] = {"declared": sorted(var.readers), "read by": sorted(actual)}
+    assert not wrong, f"ops/common/env.py's readers differ from the code: {wrong}"
+    assert all(f.startswith("tests/") for v in env.VARIABLES if v.set_by == env.TEST
+               for f in v.readers), "a variable only the tests set is read by product code"
+
+
+def test_product_reads_are_declared():
+    product = {name: sorted(files) for name, files in code_reads().items()
+               if any(not f.startswith(("tests/", "lab/")) for f in files)
+               and not BAZEL_PROTOCOL.match(name) and name not in env.BY_NAME}
+    assert not product, f"read outside tests/ and lab/, missing from ops/common/env.py: {product}"
+
+
+def test_getenv_gives_the_declared_default(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    assert env.getenv("SPARSE_MLA_GLUON") == env.BY_NAME["SPARSE_MLA_GLUON"].default == "1"
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    assert env.getenv("SPARSE_MLA_GLUON") == "0"
+    with pytest.raises(KeyError):
+        env.getenv("SPARSE_MLA_" + "NOT_DECLARED")     # built: the scan must not count it
 
 
 def test_the_scanners_find_reads_and_ignore_writes():
     py = ("import os\nENV = 'SPARSE_MLA_A'\nos.environ.get(ENV)\nos.environ['SPARSE_MLA_B']\n"
+          "env.getenv('SPARSE_MLA_F')\n"
           "os.getenv('SPARSE_MLA_C', '')\n'SPARSE_MLA_D' in os.environ\n"
           "os.environ['SPARSE_MLA_W'] = '1'\nenv = dict(os.environ, SPARSE_MLA_X='1')\n")
-    assert python_reads(py) == {"SPARSE_MLA_A", "SPARSE_MLA_B", "SPARSE_MLA_C", "SPARSE_MLA_D"}
+    assert python_reads(py) == {"SPARSE_MLA_A", "SPARSE_MLA_B", "SPARSE_MLA_C", "SPARSE_MLA_D",
+                               "SPARSE_MLA_F"}
     sh = 'out=${OUT:-/tmp}\nFOO=1\necho "$FOO $SPARSE_MLA_E ${PIPESTATUS[0]}"  # $NOT_CODE\n'
     assert shell_reads(sh) == {"OUT", "SPARSE_MLA_E"}

@@ -42,7 +42,7 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
 ARCHS = tuple(SHARED_LIMIT)
 # Register spills a variant may have on any arch: bytes of spill stores + loads in its code
 # (ptxas -v; static, per thread), about 1.25x the most any arch had with Triton 3.9 when the
-# bound was set (docs/perf-log.md, "Session 37: register spills by arch"), so a change that
+# bound was set (lab/perf-log.md, "Session 37: register spills by arch"), so a change that
 # makes one spill more fails here. Every variant not named here must not spill at all. The
 # portable attention kernel spills on every arch (its [64, 512] fp32 accumulator and q
 # operands fill the register file); most on sm_80, whose ptxas schedules the same code
@@ -55,7 +55,7 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                # e4m3 q decoded in the kernel is: ops/attention/launch.py)
                "split_v4_qfold": 8000, "tiny_v4_qfold": 11600, "split_v41_rope_qfold": 14300,
                # the indexer's scores kernels (prefill: 4 warps, the H200 sweep's fastest, spills
-               # more than 8 did and ran 1.7x faster: docs/perf-log.md, "Session 37: the
+               # more than 8 did and ran 1.7x faster: lab/perf-log.md, "Session 37: the
                # indexer's launch shapes")
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
                "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 64,
@@ -63,7 +63,7 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
 # Tritons before 3.9 allocate the indexer's decode scores kernel (4 warps) more tightly: at
 # sm_80-120 it spills up to 1,112 B on 3.6 (torch 2.11's), 1,000 B on 3.7, 176 B on 3.8, where
 # 3.9 spills 0-40 B; on the H200 this launch was still the fastest with 3.6 (heads on M, 88-176 B
-# spilled: 150 µs against 168 at 8 warps, which spill none: docs/perf-log.md, "Session 37: the
+# spilled: 150 µs against 168 at 8 warps, which spill none: lab/perf-log.md, "Session 37: the
 # indexer's launch shapes"), so the launch stays and these bounds (about 1.25x those maxima)
 # replace SPILL_BOUND's under them; the index convert kernel spills 8 B at sm_100 / 120 there.
 # Two portable attention variants spill more on one release each (the most, by arch): the

@@ -91,6 +91,10 @@ TOOLS = {
     "tools/bench_backend.py": Tool("sparse_mla.tools.bench_backend", gpu_only=True),
     "tools/bench_trtllm.py": Tool("sparse_mla.tools.bench_trtllm", gpu_only=True),
     "ops/indexer/bench.py": Tool("sparse_mla.ops.indexer.bench", gpu_only=True),
+    "tools/perf_tables.py": Tool(
+        "sparse_mla.tools.perf_tables",
+        runs=[["--check", "--doc", os.path.join(ROOT, "docs", "PERF.md"),
+               "--csv-dir", os.path.join(ROOT, "docs", "perf")]]),
 }
 
 

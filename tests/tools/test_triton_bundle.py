@@ -1,5 +1,5 @@
 """tools/triton_bundle.py: what the slim bundle drops and keeps, and the unpack round trip
-(CPU, on a fake wheel tree: the real build is run by hand, docs/perf-log.md, "Triton 3.6-3.9")."""
+(CPU, on a fake wheel tree: the real build is run by hand, lab/perf-log.md, "Triton 3.6-3.9")."""
 import os
 import tarfile
 

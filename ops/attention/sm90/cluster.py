@@ -5,7 +5,7 @@ Both CTAs of a cluster read the same key rows. Each one's producer gathers and d
 one 32-row half of every 64-row tile (rank 0 rows [0, 32), rank 1 rows [32, 64)), stores it
 in its own stage and copies its dequantized panels into the peer's with ``cp.async.bulk``
 shared::cta -> shared::cluster, completing bytes on the peer's ``ready`` (``_send_half``). The
-copies cost by the byte (docs/perf-log.md, "Cluster exchange"), so what needs no decoding (the
+copies cost by the byte (lab/perf-log.md, "Cluster exchange"), so what needs no decoding (the
 RoPE dims) and the bias each CTA writes for the peer's rows itself. Since either producer
 writes both CTAs' stages, the producers hand each released stage over to each other
 (``_pair_handoff``). FlashMLA's sm_90 kernel splits its h128 dequantization the same way.
@@ -14,7 +14,7 @@ Gluon (Triton 3.6) has no API for any of it: the kernel is compiled as an ordina
 kernel and launched as clusters (``hooks.cluster_launchable``), and inline PTX
 (``cluster_ptx``, plain text) addresses shared memory as ``global_smem`` plus the allocator's
 offsets, which ``hooks`` reads at compile time and writes over the ``SMLA_OFF_*``
-placeholders (tools/dev/probe_cluster.py proved the route). This module wraps that PTX for the
+placeholders (lab/tools/probe_cluster.py proved the route). This module wraps that PTX for the
 kernel and holds the Gluon side of the exchange: hand-offs, cluster barriers, sends.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ the dequantized 64-dim panels of that half into the peer's stage (``cp.async.bul
 shared::cta -> shared::cluster), completing their bytes on the peer's ``ready``; the peer
 expects exactly the panels sent (``V4_SENDS`` / ``V32_SENDS``). Everything else of the
 peer's half (bias, RoPE dims) each CTA writes itself: the copies cost by the byte
-(docs/perf-log.md, "Cluster exchange").
+(lab/perf-log.md, "Cluster exchange").
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ OFFSET_NAMES = {"SMLA_OFF_K": "k_bufs", "SMLA_OFF_READY": "ready",
 
 # (first panel, panels) of each copy batch. V4: panels 0-6 in one batch after the whole
 # half is stored (panel 7, the RoPE dims, comes from the cache; a second batch's barrier made
-# V4 slower: docs/perf-log.md, "Cluster exchange"). V3.2: the two staged pairs of panels (one
+# V4 slower: lab/perf-log.md, "Cluster exchange"). V3.2: the two staged pairs of panels (one
 # fp32 scale each) together, then each register pair as soon as it is stored, so the copies
 # overlap the rest's dequantization (faster than one batch, and the first two pairs in one
-# batch than four: docs/perf-log.md, "Cluster exchange", "V3.2 cluster bounds").
+# batch than four: lab/perf-log.md, "Cluster exchange", "V3.2 cluster bounds").
 V4_SENDS = ((0, 7),)
 V32_SENDS = ((0, 4), (4, 2), (6, 2))
 # V4.1 rows (528 B, or 288 B extra rows) have no bf16 dims: all eight panels, one batch
@@ -68,7 +68,7 @@ def send_panels(first: int, panels: int) -> str:
     stage's ready barrier), $4 the peer's rank. Every other thread branches around the copies
     (``${:uid}``: a label unique to each instance of the asm). Predicated copies made ptxas
     wrap each one in a uniform-datapath loop that all producer warps ran, a measurable share
-    of V4 h128's time (docs/perf-log.md, "Cluster exchange")."""
+    of V4 h128's time (lab/perf-log.md, "Cluster exchange")."""
     copies = "".join(f"""
     add.u32 src, base, SMLA_OFF_K;
     add.u32 src, src, $2;
@@ -83,7 +83,7 @@ SMLA_SKIP_${:uid}:""")
 # $1 thread id (thread 0 arrives), $2 st * 8 (peer_free[st]), $3 the peer's rank. Default
 # semantics (release, CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the arrive only
 # has to follow this thread's wait on ``empty``; ``.release.cluster`` compiled to a GPU-wide
-# MEMBAR + ERRBAR that showed among the kernel's stall samples (ncu, docs/perf-log.md,
+# MEMBAR + ERRBAR that showed among the kernel's stall samples (ncu, lab/perf-log.md,
 # "Two-launch schedule and 2-CTA clusters")
 REMOTE_ARRIVE = _leader_block(_peer_address("bar", "SMLA_OFF_PEER_FREE", "$2", "$3") + """
     @leader mbarrier.arrive.shared::cluster.b64 _, [bar];""")

@@ -22,7 +22,7 @@ tests/ops/attention/test_sm90_compile.py):
   immediate), and shared stores became inline ``st.shared::cta`` asm. In the V4 cluster
   producer that cost seven live registers, and ptxas then scheduled all of the
   dequantization after the stage hand-off's wait (3.6: 3 of 7 panels before it), and
-  Triton 3.8 ran V4 h128 slower on an H100 (docs/perf-log.md, "Session 35: Triton 3.8").
+  Triton 3.8 ran V4 h128 slower on an H100 (lab/perf-log.md, "Session 35: Triton 3.8").
   ``PANEL_VIEWS`` stores through [panels, rows, 64] views of the stage instead
   (``dequant._panel``); 3.6 keeps the slices (its code is unchanged).
 * 3.7 only: the V4 cluster producer's two branches on the CTA's rank (static row starts) were
@@ -100,4 +100,4 @@ indexed by the CTA's rank at run time (one code path) instead of one branch per 
 static row starts (see the module doc, 3.7 only): on for Triton 3.7 only (3.6 and 3.8+ fold
 the branches themselves). A plain flag, read by ``tuning.launch_constexprs`` at each launch
 and passed to the kernel as the ``RANK_VIEWS`` constexpr, so flipping it between launches
-builds the other kernel (tools/dev/ab_triton37.py times both in one process)."""
+builds the other kernel (lab/tools/ab_triton37.py times both in one process)."""

@@ -115,7 +115,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
     # from registers. _follow's p·v of tile i overlaps this warpgroup's q·k of tile i+1.
     # q is loaded here, not before the partitions start, so the producer's first gather does
-    # not wait behind it (docs/perf-log.md, "Fixed per-call costs").
+    # not wait behind it (lab/perf-log.md, "Fixed per-call costs").
     if CLUSTER:
         tid = _thread_ids(4)
         _cluster_sync(tid, _CLUSTER_ARRIVE_INIT)

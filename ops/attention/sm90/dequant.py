@@ -80,7 +80,7 @@ def _panel(kb, j: gl.constexpr, r0: gl.constexpr, rows: gl.constexpr, half=None)
     offset into the swizzle's XOR, so each panel's store address was a register of its own
     (seven more live in the producer loop, where 3.6 used one with immediate offsets), and
     ptxas then kept the V4 dequantization behind the stage hand-off's wait instead of
-    overlapping it (``compat``, 3.7; docs/perf-log.md, "Session 35: Triton 3.8").
+    overlapping it (``compat``, 3.7; lab/perf-log.md, "Session 35: Triton 3.8").
 
     ``half`` (a run-time index, ``compat.RANK_VIEWS``: a cluster CTA's rank or its peer's)
     replaces ``r0``: rows [half · rows, half · rows + rows), the stage seen as its

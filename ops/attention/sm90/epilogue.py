@@ -23,7 +23,7 @@ def _write_rows(acc, d0, inv_l, gate, empty_row, part_o, t, tp, h0, H, sp, n_spl
     bf16 rows go through ``stage`` (a K stage nobody reads or fills any more:
     ``_free_stage``), so each warp stores 512 contiguous bytes of one row. Stored straight
     from the wgmma fragments, each thread wrote 4 bytes at a time, and the epilogue cost a
-    large share of the kernel (docs/perf-log.md, "FlashMLA timed per layer"). fp32 partials
+    large share of the kernel (lab/perf-log.md, "FlashMLA timed per layer"). fp32 partials
     are stored directly: through the stage they were slower (same section)."""
     o = acc * inv_l[:, None]
     if FINAL:
@@ -49,7 +49,7 @@ def _store_staged(o, stage, ptr, off0, row_stride, h0, H, d0, HALF: gl.constexpr
     + d0 + column, through ``stage`` (free shared memory), so each warp stores 512 contiguous
     bytes of one row. The row pointers are computed here, after the shared-memory store:
     passed in ready-made, they were 16 live 64-bit addresses per thread next to the
-    accumulator, and V4 h64 launches of one split ran slower (docs/perf-log.md, "bf16 split
+    accumulator, and V4 h64 launches of one split ran slower (lab/perf-log.md, "bf16 split
     partials"). ``HALF``: which half of the stage (0: its key dims [0, 256), 1: [256, 512))."""
     # a stage holds its 64-dim panels one after another (what the cluster's bulk copies
     # address), so its first 32 KB are key dims [0, 256) and its last 32 KB [256, 512)

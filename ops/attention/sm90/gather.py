@@ -112,7 +112,7 @@ def _v4_records(cache, s0, bs, idx, valid):
     ``bs`` records, then their scales."""
     # Spelled out, not through _record: with the block's address shared by both pointers
     # (b86fd5b) the h128 clusters ran slower, though the PTX had the same instructions in a
-    # different order (docs/perf-log.md, "Refactor regression undone")
+    # different order (lab/perf-log.md, "Refactor regression undone")
     blk = (idx // bs).to(gl.int64)
     off = (idx % bs).to(gl.int64)
     rec = cache + blk * s0 + off * 576
@@ -198,7 +198,7 @@ def _rope_v32(krb, rec, valid, LR: gl.constexpr):
     ``LR``, which spreads the rows as ``rec``'s layout does (no conversion). One-CTA
     producers give 16 bytes per thread, a thread's two halves half a row apart, so each
     cp.async covers whole sectors (``producers._produce_tiles``' bf16 note), faster for V3.2
-    (docs/perf-log.md, "bf16 rows in whole sectors")."""
+    (lab/perf-log.md, "bf16 rows in whole sectors")."""
     rows: gl.constexpr = gl.SliceLayout(1, LR)
     rope = gl.convert_layout(rec, rows) + V32_ROPE
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))

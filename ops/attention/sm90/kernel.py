@@ -23,7 +23,7 @@ keys in the V4 584 B cache, the V3.2 656 B cache or a plain bf16 / e4m3 cache of
   from the ring: ``_lead`` the scores, softmax and p·v for output dims [0, 256), ``_follow``
   p·v for [256, 512); each writes its half of the rows (``epilogue``). (The earlier split —
   scores by key columns, accumulator by output dims in one 8-warp partition — was slower:
-  docs/perf-log.md, "Lead and follow consumers".)
+  lab/perf-log.md, "Lead and follow consumers".)
 
 Where a launch of one split a token has more units than SMs (V4 rows staged, V4.1 and V3.2
 rows in clusters; bf16 q), its
@@ -34,11 +34,11 @@ neighbouring tokens' work instead of costing a program each.
 An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 when the keys
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
-the V4 producer, at two per pair, is not: docs/perf-log.md, "V3.2 and 576-wide rows on
+the V4 producer, at two per pair, is not: lab/perf-log.md, "V3.2 and 576-wide rows on
 sm_90"). Only used on sm_90 with a Triton in ``plan.GLUON_TRITON`` (3.6-3.9: the Gluon API
 differences between them are the shims of ``compat``); ``plan.plan_launch`` routes to the
 portable kernel everywhere else and for tiny launches of one head block, and says why. The
-launch parameters are ``tuning``'s. docs/perf-log.md has the measurements (including what was
+launch parameters are ``tuning``'s. lab/perf-log.md has the measurements (including what was
 tried and dropped: a software-pipelined producer, integer e4m3 decoding).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ one split each, instead of one program per token.
 
 Short key lists pay a whole program's start and end per token otherwise (barrier set-up, the
 first gather's latency, the epilogue's drain before the next program may start on the SM):
-about half of a 3-tile program's time on the C128A rows, window 128 + 64 (docs/perf-log.md,
+about half of a 3-tile program's time on the C128A rows, window 128 + 64 (lab/perf-log.md,
 "Short key lists"). In a persistent program the producer gathers the next token's tiles while
 the consumers finish the last one's. What changes against one token a program:
 

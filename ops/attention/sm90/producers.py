@@ -121,7 +121,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
         # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
         # covered half of every sector it touched, so every sector was asked for twice
-        # (docs/perf-log.md, "bf16 rows in whole sectors")
+        # (lab/perf-log.md, "bf16 rows in whole sectors")
         LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
     else:
         # [BN, 64] byte tiles: 16 contiguous bytes per thread (one 128-bit load), 4 threads
@@ -204,7 +204,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
         # that thread's copies land, so ``ready`` completes with the data (CUTLASS's sm_90
         # cp.async + wgmma mainloop relies on the same: no proxy fence after the copies).
         # The next stage's gather then goes out as soon as that stage is free: waiting for the
-        # copies here left one tile in flight at a time (docs/perf-log.md, "bf16 stage
+        # copies here left one tile in flight at a time (lab/perf-log.md, "bf16 stage
         # completion by cp.async").
         fence_async_shared()
         barrier()
@@ -229,7 +229,7 @@ def _produce_v4(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_fre
     # V4 rows go global -> staging buffer by cp.async, SUB rows at a time, one chunk ahead:
     # chunk j+1's gather is in flight, holding no registers, while chunk j is dequantized
     # (gathering a whole tile into registers left the producer waiting on its loads:
-    # docs/perf-log.md, "Lead and follow consumers", "V4 rows staged by cp.async"). Each thread
+    # lab/perf-log.md, "Lead and follow consumers", "V4 rows staged by cp.async"). Each thread
     # reads back exactly the bytes its own cp.async wrote (one layout for both), so its
     # wait_group is all the staging buffer needs.
     # In a cluster (``CLUSTER``) the chunk is this CTA's half of each tile, sent on to the
@@ -390,13 +390,13 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     ``stage_raw`` / ``stage_sc`` by cp.async a tile ahead; the last two are loaded into
     registers at the top of the tile, so their latency passes while the first two are
     stored. Loading whole tiles into registers left the latency exposed: per-tile %clock64
-    stamps had the lead waiting a quarter of each tile for its stage (docs/perf-log.md, "V3.2
+    stamps had the lead waiting a quarter of each tile for its stage (lab/perf-log.md, "V3.2
     cluster timeline"). Registers cannot carry the next tile instead: a pair-by-pair register
     pipeline was slower, because ptxas puts every load of the loop on one scoreboard and the
     first use of any waits for all (8 KB of shared memory is all there is for staging; same
     section). Nor can the register half be loaded at the end of the tile before: the first
     load after the back edge, or the hand-off's wait loop entered with loads in flight, then
-    waits for all of them (docs/perf-log.md, "V3.2 cluster bounds").
+    waits for all of them (lab/perf-log.md, "V3.2 cluster bounds").
 
     The ring's tiles are g0 .. g0 + n_tiles - 1, as ``_produce_v4``'s (``ALONE``: this
     program's one token; else a persistent program's, whose caller syncs and drains once)."""
@@ -417,7 +417,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
     # both halves of a tile come from one source (source 0's columns are padded to BN). The
     # staging of the first tile and (in the loop) of the next one stay written out: folded
     # into _stage_v32, these values stop being loop-carried, ptxas reschedules the dequant,
-    # and V3.2 h128 ran slower (docs/perf-log.md, "Symmetric consumers (dropped)")
+    # and V3.2 h128 ran slower (lab/perf-log.md, "Symmetric consumers (dropped)")
     cache, s0, s1, bs, cap = tile_source(first < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                          c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
     valid = _usable(idx, cap)
@@ -434,7 +434,7 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         cache, s0, s1, bs, cap = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         # recomputed although the staging below had them: carried over the back edge
-        # instead, V3.2 h128 ran slower (docs/perf-log.md, "V3.2 cluster bounds")
+        # instead, V3.2 h128 ran slower (lab/perf-log.md, "V3.2 cluster bounds")
         valid = _usable(idx, cap)
         rec = _record(cache, s0, bs, idx, V32_RECORD)
         x4, x5, x6, x7, sc, sd = _load_v32_tail(rec, valid, cb)
@@ -444,11 +444,11 @@ def _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_sc, bias_bufs, ready, em
         bias = gl.where(valid, 0.0, float("-inf"))
         bias_o = gl.where(valid_o, 0.0, float("-inf"))
         # the RoPE dims of both halves by cp.async (32 bytes per thread: _rope_v32's whole-
-        # sector layout was no faster here, docs/perf-log.md, "bf16 rows in whole sectors");
+        # sector layout was no faster here, lab/perf-log.md, "bf16 rows in whole sectors");
         # the latent dims a pair of panels at a time, sent as soon as stored (the two staged
-        # pairs as one batch: one fence and one copy issue fewer, docs/perf-log.md, "V3.2
+        # pairs as one batch: one fence and one copy issue fewer, lab/perf-log.md, "V3.2
         # cluster bounds"), so the copies overlap the rest's dequantization (faster than one
-        # batch for V3.2; V4's producer lost to a second batch's barrier: docs/perf-log.md,
+        # batch for V3.2; V4's producer lost to a second batch's barrier: lab/perf-log.md,
         # "Cluster exchange")
         if rank == 0:     # static slice starts: one branch per rank
             _rope_v32(kr_bufs.index(st).slice(SUB, SUB), rec_o, valid_o, LB)

@@ -3,7 +3,7 @@ launches are built from, and ``launch_constexprs``, the compile-time parameters 
 variant, shared by the launcher (ops/attention/launch.py) and the compile-only check
 (``variants``) so both build the same kernel. ops/attention/plan.py reads ``STAGE_V4``,
 ``CLUSTER_V4``, ``CLUSTER_V32`` and ``CLUSTER_V41`` to pick the route. The measurements
-behind each value are in docs/perf-log.md, in the section its comment names.
+behind each value are in lab/perf-log.md, in the section its comment names.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ SUB_N = 32           # V4 rows per staged gather chunk (18 KB of staging)
 STAGE_V4 = True      # V4 rows gathered through the staging buffer (16-byte-aligned blocks)
 STAGES = 2           # q (64 KB) + two stages fill the 227 KB of shared memory
 PRODUCER_WARPS = 4
-# setmaxnreg for the producer: fewer registers were slower (docs/perf-log.md, "Lead and follow
+# setmaxnreg for the producer: fewer registers were slower (lab/perf-log.md, "Lead and follow
 # consumers")
 PRODUCER_REGS = 120
 # in clusters (the lead keeps 208): faster for V4 and V3.2 at h128, slower for one CTA at h64
-# (docs/perf-log.md, "Cluster exchange")
+# (lab/perf-log.md, "Cluster exchange")
 PRODUCER_REGS_CLUSTER = 128
 FOLLOW_REGS = 168    # setmaxnreg for _follow (152 spills); _lead gets the rest of the
                      # 12-warp budget: 216
@@ -34,7 +34,7 @@ CLUSTER_V41 = True   # the same for V4.1 rows (528 B, with 528 B or 288 B extra 
 # producer (one dependent round trip less before the first gather), and the producer then
 # loads ids two tiles ahead (``gather._early_slots``). Faster for V4 at h64 and plain e4m3;
 # slower for plain bf16 rows, so not for them; V3.2 rows' producer spills with it
-# (docs/perf-log.md, "Slot ids loaded with the lengths")
+# (lab/perf-log.md, "Slot ids loaded with the lengths")
 EARLY_SLOTS = gl.constexpr(True)
 # Persistent launches (``persist``; ``plan.persist_programs`` says where): V4 rows staged,
 # one split a token, more units than SMs. At most PERSIST_TOKENS tokens a program (its token
@@ -43,7 +43,7 @@ PERSIST_V4 = True
 # the same for V4.1 rows (528 B main rows, with 528 B / 288 B / 584 B extra rows) in 2-CTA
 # clusters (65-128 heads): 1.057-1.059x (H100, Triton 3.6), 1.056-1.062x (H200, 3.6 / 3.8),
 # outputs bit-identical. Not at 64 heads: 0-1 % on the H100 (3.6), 7-8 % slower on the H200
-# under 3.8, whose ptxas (and 3.7's) spills that variant (docs/PERF.md, "Issue 55:
+# under 3.8, whose ptxas (and 3.7's) spills that variant (lab/perf-history.md, "Issue 55:
 # persistent programs over V4.1, V3.2 and prefill rows")
 PERSIST_V41 = True
 # the same for V3.2 rows in 2-CTA clusters (65-128 heads, ``_produce_v32_pair``): 1.035-1.037x

@@ -5,7 +5,7 @@ and there only as the portable kernel running instead (the version gate falls ba
 compiles each variant the launcher (ops/attention/launch.py) can pick with the installed
 Triton and its own ptxas, and reports registers and spills per thread
 (tests/ops/attention/test_sm90_compile.py runs it in the CPU CI;
-``python3 -m sparse_mla.ops.attention.sm90.variants`` prints the table; tools/dev/ptx_digest.py
+``python3 -m sparse_mla.ops.attention.sm90.variants`` prints the table; lab/tools/ptx_digest.py
 digests their PTX).
 
 The constexprs come from ``tuning.launch_constexprs``, the function the launch itself uses;

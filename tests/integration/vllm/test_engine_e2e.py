@@ -230,7 +230,7 @@ def test_greedy_tokens_and_logprobs_agree(runs):
     the stock attention's own output does to the stock run (the yardstick run, measured here,
     on this machine): where one rounding step moves this model's log-probs little,
     LOGPROB_TOL binds; without AMX vLLM runs other kernels, unchunked, and one rounding step
-    moved them several times further (docs/perf-log.md, 'Session 36: vLLM engine test
+    moved them several times further (lab/perf-log.md, 'Session 36: vLLM engine test
     without AMX'; the AMX machines' yardstick is not measured yet)."""
     parted_yard = first_selection_difference(runs["topk_stock"], runs["topk_rounded"])
     yard, yard_report = _walk(runs["stock"], runs["rounded"], parted_yard)

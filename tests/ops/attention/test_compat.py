@@ -39,7 +39,7 @@ def test_rank_views_is_on_for_triton_37_only_and_read_at_each_launch(monkeypatch
     """``compat.RANK_VIEWS`` (the V4 cluster producer's rank-indexed stores) defaults to on
     for Triton 3.7 only, and ``tuning.launch_constexprs`` reads it at each call, for V4
     clusters only: flipping it between launches builds the other kernel (the 3.7 A/B,
-    tools/dev/ab_triton37.py)."""
+    lab/tools/ab_triton37.py)."""
     from sparse_mla.ops.attention.sm90 import compat
     from sparse_mla.ops.attention.sm90 import variants as sm90_variants
     assert compat.RANK_VIEWS is (compat.TRITON == (3, 7))

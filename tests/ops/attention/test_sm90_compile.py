@@ -3,7 +3,7 @@
 fails here, in the CPU CI, instead of silently sending Hopper GPUs to the portable kernel.
 
 Registers and spills are reported per variant (a warning where ptxas spills: the numbers per
-release are in docs/PERF.md, "Triton 3.6-3.9"). Runs where the installed Triton is in the
+release are in lab/perf-history.md, "Triton 3.6-3.9"). Runs where the installed Triton is in the
 tested range (``plan.GLUON_TRITON``); outside it the kernel is not used at all, and
 test_gluon_gate checks that the reason says so.
 """

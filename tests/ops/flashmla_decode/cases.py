@@ -115,7 +115,7 @@ def decode_case(device, *, b, s_q, h, fmt="v4", bs=64, topk=128, extra=True, ext
 def out_of_cache_ids(capacity):
     """Ids a decode kernel must skip inside the lengths: -1 and every other id outside
     [0, capacity). FlashMLA itself skips only -1; unguarded, it faults on -2, -64 and INT_MAX
-    and reads past the cache at the capacity and beyond (docs/perf-log.md, "Vendor decode
+    and reads past the cache at the capacity and beyond (lab/perf-log.md, "Vendor decode
     route")."""
     return [-1, -2, -64, 2 ** 31 - 1, capacity, capacity + 1000]
 

@@ -50,7 +50,7 @@ def vendor_cosine(fmt):
     """The cosine bound for FlashMLA's answer on ``fmt``: docs/semantics.md §9's, except V3.2, where
     its sm_90 kernel rounds each tile's fp32 scale to bf16 (docs/semantics.md §2.1). Our writer's
     scales are vLLM's raw fp32 ones, not FlashMLA's powers of two, so FlashMLA lands 7.0-7.4e-6 from
-    the exact answer there (H200, docs/perf-log.md, "Issue 4 audit"), within the elementwise
+    the exact answer there (H200, lab/perf-log.md, "Issue 4 audit"), within the elementwise
     bounds."""
     return None if fmt == "v32" else 5e-6
 
@@ -152,7 +152,7 @@ def test_vendor_decode_replays_under_cuda_graph(b, h):
 @requires_vendor
 def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monkeypatch):
     """Decode: FlashMLA, planned on every call, was slower than our kernel on every measured
-    shape (docs/perf-log.md, "Vendor decode route"), so the automatic choice takes Triton there and
+    shape (lab/perf-log.md, "Vendor decode route"), so the automatic choice takes Triton there and
     says why; without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill
     stays FlashMLA's (faster than ours)."""
     from sparse_mla.ops.attention.plan import gluon_enabled
@@ -192,7 +192,7 @@ def test_vendor_prefill_matches_reference(h):
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 @pytest.mark.parametrize("h", [4, 64])
 def test_vendor_decode_takes_strided_lengths_and_sink(fmt, h):
-    """FlashMLA refuses strided lengths and sinks (RuntimeError, docs/perf-log.md, "Edges of the
+    """FlashMLA refuses strided lengths and sinks (RuntimeError, lab/perf-log.md, "Edges of the
     ops"); the op accepts them, so the vendor path copies them. At 64 heads the sink reaches
     FlashMLA unpadded."""
     a, cases = strided_decode_args("cuda", fmt, h)

@@ -11,7 +11,7 @@ Runs compiled on CUDA and, under TRITON_INTERPRET=1, on CPU.
 import pytest
 import torch
 
-from sparse_mla.ops.indexer import triton_select
+from sparse_mla.ops.indexer import triton_impl, triton_select
 from sparse_mla.tests.helpers import seeded, triton_devices
 
 NOT_A_CANDIDATE = -(2 ** 63)
@@ -55,12 +55,39 @@ def test_select_breaks_ties_at_the_threshold_by_lower_id(device, w, k, levels):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [2, 4])
-def test_select_radix_widths(device, bits, monkeypatch):
-    """Other digit widths (``CONFIG["bits"]``): the same rows."""
-    monkeypatch.setitem(triton_select.CONFIG, "bits", bits)
-    _ties(device, 70, 8, 3)
+@pytest.mark.parametrize("chunk,row_max", [(64, 64), (64, 1 << 14), (128, 64)])
+def test_select_levels(device, chunk, row_max, monkeypatch):
+    """A row in one program, or cut into chunks whose survivors are merged over several
+    levels (``CONFIG["chunk"]`` / ``["row_max"]``): the same rows."""
+    for cfg in (triton_select.CONFIG, triton_select.INTERPRET_CONFIG):
+        monkeypatch.setitem(cfg, "chunk", chunk)
+        monkeypatch.setitem(cfg, "row_max", row_max)
+    _ties(device, 700, 8, 3)
+    _ties(device, 300, 16, 8)
     test_select_random_scores_and_radix_digits(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [50, 700])
+def test_select_returns_the_ids_the_keys_hold(device, width, monkeypatch):
+    """Ids come from the keys' low half, not from the columns (callers put other ids there:
+    the V4.1 in-candidate stage puts positions); torch.topk's route does the same."""
+    monkeypatch.setitem(triton_select.INTERPRET_CONFIG, "row_max", 64)
+    g = seeded(width)
+    scores = tied_rows(g, 3, width, 4)
+    ids = torch.stack([torch.randperm(10 * width, generator=g)[:width] for _ in range(3)])
+    bits = scores.float().view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, -1 - (bits & 0x7FFFFFFF))
+    keys = (ordered << 32) | (2 ** 32 - 1 - ids)
+    want = []
+    for s_row, i_row in zip(scores.tolist(), ids.tolist()):
+        order = sorted(range(width), key=lambda j: (-s_row[j], i_row[j]))[:9]
+        want.append([i_row[j] for j in order])
+    out = torch.empty(3, 9, dtype=torch.int32, device=device)
+    triton_select.select_topk(keys.clone().to(device), out)      # it overwrites its keys
+    assert out.cpu().tolist() == want
+    triton_impl.select_from_keys(keys.to(device), out)
+    assert out.cpu().tolist() == want
 
 
 def _ties(device, w, k, levels):

@@ -28,7 +28,7 @@ They fix the stock engine, so they load in every vLLM process of the test venv (
   random (seeded). A stock run with it shows how far one rounding step of the attention moves
   this model's log-probs on this machine: the engine test's yardstick for "differs only by
   rounding" (a CPU without AMX runs vLLM's DeepSeek-V4 with other kernels and no chunked
-  prefill, and there one such step moves log-probs far more: docs/perf-log.md, "Session 36:
+  prefill, and there one such step moves log-probs far more: lab/perf-log.md, "Session 36:
   vLLM engine test without AMX").
 """
 import logging
