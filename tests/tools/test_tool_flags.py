@@ -82,6 +82,11 @@ TOOLS = {
         runs=[["3.8.0", "--wheel", "{wheel}", "--python", "3.12", "-o", "{tmp}"],
               ["--unpack", "{bundle}"]],
         covers=("version",)),
+    "tools/bench_step.py": Tool(
+        "sparse_mla.tools.bench_step",
+        runs=[["--device", "cpu", "--impl", "reference", "--quick", "--kinds", "C128A",
+               "--contexts", "200", "--batch", "1", "--sq", "1", "--heads", "2",
+               "--csv", "{tmp}/bench_step.csv"]]),
     "tools/bench_flashmla.py": Tool("sparse_mla.tools.bench_flashmla", gpu_only=True),
     "tools/bench_backend.py": Tool("sparse_mla.tools.bench_backend", gpu_only=True),
     "tools/bench_trtllm.py": Tool("sparse_mla.tools.bench_trtllm", gpu_only=True),
