@@ -277,7 +277,8 @@ def _indexer_variants(arch, soft):
                 out[f"indexer_decode_{name}{sq}"] = (
                     INDEXER, "decode_keys_kernel",
                     dict(NEXT_N=next_n, NT=next_n, HP=64, BN=cfg["decode_bn"],
-                         TILES=cfg["decode_tiles"], HEADS_N=ix.decode_heads_n(arch, soft),
+                         TILES=ix.decode_tiles(ix.decode_heads_n(arch, soft)),
+                         HEADS_N=ix.decode_heads_n(arch, soft),
                          QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
                     {"q_ptr": byte(q8), "w_ptr": "*fp32", "cache_ptr": byte(k8),
                      "key_ptr": "*i64", "lim_ptr": "*i32"},
