@@ -58,8 +58,15 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                # more than 8 did and ran 1.7x faster: lab/perf-log.md, "Session 37: the
                # indexer's launch shapes")
                "indexer_prefill_q8_k8": 8200, "indexer_prefill_qbf16_k8": 7500,
-               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_q8_k8": 64,
-               "indexer_decode_qbf16_k8": 32, "indexer_decode_qbf16_kbf16": 160}
+               "indexer_prefill_qbf16_kbf16": 8600, "indexer_decode_qbf16_kbf16": 160,
+               # the decode scores kernel: four tiles a program at sm_90 (heads on N), one
+               # elsewhere; s_q 2 puts both tokens' heads in one dot (its fastest on the H200,
+               # Triton 3.6: lab/perf-log.md, "The indexer at the step's speed"); the select's
+               # programs at K 2048 hold 8,192 keys
+               "indexer_decode_q8_k8": 330, "indexer_decode_qbf16_k8": 380,
+               "indexer_decode_q8_k8_sq2": 5700, "indexer_decode_qbf16_k8_sq2": 1500,
+               "indexer_decode_qbf16_kbf16_sq2": 800, "indexer_select_final_k512": 16,
+               "indexer_select_final_k2048": 60, "indexer_select_partial_k2048": 80}
 # The V4.1 indexer's keys kernel (8 warps: at 4 its paged variants spilled 1-20 KB) spills a
 # little on its paged bf16-cache variants under Triton 3.9 (sm_86..120: 16-136 B)
 SPILL_BOUND.update({"indexer_v41_blocks_paged_qbf16_kbf16": 170,
@@ -77,7 +84,13 @@ SPILL_BOUND.update({"indexer_v41_blocks_paged_qbf16_kbf16": 170,
 # CPU compile with each release (Session 42).
 SPILL_BOUND_BEFORE_TRITON39 = {"indexer_decode_q8_k8": 850, "indexer_decode_qbf16_k8": 820,
                                "indexer_decode_qbf16_kbf16": 1400, "index_convert_kernel": 16,
-                               "tiny_v41_v41fp4": 4000, "split_plain_fp8_576": 19900}
+                               "tiny_v41_v41fp4": 4000, "split_plain_fp8_576": 19900,
+                               "indexer_decode_q8_k8_sq2": 3400,
+                               "indexer_decode_qbf16_k8_sq2": 1100,
+                               "indexer_decode_qbf16_kbf16_sq2": 340,
+                               "indexer_select_final_k2048": 180,
+                               "indexer_v41_in_cand_dense_q8_k8": 20,
+                               "indexer_v41_blocks_paged_q8_k8": 60}
 PORTABLE = "sparse_mla.ops.attention.portable"
 INSERT = "sparse_mla.ops.cache_insert.triton_kernels"
 INDEX = "sparse_mla.ops.index_combine.triton_kernels"
