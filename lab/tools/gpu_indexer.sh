@@ -71,8 +71,8 @@ if [ "${1:-}" = "--hf" ]; then
     --decode-tokens 8 --reps 1 2>"$out/bench_hf.err" | tee "$out/bench_hf.txt"
   stamp "HF"
 fi
-sweep=""; [ "$full" = 1 ] && sweep="--sweep"
-python3 -m sparse_mla.ops.indexer.bench $sweep 2>"$out/bench.err" | tee "$out/bench.txt"
+python3 -m sparse_mla.ops.indexer.bench 2>"$out/bench.err" | tee "$out/bench.txt"
+[ "$full" = 1 ] && python3 -m sparse_mla.lab.tools.indexer_speed --sweep | tee "$out/sweep.txt"
 rc_bench=${PIPESTATUS[0]}
 [ "$rc_bench" = 0 ] || tail -5 "$out/bench.err"
 stamp "bench"

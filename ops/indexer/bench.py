@@ -12,7 +12,7 @@ select kernel over its keys) and the whole op as % of the card's measured copy b
 (decode, on the bytes above) and bf16 matmul rate (prefill, on the flops above), and HF
 transformers' eager indexer math (``DeepseekV4IndexerScorer`` + the top-k of
 ``DeepseekV4Indexer``, written out here: a [tokens, heads, candidates] fp32 score tensor) in
-time and peak memory. ``--sweep`` first times the kernels under other launch shapes.
+time and peak memory. The launch-shape sweeps are lab/tools/indexer_speed.py's ``--sweep``.
 """
 from __future__ import annotations
 
@@ -305,14 +305,6 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
         def select(x=x, keys=keys, lim=lim):
             triton_select.select_topk(keys, x["out"], lim)
 
-        def select_4bit(select=select):
-            saved = triton_select.CONFIG["bits"]
-            triton_select.CONFIG["bits"] = 4
-            try:
-                select()
-            finally:
-                triton_select.CONFIG["bits"] = saved
-
         def whole(x=x):
             ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
                                     x["block_table"], x["out"], RATIO, x["next_n"])
@@ -320,8 +312,7 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
         rows += _stage_rows(shape, (("scores kernel", scores),
                                     ("scores kernel, heads on the dot's M", scores_heads_m),
                                     ("top-k by torch.topk over the keys", topk),
-                                    ("top-k select kernel", select),
-                                    ("top-k select kernel, 4-bit digits", select_4bit),
+                                    ("top-k select kernels", select),
                                     ("op (scores + top-k)", whole)),
                             lambda t, moved=moved: f"{100 * moved / t / copy_bw:.0f}% copy")
         # the op's GPU time alone: in the loop above its host time per call (wrapper,
@@ -368,7 +359,8 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
         mm_pct = lambda t, flops=flops: f"{100 * flops / t / mm:.0f}% mm"  # noqa: E731
         rows += _stage_rows(shape, (("scores kernel (all rows at once)", scores),
                                     ("top-k by torch.topk (all rows at once)", topk),
-                                    ("top-k select kernel (all rows at once)", select)), mm_pct)
+                                    ("top-k select kernels (all rows at once)", select)),
+                            mm_pct)
         del keys
         rows += _stage_rows(shape, (("op (scores + top-k, chunked)", whole),), mm_pct)
         if hf:
@@ -386,89 +378,6 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
         torch.cuda.empty_cache()
     print("\n".join(host))
     _print(rows)
-
-
-PREFILL_SHAPES = ((64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2))
-PREFILL_CHUNK_MIB = (32, 64, 256, 1024)
-# (BN, warps, heads on the dot's N axis)
-DECODE_SHAPES = ((64, 4, False), (64, 4, True), (64, 8, True), (128, 8, True), (32, 4, True))
-SELECT_SHAPES = ((4096, 8), (2048, 4), (8192, 16))
-
-
-def sweep(device="cuda", tokens=8192, cand=16384, batch=64):
-    """The kernels' time under other launch shapes (triton_impl.CONFIG and
-    triton_select.CONFIG keys), to pick them from one GPU run: prefill scores (BT, BN, warps,
-    stages), the prefill op by chunk size, decode scores (BN, warps, the dot's orientation)
-    and the select kernel (block, warps)."""
-    from sparse_mla.ops.indexer import triton_impl, triton_select
-    saved = dict(triton_impl.CONFIG), dict(triton_select.CONFIG)
-    try:
-        rows = _sweep_prefill(device, tokens, cand, saved[0]) + \
-            _sweep_decode(device, batch, cand)
-    finally:
-        for cfg, old in zip((triton_impl.CONFIG, triton_select.CONFIG), saved):
-            cfg.clear()
-            cfg.update(old)
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-
-
-def _attempt(rows, kernel, shape, fn, rate):
-    try:
-        t = _time(fn)
-        rows.append((kernel, shape, rate(t)))
-    except Exception as exc:      # a shape that does not compile or fit: say which
-        rows.append((kernel, shape, f"failed: {type(exc).__name__}"))
-
-
-def _sweep_prefill(device, tokens, cand, defaults):
-    from sparse_mla.ops.indexer import triton_impl
-    x = prefill_inputs(device, tokens, cand)
-    flops = pairs(x) * HEADS * fmt.DIM * 2
-    keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
-    lim = torch.empty(tokens, dtype=torch.int32, device=device)
-    rate = lambda t: f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"  # noqa: E731
-    rows = []
-    for bt, bn, warps, stages in PREFILL_SHAPES:
-        triton_impl.CONFIG.update(prefill_bt=bt, prefill_bn=bn, prefill_warps=warps,
-                                  prefill_stages=stages)
-        _attempt(rows, "prefill scores", f"BT={bt} BN={bn} warps={warps} stages={stages}",
-                 lambda: _prefill_keys(x, keys, lim), rate)
-    keys = None         # frees them: the chunked op allocates its own
-    triton_impl.CONFIG.update(defaults)
-    for mib in PREFILL_CHUNK_MIB:
-        triton_impl.CONFIG.update(prefill_chunk_bytes=mib << 20)
-        _attempt(rows, "prefill op", f"chunk of {mib} MiB keys",
-                 lambda: ops.indexer_topk_prefill(
-                     x["q"], x["weights"], x["k"], x["k_scale"], x["cu_seqlens_q"],
-                     x["cu_seqlens_k"], x["positions"], x["out"], RATIO, 0,
-                     x["max_seqlen_k"]), rate)
-    return rows
-
-
-def _sweep_decode(device, batch, cand):
-    from sparse_mla.ops.indexer import triton_impl, triton_select
-    x = decode_inputs(device, batch, 1, cand)
-    width = fmt.decode_width(x["block_table"], BLOCK, None)
-    moved = decode_bytes(x, cand)
-    rate = lambda t: f"{t * 1e6:.1f} us, {moved / t / 1e9:,.0f} GB/s"  # noqa: E731
-    rows = []
-    for bn, warps, heads_n in DECODE_SHAPES:
-        triton_impl.CONFIG.update(decode_bn=bn, decode_warps=warps, decode_heads_n=heads_n)
-        _attempt(rows, "decode scores",
-                 f"BN={bn} warps={warps} heads on {'N' if heads_n else 'M'}",
-                 lambda: triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"],
-                                                 x["seq_lens"], x["block_table"], RATIO, 1,
-                                                 BLOCK, width), rate)
-    keys, lim = triton_impl.decode_keys(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
-                                        x["block_table"], RATIO, 1, BLOCK, width)
-    for block, warps in SELECT_SHAPES:
-        triton_select.CONFIG.update(block=block, warps=warps)
-        _attempt(rows, "decode select", f"block={block} warps={warps}",
-                 lambda: triton_select.select_topk(keys, x["out"], lim),
-                 lambda t: f"{t * 1e6:.1f} us")
-    return rows
 
 
 def _paged_dense(x, cand):
@@ -497,15 +406,11 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--candidates", type=int, default=16384)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--sweep", action="store_true",
-                   help="time the kernels under other launch shapes first")
     p.add_argument("--no-hf", action="store_true",
                    help="leave out HF's eager indexer math (its prefill takes 66 GB)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the comparison needs a CUDA GPU")
-    if a.sweep:
-        sweep("cuda", a.tokens, a.candidates, a.batch)
     compare("cuda", a.tokens, a.candidates, a.batch, hf=not a.no_hf)
 
 
