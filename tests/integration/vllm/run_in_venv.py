@@ -62,4 +62,5 @@ def main(files):
 
 
 if __name__ == "__main__":
-    sys.exit(main([os.path.abspath(f) for f in sys.argv[1:]]))
+    # options (a "-k" expression) pass as they are; files by absolute path
+    sys.exit(main([a if a.startswith("-") else os.path.abspath(a) for a in sys.argv[1:]]))
