@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention import policy as policies
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device)")
@@ -74,11 +74,11 @@ def seeded(seed: int) -> torch.Generator:
 def hopper_with_gluon():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon) now: not
     where the process turned it off (``SPARSE_MLA_GLUON=0``, the forced software e4m3 route
-    ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.gluon_disabled_reason``)."""
+    ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.sm90_disabled_reason``)."""
     import torch
-    from sparse_mla.ops.attention.plan import gluon_disabled_reason
+    from sparse_mla.ops.attention.plan import sm90_disabled_reason
     if INTERPRETING or not torch.cuda.is_available() or \
-            torch.cuda.get_device_capability() != (9, 0) or gluon_disabled_reason() is not None:
+            torch.cuda.get_device_capability() != (9, 0) or sm90_disabled_reason() is not None:
         return False
     try:
         import sparse_mla.ops.attention.sm90.kernel  # noqa: F401
@@ -99,12 +99,20 @@ def split_kernel_name():
     return last_plan().kernel.name
 
 
-def force_tiny_launches(monkeypatch, tiny: bool):
+def use_policy(request, **changes):
+    """Run the rest of the test (``request``: its pytest request) under the attention core's
+    policy in force with ``changes`` (``policy.using``), restored at its teardown."""
+    block = policies.using(**changes)
+    block.__enter__()
+    request.addfinalizer(lambda: block.__exit__(None, None, None))
+
+
+def force_tiny_launches(request, tiny: bool):
     """Every launch of the attention core takes (``tiny``) or never takes the tiny-launch
     shape (the portable kernel's output-dim split), whatever its size and GPU; where the
     sm_90 kernel runs, one head block is still needed."""
-    monkeypatch.setattr(plan, "SMALL_UNITS", 10 ** 9 if tiny else -1)
-    monkeypatch.setattr(plan, "WS_TINY", None)
+    use_policy(request, small_units=10 ** 9 if tiny else -1, sm90_tiny_units=10 ** 9,
+               sm90_tiny_tiles=10 ** 9)
 
 
 def record_results(monkeypatch, owner, name: str) -> list:
@@ -132,3 +140,13 @@ def gapped(t: torch.Tensor, fill) -> torch.Tensor:
         misread = view.as_strided(view.shape, view.stride()[:-1] + (1,))
         assert not torch.equal(misread, t), "fill equals the values: the view tests nothing"
     return view
+
+
+def fake_device(monkeypatch, **changes):
+    """Plan every launch as if its device's facts (``plan.DeviceFacts``: capability, SM count,
+    shared memory per block) had ``changes``: a GPU this machine is not."""
+    from sparse_mla.ops.attention import plan
+    import dataclasses
+    real = plan.device_facts
+    monkeypatch.setattr(plan, "device_facts",
+                        lambda device: dataclasses.replace(real(device), **changes))

@@ -9,10 +9,11 @@ columns become an index list and sparse attention runs over exactly those keys w
 (softmax denominator + exp(sink)), so the result is eager's up to rounding.
 
 Routes: bf16 models run ``sparse_mla::flashmla_sparse_prefill`` (reference on CPU, Triton or
-FlashMLA on a GPU, chosen by the op's dispatcher): the op itself on the first call of a kind
-(shapes but the key count, device, sink, ``SPARSE_MLA_IMPL``), its choice directly on the
-later ones (op_route.py: HF calls this function per layer per decode step, and the op's
-wrapper, validation and dispatch cost more host time than the step's kernels). Per call stay
+FlashMLA on a GPU, chosen by the op's dispatcher): the first call of a kind (shapes but the
+key count, device, sink, ``SPARSE_MLA_IMPL``) and list width makes the op's plan
+(``flashmla_decode.plan_prefill``: validation, choice, launch plan) and later ones run it
+(op_route.py: HF calls this function per layer per decode step, and the op's wrapper,
+validation and dispatch cost more host time than the step's kernels). Per call stay
 the checks of this function's own arguments, one launch for the index lists (into buffers
 kept per shape at decode sizes) and the attention kernel; no host sync. That op is bf16 by
 contract, so fp32
@@ -145,21 +146,20 @@ def _refuse(bad, width, layer):
 
 def _attend_bf16(q, kv, mask, width, sink, scale, layer="?", reuse=True):
     """``out [B * S_q, H, 512]`` bf16 over ``mask``'s (``[B, S_q, N]``) visible columns:
-    the op, or the route kept for this kind of call (op_route.py) with the lists at its
-    width. Rows the lists cannot reproduce are refused (value checks on) or come out NaN
+    the op's plan kept for this kind of call (op_route.py), the lists at its width. Rows
+    the lists cannot reproduce are refused (value checks on) or come out NaN
     (loud, and no host sync to find them). ``reuse``: decode-sized lists in kept buffers
     (index_lists.py)."""
     b, s = mask.shape[:2]
     kind = op_route.call_kind(q, kv, width, sink)
-    route = op_route.route_for(kind)
-    width = op_route.list_width(route, width)
+    width = op_route.list_width(kind, width)
     # one flat batch, each list offset into its own batch's keys
     indices, lengths, bad = visible_index_lists(mask, width, flat=True, reuse=reuse)
     checkable = checks.value_checks_enabled(mask)
     if checkable:
         _refuse(bad, width, layer)
-    out = op_route.attend(kind, route, q, kv, indices.view(b * s, 1, width),
-                          lengths.view(b * s), sink, scale)
+    out = op_route.attend(kind, q, kv, indices.view(b * s, 1, width), lengths.view(b * s),
+                          sink, scale)
     if not checkable:
         out.masked_fill_(bad.view(b * s, 1, 1), float("nan"))
     return out

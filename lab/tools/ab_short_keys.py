@@ -5,23 +5,21 @@ FlashMLA, in one process.
   PYTHONPATH=$(bash tools/pyroot.sh):<flash_mla> python3 -m sparse_mla.lab.tools.ab_short_keys \\
       [--rounds N] [--only TEXT] [--no-vendor]
 
-Variants (module settings read at each launch's plan, restored after each call):
-* ``base``: the defaults (persistent programs where ``plan.persist_programs`` gives them);
-* ``one``: ``tuning.PERSIST_V4`` off, one program a token (the launch before persistent
-  programs);
-* ``comb0``: ``plan.SPLIT_COMBINE_TILES`` = 0, the combine launch not charged to plans that
-  split (V4 b64 s_q1 h64 window 128 + 64: two splits of 2 + 1 tiles and a combine, where the
-  default, 1, runs one split of 3 tiles);
-* ``nocl``: ``tuning.CLUSTER_V4`` off, one CTA per head block at h128 (rows at 65-128 heads).
+Variants (attention policies, ``policy.using`` around each call):
+* ``base``: the default policy (persistent programs where ``plan.persist_programs`` gives them);
+* ``one``: ``persistent=False``, one program a token (the launch before persistent programs);
+* ``comb0``: ``split_combine_tiles=0``, the combine launch not charged to plans that split (V4
+  b64 s_q1 h64 window 128 + 64: two splits of 2 + 1 tiles and a combine, where the default,
+  1, runs one split of 3 tiles);
+* ``nocl``: ``clusters=False``, one CTA per head block at h128 (rows at 65-128 heads).
 
-Then bench_flashmla's batch-2 rows: ``base`` against ``nosplit``, ``plan.choose_splits``
-answering 1 (one launch, one program a token and head block, no combine). Then DeepSeek-V3.2
-rows at 128 heads (2-CTA clusters) of more units than SMs, against
-FlashMLA: ``base`` (persistent programs over the V3.2 pair producer, ``tuning.PERSIST_V32``)
-against ``one32``, it off. Then DeepSeek-V4.1 rows (528 B main + 288 B extra records, window
-128 + 512) in 2-CTA clusters of more units than SMs, without FlashMLA (it reads no V4.1
-record): ``base`` (persistent programs over V4.1 rows, ``tuning.PERSIST_V41``) against
-``one41``, it off.
+Then bench_flashmla's batch-2 rows: ``base`` against ``nosplit`` (``splits=1``: one launch,
+one program a token and head block, no combine). Then DeepSeek-V3.2 rows at 128 heads (2-CTA
+clusters) of more units than SMs, against FlashMLA: ``base`` (persistent programs over the
+V3.2 pair producer) against ``one32``, them off. Then DeepSeek-V4.1 rows (528 B main + 288 B
+extra records, window 128 + 512) in 2-CTA clusters of more units than SMs, without FlashMLA
+(it reads no V4.1 record): ``base`` (persistent programs over V4.1 rows) against ``one41``,
+them off.
 
 Per row, in each of ``--rounds`` rounds, FlashMLA and each variant are timed in turn
 (CUDA-graph replay, ``harness.time_graph``: bench_flashmla's timing); µs are medians over the
@@ -36,8 +34,7 @@ import sys
 
 import torch
 
-from sparse_mla.ops.attention import plan
-from sparse_mla.ops.attention.sm90 import tuning
+from sparse_mla.ops.attention import policy
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import bench_flashmla, harness
@@ -50,22 +47,21 @@ ROWS = ((64, 1, 64, 64), (256, 1, 64, 64), (64, 1, 128, 64), (256, 1, 128, 64),
         (64, 1, 64, 512), (64, 1, 128, 1024),
         (256, 1, 64, 512), (128, 2, 64, 512), (256, 2, 64, 512), (128, 1, 128, 1024),
         (256, 1, 128, 1024), (64, 2, 128, 1024), (128, 2, 128, 1024), (256, 2, 128, 1024))
-VARIANTS = {"base": {}, "one": {(tuning, "PERSIST_V4"): False},
-            "comb0": {(plan, "SPLIT_COMBINE_TILES"): 0},
-            "nocl": {(tuning, "CLUSTER_V4"): False}}
+VARIANTS = {"base": {}, "one": {"persistent": False}, "comb0": {"split_combine_tiles": 0},
+            "nocl": {"clusters": False}}
 # (b, s_q, h): V4.1 rows (528 + 288 B) at 128 heads whose one-split launches have more units
 # than SMs
 V41_ROWS = ((256, 1, 128), (128, 2, 128))
-V41_VARIANTS = {"base": {}, "one41": {(tuning, "PERSIST_V41"): False}}
+V41_VARIANTS = {"base": {}, "one41": {"persistent": False}}
 # (b, s_q, h, top-k): V3.2 rows in 2-CTA clusters of more units than SMs (bench_flashmla's
 # decode row first)
 V32_ROWS = ((64, 2, 128, 2048), (128, 1, 128, 2048), (128, 2, 128, 512))
-V32_VARIANTS = {"base": {}, "one32": {(tuning, "PERSIST_V32"): False}}
+V32_VARIANTS = {"base": {}, "one32": {"persistent": False}}
 # (b, s_q, h, top-k): bench_flashmla's batch-2 rows, split over the card and combined by a
 # second launch, against one split a token (one launch; issue 55 item 4's "no split")
 B2_ROWS = ((2, 1, 64, 512), (2, 2, 64, 512), (2, 1, 128, 1024), (2, 2, 128, 1024),
            (2, 2, 32, 512), (2, 2, 16, 512))
-B2_VARIANTS = {"base": {}, "nosplit": {(plan, "choose_splits"): lambda *args, **kw: 1}}
+B2_VARIANTS = {"base": {}, "nosplit": {"splits": 1}}
 
 
 def _cases():
@@ -83,14 +79,8 @@ def _cases():
 
 
 def _with(settings, fn):
-    old = {k: getattr(*k) for k in settings}
-    for (mod, name), v in settings.items():
-        setattr(mod, name, v)
-    try:
+    with policy.using(**settings):
         return fn()
-    finally:
-        for (mod, name), v in old.items():
-            setattr(mod, name, v)
 
 
 def _same(x, y):

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sparse_mla.ops.attention import launch as core
-from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention.policy import DEFAULT
 from sparse_mla.ops.attention import portable as kernels
 
 POINTERS = {"q_ptr": "*bf16", "c0_ptr": "*u8", "c1_ptr": "*u8", "i0_ptr": "*i32",
@@ -86,9 +86,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--fmt", default="v4", choices=sorted(core.FMT_CODES))
-    p.add_argument("--block-n", type=int, default=plan.CONFIG["block_n"])
-    p.add_argument("--stages", type=int, default=plan.CONFIG["num_stages"])
-    p.add_argument("--warps", type=int, default=plan.CONFIG["num_warps"])
+    p.add_argument("--block-n", type=int, default=DEFAULT.general.block_n)
+    p.add_argument("--stages", type=int, default=DEFAULT.general.num_stages)
+    p.add_argument("--warps", type=int, default=DEFAULT.general.num_warps)
     p.add_argument("--dv", type=int, default=1, choices=(1, 2))
     p.add_argument("--one-tile", action="store_true",
                    help="the form without a key loop (runs of at most one tile)")

@@ -7,16 +7,24 @@ grid; run under Nsight Compute for counters:
 """
 import torch
 
-from sparse_mla.ops.attention import plan
+import dataclasses
+
+from sparse_mla.ops.attention import policy
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 
 
 def main():
     import sys
-    for arg in sys.argv[1:]:                 # e.g. block_n=128 num_stages=1
+    changes = {}
+    for arg in sys.argv[1:]:                 # e.g. block_n=128 num_stages=1 (policy.Shape)
         key, _, value = arg.partition("=")
-        plan.CONFIG[key] = int(value)
+        changes[key] = int(value)
+    with policy.using(general=dataclasses.replace(policy.DEFAULT.general, **changes)):
+        _profile()
+
+
+def _profile():
     for h, topk, s_q, b in ((64, 512, 1, 64), (128, 1024, 2, 64)):
         case = bench._decode_case(b, s_q, h, topk, "cuda", check=False)
         torch.manual_seed(0)

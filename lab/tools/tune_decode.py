@@ -2,17 +2,20 @@
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 -m sparse_mla.lab.tools.tune_decode [--quick] [--gluon]
 
---gluon sweeps the sm_90 warp-specialized kernel's module settings instead: the V4 shapes plus
-plain bf16 / e4m3 TRTLLM-gen shapes and the prefill shape.
+--gluon sweeps the sm_90 kernel's shape (``policy.Sm90``) instead: the V4 shapes plus plain
+bf16 / e4m3 TRTLLM-gen shapes and the prefill shape.
 
-Each row is one CONFIG override; every output is also compared with the first row's (a
-config must not change the answer beyond bf16 rounding: '!' marks > 1e-2).
+Each row is one override of the policy's general launch shape (``policy.Shape``); every output
+is also compared with the first row's (a config must not change the answer beyond bf16
+rounding: '!' marks > 1e-2).
 """
 import sys
 
 import torch
 
-from sparse_mla.ops.attention import plan
+import dataclasses
+
+from sparse_mla.ops.attention import policy
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.flashmla_decode import bench
 from sparse_mla.tools import harness
@@ -22,26 +25,25 @@ DECODE = [(64, 512, 1, 2), (64, 512, 1, 64), (64, 512, 1, 74), (64, 512, 2, 148)
 SWEEP = [dict(),                                    # the current CONFIG
          dict(num_stages=3),
          dict(block_n=32, num_stages=3),
-         dict(num_stages=1, prefetch=False),
+         dict(num_stages=1),
          dict(split_overhead=2),
          dict(split_overhead=5)]
 
 
-GLUON_SWEEP = [dict(), dict(PRODUCER_REGS=96),
-               dict(PRODUCER_REGS=112), dict(FOLLOW_REGS=176)]
+GLUON_SWEEP = [dict(), dict(producer_regs=96), dict(producer_regs=112), dict(follow_regs=176)]
 
 
 def main(argv):
     quick = "--quick" in argv
     if "--gluon" in argv:
-        from sparse_mla.ops.attention.sm90 import tuning as g
-        return _sweep(g.__dict__, GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False,
+        return _sweep("sm90", GLUON_SWEEP, [c for c in DECODE if c[3] != 2], False,
                       plain=True)
-    return _sweep(plan.CONFIG, SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
+    return _sweep("general", SWEEP[:2] if quick else SWEEP, DECODE[:2] if quick else DECODE,
                   not quick)
 
 
-def _sweep(settings, sweep, decode, extra, plain=False):
+def _sweep(part, sweep, decode, extra, plain=False):
+    """``part``: the policy field whose fields each override changes."""
     cases = [bench._decode_case(b, s_q, h, topk, "cuda", check=False)
              for h, topk, s_q, b in decode]
     if plain:
@@ -57,25 +59,28 @@ def _sweep(settings, sweep, decode, extra, plain=False):
     for c in cases:
         torch.manual_seed(0)
         inputs.append(c.make())
-    default = {k: settings[k] for o in sweep for k in o}
     first = {}
     print(" | ".join(c.shape for c in cases), flush=True)
     for override in sweep:
-        settings.update(default)
-        settings.update(override)
-        cells = []
-        for i, (c, a) in enumerate(zip(cases, inputs)):
-            try:
-                out = c.run(dict(a), "triton")
-                o = (out[0] if isinstance(out, tuple) else out).float()
-                err = (o - first.setdefault(i, o.clone())).abs().max().item()
-                t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
-                cells.append(f"{t * 1e6:8.1f}{'!' if err > 1e-2 else ''}")
-            except Exception as exc:  # a config may not compile (smem, regs)
-                cells.append(f"failed ({str(exc)[:30]})")
+        varied = dataclasses.replace(getattr(policy.DEFAULT, part), **override)
+        with policy.using(**{part: varied}):
+            cells = _row(cases, inputs, first)
         spills = getattr(dispatch.last_plan().kernel, "n_spills", "?")
         print(f"{override} spills={spills} |" + "|".join(cells), flush=True)
-    settings.update(default)
+
+
+def _row(cases, inputs, first):
+    cells = []
+    for i, (c, a) in enumerate(zip(cases, inputs)):
+        try:
+            out = c.run(dict(a), "triton")
+            o = (out[0] if isinstance(out, tuple) else out).float()
+            err = (o - first.setdefault(i, o.clone())).abs().max().item()
+            t = harness.time_graph(lambda c=c, a=a: c.run(a, "triton"))
+            cells.append(f"{t * 1e6:8.1f}{'!' if err > 1e-2 else ''}")
+        except Exception as exc:  # a config may not compile (smem, regs)
+            cells.append(f"failed ({str(exc)[:30]})")
+    return cells
 
 
 if __name__ == "__main__":

@@ -23,13 +23,16 @@ says why); its dots stay bf16 / fp16. ``run`` returns the ``plan.LaunchPlan`` th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
 from sparse_mla.ops.attention import plan
-from sparse_mla.ops.attention import portable as kernels
+from sparse_mla.ops.attention.policy import DEFAULT
+from sparse_mla.ops.attention import portable as kernels_mod
 from sparse_mla.ops.attention.reference import head_dims
-from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
@@ -54,23 +57,17 @@ LOG2E = 1.4426950408889634
 # The q fold's run-time kernel arguments of a launch without it (``qrot.QRot.pointer_args``)
 NO_QROT = dict(qpos_ptr=None, qcs_ptr=None, q_max_pos=None)
 
-# Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
-# are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
-# launch latency is hidden (lab/perf-log.md, "Fixed per-call costs").
-PDL = True
-# Plain e4m3 keys with an e4m3 q run the dots on fp16 operands, in both kernels: exact (e4m3
-# values are fp16 values as they are bf16 values), and e4m3 -> fp16 is one conversion per two
-# bytes where -> bf16 is three: the fp8 path is faster on both kernels (lab/perf-log.md,
-# "V3.2 and 576-wide rows on sm_90")
-# The software e4m3 route (``SOFT``) keeps it: its fp32 decode converts to fp16 exactly too.
-FP16_FOR_E4M3 = True
+# Programmatic dependent launch wherever the GPU has it (sm_90+: ``pdl_supported``): the split
+# and combine kernels are scheduled while the kernel before them runs and wait for its writes
+# in-kernel, so their launch latency is hidden (lab/perf-log.md, "Fixed per-call costs").
 
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None, n_tok=None):
+                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None, n_tok=None,
+                  policy=DEFAULT):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
-    staged or V3.2 rows, 65-128 heads; its producer gets ``PRODUCER_REGS_CLUSTER``
+    staged or V3.2 rows, 65-128 heads; its producer gets ``Sm90.producer_regs_cluster``
     registers): the compiled kernel is made cluster-launchable before its first
     launch, and the launch then takes half the grid's x (the launcher multiplies it back).
     ``n_tok``: the launch's tokens where its programs are persistent
@@ -98,7 +95,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         has_sink=sink is not None, has_lse=lse is not None,
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
         staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
-        qeps=qrot.eps32 if qrot is not None else 0.0, persist=n_tok is not None)
+        qeps=qrot.eps32 if qrot is not None else 0.0, persist=n_tok is not None,
+        shape=policy.sm90)
     # the fold's run-time arguments always (None without it), n_tok too: the cluster launch
     # passes every parameter by name (``triton_utils.launch_compiled``)
     kwargs.update(qrot.pointer_args() if qrot is not None else NO_QROT)
@@ -130,27 +128,52 @@ def scales_aligned(fmt, blocks):
     """Whether the portable kernel reads V4 scale bytes as one int64 per row (``SCALE64``):
     every block of every source (``blocks``: (uint8 cache, block stride) pairs) starts 8-byte
     aligned."""
-    return fmt == "v4" and all(plan._blocks_aligned(c, s0) for c, s0 in blocks)
+    return fmt == "v4" and all(plan.blocks_aligned(c, s0) for c, s0 in blocks)
 
 
 def _source_args(src):
     """(pointer tensor, stride0, stride1) for a source's cache, strides in its element unit."""
-    if src.fmt in ("v4", "v32") + V41_FORMATS:
-        fmt = formats.get_format(src.fmt)
-        raw = src.cache.view(torch.uint8) if src.cache.dtype != torch.uint8 else src.cache
-        return raw, checks.block_stride(src.cache, fmt, src.block_size), 0
-    cache = src.cache.view(torch.uint8) if src.fmt == "plain_fp8" else src.cache
-    return cache, src.cache.stride(0), src.cache.stride(1)
+    return plan.cache_view(src)
 
 
-def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, qrot=None):
-    """Launch the attention of ``q`` over ``sources`` (``reference.KeySource``) and return
-    the ``plan.LaunchPlan`` that ran (None where there was nothing to compute). ``qrot``
-    (``qrot.QRot``): q is raw, and the split kernel norms / rotates it as it loads it."""
+def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, qrot=None,
+        policy=None):
+    """Plan (``plan.plan_launch``) and launch the attention of ``q`` over ``sources``
+    (``reference.KeySource``); returns what ran (``Launched``; None where there was nothing to
+    compute). ``qrot`` (``qrot.QRot``): q is raw, and the split kernel norms / rotates it as it
+    loads it."""
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return None
+    return execute(plan.plan_launch(q, sources, policy=policy), q, sources, sink, scale, out,
+                   lse, out_scale, max_logits, qrot)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A plan that ran, and the compiled split kernels it launched (one per phase: their
+    registers and PTX, for tests and tools); reads as its plan (``route``, ``phases``...)."""
+    plan: plan.LaunchPlan
+    kernels: tuple
+
+    @property
+    def kernel(self):
+        """The last compiled split kernel launched."""
+        return self.kernels[-1] if self.kernels else None
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
+
+    def __str__(self):
+        return str(self.plan)
+
+
+def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None,
+            qrot=None):
+    """Launch plan ``p`` (``plan.plan_launch``'s, for a call of this kind: ``p.check_fits``)
+    on these tensors; nothing is decided here."""
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return None
-    n_hb = triton.cdiv(H, plan.CONFIG["max_heads"])    # head blocks are max_heads wide past it
     src0 = sources[0]
     src1 = sources[1] if len(sources) > 1 else None
     k0 = src0.indices.shape[1]
@@ -169,116 +192,76 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
     blocks = [(c0, c0s0)] + ([(c1, c1s0)] if src1 is not None else [])
     scale64 = scales_aligned(src0.fmt, blocks)
     d576 = head_dims(sources) == 576
-    sms = plan._sm_count(q.device)     # asked once a call (a per-decode-step host path)
-    launch, cfg, g = plan.plan_launch(q, src0.fmt, blocks, T, n_hb, k0, k1, heads=H,
-                                      extra_fmt=src1.fmt if src1 is not None else None,
-                                      sms=sms)
-    staged = launch.staged
-    cluster = launch.route == "sm90_cluster"
-    bn = cfg["block_n"]
-    # enough programs to fill the card; the kernel cuts each token's own key list (lengths
-    # applied) into n_splits runs of whole tiles, so at most this many tiles ever exist
-    max_tiles = max(1, plan._tiles(k0, k1, bn))
-    dvs = cfg["dv"]
+    cfg = p.shape
     dev = q.device
     q_fp8 = q.dtype == torch.float8_e4m3fn
-    # e4m3 keys and q: the dots run on fp16 operands (exact; one conversion per two bytes)
-    f16 = src0.fmt == "plain_fp8" and q_fp8 and FP16_FOR_E4M3 and not triton_interpreting()
     i0 = src0.indices
     i1 = src1.indices if src1 is not None else i0
     dummy = i0
-    pdl = PDL and pdl_supported(dev)
-    if g is not None:
+    pdl = pdl_supported(dev)
+    n_hb = p.head_blocks
+    kernels = []
+    if p.sm90:
+        from sparse_mla.ops.attention.sm90 import kernel as g
         # the sm_90 kernel decodes an e4m3 q into shared memory itself; one split per token:
         # it finishes the rows itself (no partials, no combine)
         qq = q.view(torch.uint8) if q_fp8 else q
-        phases = plan.plan_phases(T, n_hb, max_tiles, sms,
-                                  cfg["split_overhead"])
-        launch.phases = tuple(phases)
-        launch.combined = any(n_splits > 1 for _, _, n_splits in phases)
-        for t0, t1, n_splits in phases:
-            final = n_splits == 1
-            part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
-                                         n_splits)
-            # persistent programs (each running several tokens) where they pay
-            progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8, qrot,
-                                          n_splits, cluster) if len(phases) == 1 else 0
-            launch.persist = progs
-            launch.kernels.append(_launch_gluon(
-                g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
-                _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
-                _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,
-                q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0,
-                qrot, (t1 - t0) if progs else None))
+        for ph in p.phases:
+            final = ph.splits == 1
+            part_o, part_ml = _partials(0 if final else (ph.t1 - ph.t0) * H * ph.splits, dev,
+                                         ph.splits, p.policy)
+            kernels.append(_launch_gluon(
+                g, ((ph.programs or ph.t1 - ph.t0) * n_hb, ph.splits), qq, (c0, c0s0, c0s1),
+                src0, i0, k0, _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
+                _length_args(src1, dummy), scale, part_o, part_ml, ph.splits, n_hb,
+                max_logits, q_fp8, final, sink, out, lse, out_scale, pdl, d576, p.fp16_dots,
+                p.staged, p.cluster, ph.t0, qrot, (ph.t1 - ph.t0) if ph.programs else None,
+                p.policy))
             if not final:
-                _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
-                         out_scale, pdl, interp=False)
-        return launch
-    # waves of one program per SM even where two 4-warp programs fit (dv 2): twice the splits
-    # were slower (lab/perf-log.md, "FlashMLA timed per layer")
-    n_splits = plan.choose_splits(T * n_hb * dvs, max_tiles, sms,
-                                  cfg["split_overhead"], cfg["max_splits"])
-    hb = plan.head_block(H, cfg["tiny"], dev, src0.fmt)
-    part_o, part_ml = _partials(T * H * n_splits, dev, n_splits)
+                _combine(part_o, part_ml, ph.splits, ph.t0, ph.t1, H, sink, out, lse,
+                         max_logits, out_scale, pdl, False, p.policy)
+        return Launched(p, tuple(kernels))
+    (ph,) = p.phases
+    n_splits = ph.splits
+    dvs = cfg.dv
+    part_o, part_ml = _partials(T * H * n_splits, dev, n_splits, p.policy)
     interp = triton_interpreting()
-    if q_fp8 and (cfg["dv"] == 1 or (launch.soft_e4m3 and not interp)):
-        # exact (e4m3 ⊂ bf16). Decoded in the kernel, Triton keeps a computed q as a register
-        # wgmma operand for the whole key loop (64 registers: the fp8 path spilled and ran
-        # slower than bf16); one elementwise pass here keeps q in shared memory. Tiny
-        # launches (one or two tiles per program) decode in the kernel: the extra launch
-        # would cost them more (lab/perf-log.md, "Attention core rework") — except on the
-        # software e4m3 route, where decoding a whole q block in integer arithmetic spilled
-        # tens of KB of registers (tests/ops/test_arch_compile.py, SPILL_BOUND); torch's
-        # cast is exact on any GPU. (Interpreted launches keep the in-kernel decode tested.)
-        q, q_fp8 = q.to(torch.float16 if f16 else torch.bfloat16), False
+    if p.q_cast is not None:
+        q, q_fp8 = q.to(p.q_cast), False
     qq = q.view(torch.uint8) if q_fp8 else q
-    launch.phases = ((0, T, n_splits), )
-    launch.combined = True
-    launch.kernels.append(kernels._split_kernel[(T * n_hb * dvs, n_splits)](
+    kernels.append(kernels_mod._split_kernel[(T * n_hb * dvs, n_splits)](
         qq, q.stride(0), q.stride(1), H,
         c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
         *_length_args(src0, dummy),
         c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
         i1.stride(0), k1, *_length_args(src1, dummy),
         *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
-        FMT=(FMT_PLAIN_BF16_TILED if src0.fmt == "plain_bf16" and cfg["tiled_bf16"]
+        FMT=(FMT_PLAIN_BF16_TILED if src0.fmt == "plain_bf16" and cfg.tiled_bf16
              else FMT_CODES[src0.fmt]), FMT1=fmt1,
         HAS_L0=src0.lengths is not None,
         HAS_L1=src1 is not None and src1.lengths is not None, HAS_SRC1=src1 is not None,
-        Q_FP8=q_fp8, HB=hb, BN=bn, D576=d576,
-        TRACK_MAX=max_logits is not None, PREFETCH=cfg["prefetch"], DV=dvs,
+        Q_FP8=q_fp8, HB=p.head_block, BN=cfg.block_n, D576=d576,
+        TRACK_MAX=max_logits is not None, PREFETCH=True, DV=dvs,
         N_UNITS=n_hb * dvs, SCALE64=scale64,
-        SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=f16,
-        ONE_TILE=plan.one_tile(max_tiles, n_splits), SOFT=bool(launch.soft_e4m3),
-        num_warps=cfg["num_warps"] // dvs,
-        num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
+        SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=p.fp16_dots,
+        ONE_TILE=p.one_tile, SOFT=bool(p.soft_e4m3),
+        num_warps=cfg.num_warps // dvs, num_stages=cfg.stages(src0.fmt),
         launch_pdl=pdl, **(qrot.kernel_args() if qrot is not None else {})))
     _combine(part_o, part_ml, n_splits, 0, T, H, sink, out, lse, max_logits, out_scale, pdl,
-             interp)
-    return launch
+             interp, p.policy)
+    return Launched(p, tuple(kernels))
 
 
-# Split partials (each split's normalized output rows) in bf16, their (lse2, max) pairs in
-# fp32: half the bytes between the split kernels and the combine, faster at small and medium
-# batches and a tie at large ones (lab/perf-log.md, "bf16 split partials"). Each partial is
-# rounded once more than FlashMLA's fp32 ones (2^-9 relative per term of a convex combination,
-# within docs/semantics.md §9's rel 2/128; the error against the reference did not change).
-# A launch of one split (the portable kernel, whose combine then only applies the sink and
-# output scale) keeps fp32, so its rows are rounded once, as the sm_90 kernel's own epilogue
-# rounds them. torch.float32 restores fp32 everywhere (both kernels take either).
-PARTIAL_DTYPE = torch.bfloat16
-
-
-def _partials(n_rows, dev, n_splits):
-    """Partial outputs ([n_rows, 512]; ``PARTIAL_DTYPE`` where a token has several splits,
+def _partials(n_rows, dev, n_splits, policy=DEFAULT):
+    """Partial outputs ([n_rows, 512]; ``Policy.partials`` where a token has several splits,
     else fp32) and fp32 (lse2, max) pairs for ``n_rows`` rows."""
-    dtype = PARTIAL_DTYPE if n_splits > 1 else torch.float32
+    dtype = policy.partials if n_splits > 1 else torch.float32
     return (torch.empty(max(1, n_rows * 512), dtype=dtype, device=dev),
             torch.empty(max(1, n_rows * 2), dtype=torch.float32, device=dev))
 
 
 def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, out_scale, pdl,
-             interp):
+             interp, policy=DEFAULT):
     """Merge the splits of tokens [t0, t1) (partial rows numbered from t0) into out / lse /
     max logits."""
     if part_o.dtype == torch.bfloat16:     # read as their bits (see the kernel)
@@ -301,26 +284,21 @@ def _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits, o
         SPLITS=triton.next_power_of_2(n_splits), SOFT=interp, PDL=pdl,
         num_warps=4 if part_o.element_size() == 4 else 2,
         launch_pdl=pdl)
-    cap = combine_residency(grid[0] * grid[1], plan._sm_count(part_o.device), pdl)
+    cap = combine_residency(grid[0] * grid[1], plan.device_facts(part_o.device).sms, pdl,
+                           policy.combine_spread)
     if cap is None:
-        kernels._combine_kernel[grid](*args, **kwargs)
+        kernels_mod._combine_kernel[grid](*args, **kwargs)
     else:
-        launch_capped(kernels._combine_kernel, grid, args, kwargs, cap)
+        launch_capped(kernels_mod._combine_kernel, grid, args, kwargs, cap)
 
 
-# Launched early (PDL), the combine's CTAs all land on the SMs the split launch leaves free,
-# as many as fit, and only those SMs merge the partials (at batch 2, h128: fewer than half the
-# SMs). Capped at ceil(CTAs / SMs) per SM, the rest start on the split's SMs as they empty,
-# and small calls got faster (lab/perf-log.md, "Small-launch timeline and combine cap").
-# Large combines (thousands of CTAs) lost under a cap, so only small ones are capped:
-# ``COMBINE_SPREAD`` CTAs per SM at most (None: never).
-COMBINE_SPREAD = 8
-
-
-def combine_residency(ctas, sms, pdl):
+def combine_residency(ctas, sms, pdl, spread=DEFAULT.combine_spread):
     """The per-SM cap on a combine launch of ``ctas`` CTAs (None: uncapped): launched early
-    (``pdl``) and small enough to spread ceil(ctas / sms) to an SM within ``COMBINE_SPREAD``."""
-    if not pdl or COMBINE_SPREAD is None:
+    (``pdl``) and small enough to spread ceil(ctas / sms) to an SM within ``spread``
+    (``Policy.combine_spread``: launched early, the combine's CTAs all land on the SMs the
+    split launch leaves free, and only those merge the partials; capped, the rest start on
+    the split's SMs as they empty)."""
+    if not pdl or spread is None:
         return None
     per_sm = triton.cdiv(ctas, sms)
-    return per_sm if per_sm <= COMBINE_SPREAD else None
+    return per_sm if per_sm <= spread else None

@@ -312,7 +312,7 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
         # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
         # shared memory (cp.async) instead of staging 64-wide pieces in registers. (FMT 4:
         # the same rows in 64-wide pieces, for GPUs below sm_90, whose shared memory cannot
-        # hold two stages of whole rows: plan.LOW_SHARED_CONFIG.)
+        # hold two stages of whole rows: Policy.low_shared.)
         row = cache + blk * s0 + off * s1
         if DV == 1:
             k_lo = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)

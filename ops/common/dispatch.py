@@ -76,12 +76,16 @@ class Choice:
     impl: str
     forced_by: Optional[str]            # "impl=" | ENV_VAR | None (automatic)
     rejected: dict                      # impl name -> reason it was not used
-    # what the Triton implementation launched (``LaunchPlan`` of ops/attention/plan.py: the
-    # kernel route and why); set on ``last_choice`` after a call of an attention op, else None
+    # what the Triton implementation launches (``LaunchPlan`` of ops/attention/plan.py: the
+    # kernel route, its file and why): made by ``explain`` before a call of an attention op,
+    # and on ``last_choice`` after one (with its compiled kernels); else None
     plan: Optional[object] = None
     # the vendor route's one-time canary on this device (see the module docstring), where the
     # automatic choice needed one: "... passed" or why it failed; None where none was needed
     canary: Optional[str] = None
+    # made by ``explain`` / a ``plan_*`` function before the call (its ``plan`` the launch plan
+    # the call will carry out), not recorded after one
+    ahead: bool = False
 
     @property
     def route(self) -> Optional[str]:
@@ -96,10 +100,11 @@ class Choice:
         why = "; ".join(f"{k}: {v}" for k, v in self.rejected.items())
         how = f"forced by {self.forced_by}" if self.forced_by else "automatic"
         ran = f"{self.impl}, route {self.plan}" if self.plan is not None else self.impl
+        verb = "will run" if self.ahead else "ran"
         # a failed canary is already the vendor's rejection reason
         shown = self.canary and self.canary not in self.rejected.get("vendor", "")
         canary = f"; vendor canary: {self.canary}" if shown else ""
-        return (f"{self.op}: ran {ran} ({how})" + (f"; rejected {why}" if why else "")
+        return (f"{self.op}: {verb} {ran} ({how})" + (f"; rejected {why}" if why else "")
                 + canary)
 
 
@@ -167,20 +172,25 @@ class Dispatcher:
         self._impls: dict = {}
         self._verified_ccs: tuple = ()
         self._canary: Optional[Canary] = None
+        self._planners: dict = {}
         _REGISTRY[op] = self
 
     def register(self, name: str, fn: Callable, check: Optional[Check] = None,
                  automatic: Optional[Check] = None, verified_ccs: tuple = (),
-                 canary: Optional["Canary"] = None) -> None:
+                 canary: Optional["Canary"] = None, planner: Optional[Callable] = None) -> None:
         """``verified_ccs`` and ``canary`` only for the vendor route: the compute capabilities
         (``(major, minor)``) on which this project's tests ran it, and the call that checks it
-        once per device elsewhere (module docstring)."""
+        once per device elsewhere (module docstring). ``planner``: for the Triton route of an
+        attention op, what it would launch on these arguments (``plan.LaunchPlan``), made
+        without launching: ``explain`` reports it."""
         if name not in IMPLS:
             raise ValueError(f"unknown implementation kind {name!r}")
         if name != "vendor" and (verified_ccs or canary is not None):
             raise ValueError(f"{self.op}: verified_ccs / canary describe the vendor route, "
                              f"not {name!r}")
         self._impls[name] = (fn, check, automatic)
+        if planner is not None:
+            self._planners[name] = planner
         if name == "vendor":
             self._verified_ccs = tuple(tuple(cc) for cc in verified_ccs)
             self._canary = canary
@@ -276,6 +286,15 @@ class Dispatcher:
             return False, f"{head} disagreed with Triton: {diff}"
         return True, f"{head} on {device} matched Triton"
 
+    def explain(self, impl: Optional[str], *args, **kwargs) -> Choice:
+        """:meth:`choose`, with the launch plan of the chosen route where it has a planner
+        (the attention ops' Triton route: the kernel, its file, why, the splits)."""
+        choice = dataclasses.replace(self.choose(impl, *args, **kwargs), ahead=True)
+        planner = self._planners.get(choice.impl)
+        if planner is None:
+            return choice
+        return dataclasses.replace(choice, plan=planner(*args, **kwargs))
+
     def __call__(self, *args, impl: Optional[str] = None, **kwargs):
         return self.run(self.choose(impl, *args, **kwargs), *args, **kwargs)
 
@@ -283,6 +302,7 @@ class Dispatcher:
         """Run the implementation ``choice`` names (from :meth:`choose` on arguments of the
         same kind: a caller that chose once per shape skips choosing on every call) and
         record it for ``last_choice``."""
+        choice = dataclasses.replace(choice, ahead=False) if choice.ahead else choice
         record_choice(choice)
         fn = self._impls[choice.impl][0]
         _LAST.plan = None
@@ -430,12 +450,13 @@ def last_plan():
 
 
 def explain(op: str, *args, impl: Optional[str] = None, **kwargs) -> Choice:
-    """Which implementation a call with these arguments would run, without running it (but
-    running the vendor route's one-time canary where the automatic choice needs it, so that
-    the answer is the call's). The kernel route of the Triton attention ops is decided at
-    launch: after a call, ``last_choice(op)`` reports it (``route``, ``plan``: which kernel
-    ran and why)."""
-    return _REGISTRY[_op_name(op)].choose(impl, *args, **kwargs)
+    """Which implementation a call with these arguments (the op's dispatcher arguments) would
+    run, and for the attention ops' Triton route its launch plan (``Choice.plan``: kernel
+    route, its file, why, the splits), without running it (but running the vendor route's
+    one-time canary where the automatic choice needs it, so that the answer is the call's).
+    The ops' own ``plan_*`` functions (e.g. ``flashmla_decode.plan_decode``) take the op's
+    public arguments instead."""
+    return _REGISTRY[_op_name(op)].explain(impl, *args, **kwargs)
 
 
 def dispatcher(op: str) -> Dispatcher:
@@ -505,14 +526,15 @@ def no_vendor_route(reason: str) -> VendorRoute:
 
 
 def implementations(op: str, *, vendor: VendorRoute, triton: Callable,
-                    reference: Callable) -> Dispatcher:
+                    reference: Callable, triton_planner: Optional[Callable] = None) -> Dispatcher:
     """The dispatcher of ``op`` (its name without ``sparse_mla::``), registered the same way by
     every family's ops.py: the family's ``vendor`` route with its own checks; its ``triton``
     implementation wherever the arguments' tensors allow Triton (:func:`triton_check_args`);
-    its ``reference`` everywhere. All three take the arguments the op passes its dispatcher."""
+    its ``reference`` everywhere. All three take the arguments the op passes its dispatcher,
+    and so does ``triton_planner`` (the attention ops: what the Triton route would launch)."""
     d = Dispatcher(op)
     d.register("vendor", vendor.run, vendor.check, vendor.automatic, vendor.verified_ccs,
                vendor.canary)
-    d.register("triton", triton, triton_check_args)
+    d.register("triton", triton, triton_check_args, planner=triton_planner)
     d.register("reference", reference)
     return d

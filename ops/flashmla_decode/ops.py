@@ -41,7 +41,8 @@ def _check_sink_and_out(attn_sink, h, out, out_shape):
 
 
 _DECODE = implementations("flashmla_sparse_decode", vendor=vendor.DECODE,
-                          triton=triton_impl.decode, reference=reference.decode)
+                          triton=triton_impl.decode, reference=reference.decode,
+                          triton_planner=triton_impl.plan_decode)
 
 
 def _extra_format(kv_format, extra_kv_format):
@@ -208,7 +209,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
 # prefill: flash_mla_sparse_fwd on a dense bf16 kv (docs/semantics.md §5.2)
 
 _PREFILL = implementations("flashmla_sparse_prefill", vendor=vendor.PREFILL,
-                           triton=triton_impl.prefill, reference=reference.prefill)
+                           triton=triton_impl.prefill, reference=reference.prefill,
+                           triton_planner=triton_impl.plan_prefill)
 
 
 def _validate_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink):

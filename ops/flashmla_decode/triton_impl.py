@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.attention import sparse_attention_triton
+from sparse_mla.ops.attention import plan_attention, sparse_attention_triton
 from sparse_mla.ops.flashmla_decode.reference import decode_sources, prefill_source
 
 
@@ -20,21 +20,38 @@ def _token_rows(t: Tensor, shape):
         return torch.empty(shape, dtype=t.dtype, device=t.device), t
 
 
+def plan_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
+                extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
+                qrot=None):
+    """What ``decode`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
+    b, s_q, h, d = q.shape
+    srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
+                          extra_topk_length, kv_format, bs, extra_bs, extra_fmt)
+    return plan_attention(q.reshape(b * s_q, h, d), srcs)
+
+
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
+           qrot=None, plan=None):
+    """``plan``: ``plan_decode``'s for a call of this kind (else one is made now)."""
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)
     o_rows, o_target = _token_rows(out, (b * s_q, h, 512))
     l_rows, l_target = _token_rows(lse.transpose(1, 2), (b * s_q, h))
     sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows,
-                            qrot=qrot)
+                            qrot=qrot, plan=plan)
     for rows, target in ((o_rows, o_target), (l_rows, l_target)):
         if target is not None:
             target.copy_(rows.view(target.shape))
 
 
-def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+def plan_prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
+    """What ``prefill`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
+    return plan_attention(q, prefill_source(kv, indices, topk_length))
+
+
+def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale, plan=None):
+    """``plan``: ``plan_prefill``'s for a call of this kind (else one is made now)."""
     sparse_attention_triton(q, prefill_source(kv, indices, topk_length), attn_sink, scale, out,
-                            lse, max_logits=max_logits)
+                            lse, max_logits=max_logits, plan=plan)

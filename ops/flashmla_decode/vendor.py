@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
-from sparse_mla.ops.attention.plan import gluon_enabled
+from sparse_mla.ops.attention.plan import sm90_enabled
 from sparse_mla.ops.attention.qrot import rotate_reference
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
@@ -183,7 +183,7 @@ def decode_automatic(*args, **kwargs):
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
     every time, and the path was then slower than the Triton op on every decode shape measured
     (lab/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still runs it."""
-    if gluon_enabled():
+    if sm90_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
                 "slower here than the Triton kernel (lab/perf-log.md, 'Vendor decode route'); "
                 "impl='vendor' runs it")
@@ -213,6 +213,27 @@ def prefill(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale)
     out.copy_(o[:, :h])
     max_logits.copy_(m[:, :h])
     lse.copy_(l[:, :h])
+
+
+# FlashMLA's sparse prefill: the head counts it runs without padding, and the multiple its
+# index lists' width must be (the op pads both otherwise)
+PREFILL_HEADS = (64, 128)
+PREFILL_WIDTH = 128
+
+
+def prefill_direct_fits(q, indices) -> bool:
+    """Whether FlashMLA's prefill takes these arguments as they are (``prefill_direct``)."""
+    return q.shape[1] in PREFILL_HEADS and indices.shape[-1] % PREFILL_WIDTH == 0
+
+
+def prefill_direct(q, kv, indices, scale, attn_sink, topk_length):
+    """FlashMLA's prefill called as it is: its ``out`` [s_q, h, 512], no padding and no
+    copies. The caller guarantees what the op would otherwise make so: ``prefill_direct_fits``,
+    unit-stride ``attn_sink`` / ``topk_length`` / ``indices``, ids in [0, s_kv) or -1 and
+    lengths in [0, width] (FlashMLA reads past a list given a longer length)."""
+    flash_mla, _ = _flash_mla()
+    return flash_mla.flash_mla_sparse_fwd(q, kv, indices, scale, 512, attn_sink, topk_length,
+                                          use_legacy=True)[0]
 
 
 # Where this project's tests ran the legacy kernels: H100 and H200 (lab/perf-log.md); the

@@ -238,7 +238,7 @@ def _validate_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, spa
 
 
 _DSV4 = implementations("trtllm_decode_dsv4", vendor=vendor.DSV4, triton=triton_impl.dsv4,
-                       reference=reference.dsv4)
+                       reference=reference.dsv4, triton_planner=triton_impl.plan_dsv4)
 
 
 @custom_op("sparse_mla::trtllm_decode_dsv4",
@@ -385,7 +385,7 @@ def _validate_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1
 
 
 _V32 = implementations("trtllm_decode_v32", vendor=vendor.V32, triton=triton_impl.v32,
-                      reference=reference.v32)
+                      reference=reference.v32, triton_planner=triton_impl.plan_v32)
 
 
 @custom_op("sparse_mla::trtllm_decode_v32", mutates_args=("out", "workspace_buffer"),

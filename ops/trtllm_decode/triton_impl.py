@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.common import checks
-from sparse_mla.ops.attention import sparse_attention_triton
+from sparse_mla.ops.attention import plan_attention, sparse_attention_triton
 from sparse_mla.ops.trtllm_decode import reference
 
 LENGTHS_BLOCK = 128                   # tokens per program of the lengths kernel
@@ -30,6 +30,34 @@ def dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_l
                                            kv_layout, cum_seq_lens_q, max_q_len, dsv4_lengths)
     sparse_attention_triton(q, sources, sinks, device_scale(bmm1_scale, bmm1_scale_tensor), o,
                             out_scale=device_scale(bmm2_scale, bmm2_scale_tensor))
+
+
+def plan_dsv4(query, swa_kv_cache, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+              seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale, bmm2_scale_tensor, sinks,
+              kv_layout, cum_seq_lens_q, max_q_len, workspace_buffer):
+    """What ``dsv4`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
+    q, sources, _ = reference.dsv4_problem(query, swa_kv_cache, sparse_indices,
+                                           compressed_kv_cache, sparse_topk_lens, seq_lens, out,
+                                           kv_layout, cum_seq_lens_q, max_q_len, _unlaunched(2))
+    return plan_attention(q, sources)
+
+
+def plan_v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor,
+             bmm2_scale, bmm2_scale_tensor, sinks, cum_seq_lens_q, max_q_len, workspace_buffer):
+    """What ``v32`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
+    q, sources, _ = reference.v32_problem(query, kv_cache, block_tables, seq_lens, out,
+                                          cum_seq_lens_q, max_q_len, _unlaunched(1))
+    return plan_attention(q, sources)
+
+
+def _unlaunched(n):
+    """A stand-in for a lengths function: ``n`` uncomputed int32 [T] buffers (a plan reads
+    their shape, never their values), so planning launches nothing."""
+    def lengths(T, B, Q, lens, *args):
+        dev = lens.device
+        bufs = tuple(torch.empty(T, dtype=torch.int32, device=dev) for _ in range(n))
+        return bufs if n > 1 else bufs[0]
+    return lengths
 
 
 def v32(query, kv_cache, block_tables, seq_lens, out, bmm1_scale, bmm1_scale_tensor, bmm2_scale,

@@ -35,7 +35,7 @@ An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 wh
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
 the V4 producer, at two per pair, is not: lab/perf-log.md, "V3.2 and 576-wide rows on
-sm_90"). Only used on sm_90 with a Triton in ``plan.GLUON_TRITON`` (3.6-3.9: the Gluon API
+sm_90"). Only used on sm_90 with a Triton in ``plan.SM90_TRITON`` (3.6-3.9: the Gluon API
 differences between them are the shims of ``compat``); ``plan.plan_launch`` routes to the
 portable kernel everywhere else and for tiny launches of one head block, and says why. The
 launch parameters are ``tuning``'s. lab/perf-log.md has the measurements (including what was

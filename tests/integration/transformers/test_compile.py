@@ -71,7 +71,7 @@ def test_generate_with_compiled_forward_gives_the_same_tokens(device):
     finally:
         model.forward = forward
     assert torch.equal(got, want)
-    # the graph's sparse_mla_hf::attend kept routes as it ran (the op once per kind), and
+    # the graph's sparse_mla_hf::attend kept plans as it ran (the op planned once per kind), and
     # its indexer_pick_scores ran the indexer op in the prefill
-    assert op_route._ROUTES
+    assert op_route._PLANS
     assert indexer_hook._ROUTES

@@ -1,12 +1,15 @@
 """The attention function's per-call work: the op runs (validates, dispatches) on the first
-call of a kind only, later calls take the kept route with the same result, state kept across
+call of a kind only, later calls run the kept plan with the same result, state kept across
 calls follows what it was made from, and no call reads a device value on the host."""
+import dataclasses
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
 from sparse_mla.integration.transformers import attention, models, op_route
+from sparse_mla.ops.flashmla_decode import vendor
 from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
 from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import ENV_VAR, last_choice
@@ -31,47 +34,50 @@ def _run(c):
                                             **c.kwargs)[0]
 
 
-class _OpCalls:
-    """Counts the op wrapper's calls by the attention function."""
+class _Plans:
+    """Counts the plans the attention function makes (``flashmla_decode.plan_prefill``)."""
 
     def __init__(self, monkeypatch):
         self.n = 0
-        real = op_route.flash_mla_sparse_fwd
+        real = op_route.fd.plan_prefill
 
         def counting(*a, **k):
             self.n += 1
             return real(*a, **k)
-        monkeypatch.setattr(op_route, "flash_mla_sparse_fwd", counting)
+        monkeypatch.setattr(op_route.fd, "plan_prefill", counting)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_op_runs_once_per_kind_of_call(device, monkeypatch):
+def test_the_op_is_planned_once_per_kind_of_call(device, monkeypatch):
+    """A call plans the op (validation, choice, launch plan) once per kind and list width;
+    every later call of both runs that plan, bit for bit the same."""
     calls = _calls(device)
     decode = [c for c in calls if c.query.shape[2] == 1]
     prefill = [c for c in calls if c.query.shape[2] > 1]
     op_route.forget()
-    ops = _OpCalls(monkeypatch)
+    plans = _Plans(monkeypatch)
     first = _run(decode[0])
-    assert ops.n == 1
+    assert plans.n == 1
     want_impl = last_choice("flashmla_sparse_prefill").impl
     again = _run(decode[0])
-    assert ops.n == 1                                  # the kept route, not the op
+    assert plans.n == 1                                  # the kept plan
     assert last_choice("flashmla_sparse_prefill").impl == want_impl
     assert torch.equal(first, again)
-    # every decode call of this model is one kind (the key count and width may differ)
-    for c in decode[1:]:
+    for c in decode[1:] + decode:
         _run(c)
-    assert ops.n == 1
-    _run(prefill[0])                                   # a new kind: the op again
-    assert ops.n == 2
+    # one plan per kind and width (decode calls differ in width only), none made twice
+    assert plans.n == len(op_route._PLANS) < len(decode)
+    n = plans.n
+    _run(prefill[0])                                   # a new kind: a new plan
+    assert plans.n == n + 1
     monkeypatch.setenv(ENV_VAR, "reference")           # the environment is part of the kind
     forced = _run(decode[0])
-    assert ops.n == 3 and last_choice("flashmla_sparse_prefill").impl == "reference"
+    assert plans.n == n + 2 and last_choice("flashmla_sparse_prefill").impl == "reference"
     if device == "cpu":
         assert torch.equal(forced, first)
     monkeypatch.setenv(SOFT_FP8_ENV, "1")               # read by the automatic choice too
     _run(decode[0])
-    assert ops.n == 4
+    assert plans.n == n + 3
 
 
 # 64 heads: FlashMLA's own head count, where a GPU with its wheel calls it directly
@@ -80,8 +86,8 @@ HEADS = [("cpu", 4)] + ([pytest.param("cuda", 4, id="cuda"),
 
 
 @pytest.mark.parametrize("device,heads", HEADS)
-def test_kept_route_matches_the_op_on_every_call(device, heads):
-    """Each recorded call (prefill and decode, every layer type) through a kept route gives
+def test_kept_plan_matches_the_op_on_every_call(device, heads):
+    """Each recorded call (prefill and decode, every layer type) through a kept plan gives
     the op's answer bit for bit: same implementation, same lists (FlashMLA's at its width:
     the padding is -1, which it skips, as the op's FlashMLA route pads them)."""
     calls = _calls(device, heads)
@@ -128,8 +134,8 @@ def test_calls_read_no_tensor_value_on_the_host(monkeypatch):
 
     def stub(q, kv, indices, out, max_logits, lse, topk_length, attn_sink, scale):
         out.zero_()
-    route = op_route.dispatch.dispatcher(op_route.OP)
-    monkeypatch.setitem(route._impls, "reference", (stub, None, None))
+    d = op_route.dispatch.dispatcher(op_route.OP)
+    monkeypatch.setitem(d._impls, "reference", (stub, None, None))
     op_route.forget()
     for c in calls + calls:
         with _NoHostReads():
@@ -161,13 +167,13 @@ class _FakeFlashMLA:
         cols = torch.arange(indices.shape[-1])
         assert (indices[:, 0][cols >= lengths[:, None]] == -1).all()   # -1 past each length
         self.widths.append(indices.shape[-1])
-        return op_route.flash_mla_sparse_fwd(q, kv, indices, scale, attn_sink=sink,
-                                             topk_length=lengths, impl="reference")
+        return op_route.fd.flash_mla_sparse_fwd(q, kv, indices, scale, attn_sink=sink,
+                                                topk_length=lengths, impl="reference")
 
 
 @pytest.fixture
 def routes_dropped_after():
-    """For a test that keeps routes no real call would choose: later tests must not get them."""
+    """For a test that keeps plans no real call would make: later tests must not get them."""
     yield
     op_route.forget()
 
@@ -175,16 +181,20 @@ def routes_dropped_after():
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "compiled graph's op"])
 def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, routes_dropped_after,
                                                         traced):
-    """The FlashMLA route as a kind keeps it on a GPU (faked here by the reference): lists
-    built 128 wide (also by the custom op a compiled graph calls), -1 past each row's
-    length, and the op's answer."""
+    """A kind whose plan calls FlashMLA directly, as on a GPU with its wheel (faked here by
+    the reference): lists built 128 wide (also by the custom op a compiled graph calls), -1
+    past each row's length, and the op's answer."""
     fake = _FakeFlashMLA()
-    monkeypatch.setattr(op_route, "_flash_mla", lambda: fake)
+    monkeypatch.setattr(vendor, "_flash_mla", lambda: (fake, None))
+    real_plan = op_route.fd.plan_prefill
     for c in _calls("cpu"):
         op_route.forget()
-        want = _run(c)                                 # the op: the kind's first call
-        kind, route = next(iter(op_route._ROUTES.items()))
-        op_route._ROUTES[kind] = op_route.Route(route.choice, True, route.dispatcher)
+        monkeypatch.setattr(op_route.fd, "plan_prefill", real_plan)
+        want = _run(c)                                 # the kind's first call: the op's plan
+        (kind, _), = op_route._PLANS
+        op_route._DIRECT.add(kind)                     # as if that plan had chosen FlashMLA
+        monkeypatch.setattr(op_route.fd, "plan_prefill", lambda *a, **k: dataclasses.replace(
+            real_plan(*a, **k), direct=True))
         calls_before = len(fake.widths)
         if traced:
             b, h, s, d = c.query.shape
@@ -196,6 +206,6 @@ def test_direct_flash_mla_route_gets_lists_at_its_width(monkeypatch, routes_drop
                 c.kwargs["scaling"]).view(b, s, h, d)
         else:
             got = _run(c)
-        assert len(fake.widths) == calls_before + 1     # the kept route ran FlashMLA
-        assert fake.widths[-1] % op_route.FLASH_MLA_WIDTH == 0
+        assert len(fake.widths) == calls_before + 1     # the plan ran FlashMLA
+        assert fake.widths[-1] % vendor.PREFILL_WIDTH == 0
         torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())

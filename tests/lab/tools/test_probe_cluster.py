@@ -3,10 +3,10 @@ compiles for sm_90a on the tested Triton releases (3.6-3.9) and, on an sm_90 GPU
 gets its peer's half."""
 import pytest
 
-from sparse_mla.ops.attention.plan import gluon_triton_supported
+from sparse_mla.ops.attention.plan import sm90_triton_supported
 from sparse_mla.tests.helpers import hopper_with_gluon
 
-pytestmark = pytest.mark.skipif(not gluon_triton_supported(),
+pytestmark = pytest.mark.skipif(not sm90_triton_supported(),
                                 reason="the Triton release is outside the tested Gluon range")
 
 

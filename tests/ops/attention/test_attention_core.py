@@ -8,6 +8,7 @@ prefill epilogues. Each runs the core through the FlashMLA-semantics ops
 Moved here from tests/ops/flashmla_decode/test_triton.py unchanged: everything from
 ``test_forced_launch_shapes_match_reference`` to that file's end.
 """
+import dataclasses
 import os
 
 import pytest
@@ -15,12 +16,13 @@ import torch
 
 import sparse_mla
 from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention.policy import DEFAULT
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
-from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, force_tiny_launches,
-                                      hopper_with_gluon, last_plan, record_results,
-                                      split_kernel_name)
+from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, fake_device,
+                                      force_tiny_launches, hopper_with_gluon, last_plan,
+                                      record_results, split_kernel_name, use_policy)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (DEVICES, _run_decode,
                                                               check_decode, check_prefill)
@@ -30,17 +32,16 @@ from sparse_mla.tests.ops.flashmla_decode.test_triton import (DEVICES, _run_deco
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 @pytest.mark.parametrize("n_splits,block_n,dv", [(1, 64, 1), (3, 64, 1), (7, 32, 1), (1, 32, 2),
                                                  (5, 32, 2), (40, 32, 2)])
-def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv, monkeypatch):
+def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv, request):
     """The launch picks its split count from a cost model and the output-dim split for tiny
     launches only; force 1, 3, 5, 7 and 40 splits (more than some tokens have tiles: empty
     splits; 40 is past the 32 the model allows tiny launches, where the combine kernel's
     one-step load spills) with and without the output-dim split, on ragged per-token
     lengths, so every way of cutting a token's two-source key list is checked whatever the
     model picks."""
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setitem(plan.CONFIG, "block_n", block_n)
-    monkeypatch.setitem(plan.CONFIG, "dv", dv)
+    force_tiny_launches(request, False)
+    use_policy(request, splits=n_splits,
+               general=dataclasses.replace(DEFAULT.general, block_n=block_n, dv=dv))
     a = decode_case(device, b=3, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=21,
                     fmt=fmt)
     check_decode(_run_decode(a, "reference"), _run_decode(a, "triton"))
@@ -48,11 +49,11 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gluon", ["1", "0"])
-def test_last_choice_names_the_kernel_file(device, gluon, monkeypatch):
+def test_last_choice_names_the_kernel_file(device, gluon, monkeypatch, request):
     """After a call, ``last_choice``'s route names the file of the kernel that ran (README ->
     op -> route -> kernel file), and that file is there and holds that kernel."""
     monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     a = decode_case(device, b=2, s_q=1, h=8, bs=64, topk=32, extra=True, extra_topk=16,
                     extra_bs=64, seed=5)
     _run_decode(a, "triton")
@@ -94,14 +95,14 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned, monkey
     (2, 1, 128, 61, 256, 512, 7, "v32"), (5, 3, 1, 2, 64, 0, 2, "v32"),
     (4, 2, 128, 64, 2048, 0, None, "v32")])
 def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits, fmt,
-                                                   monkeypatch):
+                                                   monkeypatch, request):
     """The sm_90 Gluon kernel (V4 and V3.2 caches) on poisoned caches, ragged lengths, ±inf
     sinks, forced and modelled split counts (some splits empty), every head count class, one
     and two sources; it must be what ran, and agree with the reference and the portable
     kernel."""
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     if n_splits is not None:
-        monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
+        use_policy(request, splits=n_splits)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
@@ -120,14 +121,13 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("n_splits", [1, 3, 7])
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
-def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeypatch):
+def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeypatch, request):
     """V4 and V3.2 rows at 65-128 heads run as 2-CTA clusters, each CTA dequantizing half of
     every tile for both: on poisoned caches, ragged lengths (some splits empty) and a head
     count that leaves most of the second block masked, the output must agree with the
     reference and be bit-identical to one CTA per head block (the same arithmetic)."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
+    force_tiny_launches(request, False)
+    use_policy(request, splits=n_splits)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
@@ -135,7 +135,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     assert split_kernel_name() == "_ws_kernel"
     assert last_plan().kernel.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
-    monkeypatch.setattr(tuning, "CLUSTER_V4" if fmt == "v4" else "CLUSTER_V32", False)
+    use_policy(request, clusters=False)
     one = _run_decode(a, "triton")
     assert last_plan().kernel.packed_metadata[1] == 1
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
@@ -143,18 +143,17 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
-def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch):
+def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch, request):
     """V4 rows at 65-128 heads over 3 key tiles a token (window 128 + 64 compressed rows, the
     C128A shape) in one wave run one CTA a head block (``plan.cluster_pays``); with the tile
     bound lowered they run as clusters, and the outputs are bit-identical."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt="v4", bs=64, topk=128, extra_bs=64,
                     extra_topk=64, seed=h)
     got = _run_decode(a, "triton")
     assert last_plan().route == "sm90" and last_plan().kernel.packed_metadata[1] == 1
     check_decode(_run_decode(a, "reference"), got)
-    monkeypatch.setattr(tuning, "CLUSTER_V4_MIN_TILES", 3)
+    use_policy(request, cluster_v4_min_tiles=3)
     pair = _run_decode(a, "triton")
     assert last_plan().route == "sm90_cluster" and last_plan().kernel.packed_metadata[1] == 2
     assert torch.equal(got[0], pair[0]) and torch.equal(got[1], pair[1])
@@ -164,7 +163,8 @@ def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch):
 @pytest.mark.parametrize("h", [64, 128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_persistent_programs_match_one_program_a_token(h, programs, graph, monkeypatch):
+def test_persistent_programs_match_one_program_a_token(h, programs, graph, monkeypatch,
+                                                       request):
     """Persistent launches (ops/attention/sm90/persist.py: each program, or 2-CTA cluster,
     runs several tokens, its ring running on across them): on poisoned caches, ragged
     lengths with a token that has no key at all, ±inf sinks, at 64 heads and as clusters
@@ -174,46 +174,41 @@ def test_persistent_programs_match_one_program_a_token(h, programs, graph, monke
     reference and be bit-identical to one program a token (the same arithmetic)."""
     a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v4", bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + len(programs))
-    _check_persistent(a, h, programs, graph, monkeypatch)
+    _check_persistent(a, h, programs, graph, monkeypatch, request)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("efmt", ["v41", "v41_fp4", "v4"])
-def test_persistent_programs_over_v41_rows(h, programs, efmt, monkeypatch):
+def test_persistent_programs_over_v41_rows(h, programs, efmt, monkeypatch, request):
     """The same over DeepSeek-V4.1's 528 B main rows with 528 B, 288 B or 584 B extra rows,
-    in 2-CTA clusters (``tuning.PERSIST_V41``)."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    monkeypatch.setattr(tuning, "PERSIST_V41", True)
+    in 2-CTA clusters."""
     a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v41", bs=32, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + len(efmt), extra_fmt=efmt)
-    _check_persistent(a, h, programs, False, monkeypatch)
+    _check_persistent(a, h, programs, False, monkeypatch, request)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_persistent_programs_over_v32_clusters(h, programs, graph, monkeypatch):
+def test_persistent_programs_over_v32_clusters(h, programs, graph, monkeypatch, request):
     """The same over V3.2's 656 B rows (576-wide keys, both sources) in 2-CTA clusters, the
-    pair producer's staging a tile ahead running on across tokens (``tuning.PERSIST_V32``)."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    monkeypatch.setattr(tuning, "PERSIST_V32", True)
+    pair producer's staging a tile ahead running on across tokens."""
     a = decode_case("cuda", b=9, s_q=2, h=h, fmt="v32", bs=64, topk=192, extra_bs=64,
                     extra_topk=512, seed=h + len(programs) + 7)
-    _check_persistent(a, h, programs, graph, monkeypatch)
+    _check_persistent(a, h, programs, graph, monkeypatch, request)
 
 
-def _check_persistent(a, h, programs, graph, monkeypatch):
+def _check_persistent(a, h, programs, graph, monkeypatch, request):
     """``a`` (9 x 2 tokens) through a persistent launch, against the reference and against
     one program a token."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(plan, "_sm_count", lambda dev: 6)
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: 1)
+    force_tiny_launches(request, False)
+    fake_device(monkeypatch, sms=6)
+    use_policy(request, splits=1)
     if programs == "over":
-        monkeypatch.setattr(tuning, "PERSIST_TOKENS", 2)
+        use_policy(request, sm90=dataclasses.replace(DEFAULT.sm90, persist_tokens=2))
     b, s_q, n_hb = 9, 2, -(-h // 64)
     a["topk_length"][1] = 0
     a["extra_topk_length"][1] = 0       # batch row 1's tokens: no key, no tile
@@ -225,9 +220,7 @@ def _check_persistent(a, h, programs, graph, monkeypatch):
     assert p.kernel.packed_metadata[1] == n_hb      # clusters of two at 72 and 128 heads
     assert (got[0][1].float().abs().amax() == 0) and got[1][1].isinf().all()
     check_decode(_run_decode(a, "reference"), got)
-    monkeypatch.setattr(tuning, "PERSIST_V4", False)
-    monkeypatch.setattr(tuning, "PERSIST_V41", False)
-    monkeypatch.setattr(tuning, "PERSIST_V32", False)
+    use_policy(request, persistent=False)
     one = run()
     assert last_plan().persist == 0
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
@@ -251,20 +244,14 @@ def _replayed(a):
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h,cluster,fmt", [(128, True, "v4"), (128, False, "v4"),
                                            (64, False, "v4"), (128, True, "v32")])
-@pytest.mark.parametrize("pdl", [True, False])
-def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
+def test_two_launch_plan_matches_reference(h, cluster, fmt, request):
     """``plan_phases``' two launches: the first tokens one program per unit (the kernel's own
     epilogue), the rest split, their partial rows numbered from their first token and merged
-    by a combine launch for those tokens only; with and without clusters and PDL."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    from sparse_mla.ops.attention import launch as core
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(core, "PDL", pdl)
-    monkeypatch.setattr(tuning, "CLUSTER_V4", cluster)
-    monkeypatch.setattr(tuning, "CLUSTER_V32", cluster)
-    monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 3, 1), (3, T, 3)])
+    by a combine launch for those tokens only; with and without clusters."""
+    force_tiny_launches(request, False)
+    use_policy(request, clusters=cluster, phases=((0, 3, 1), (3, None, 3)))
     a = decode_case("cuda", b=5, s_q=2, h=h, fmt=fmt, bs=64, topk=192, extra_bs=64,
-                    extra_topk=512, seed=h + pdl)
+                    extra_topk=512, seed=h)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     assert split_kernel_name() == "_ws_kernel" and last_plan().combined
@@ -274,11 +261,11 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, pdl, monkeypatch):
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("pad_bytes,kernel", [(0, "_ws_kernel"), (16, "_ws_kernel"),
                                               (4, "_split_kernel"), (8, "_split_kernel")])
-def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
+def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch, request):
     """The sm_90 kernel copies V3.2's RoPE dims with 16-byte cp.async, so it serves only caches
     whose blocks all start 16-byte aligned; 4- and 8-byte-aligned paddings take the portable
     kernel. Both read through the padded strides (the poisoned padding is never read)."""
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, fmt="v32", bs=53, topk=96, extra_bs=61,
                     extra_topk=40, seed=7, pad_bytes=pad_bytes)
     ref = _run_decode(a, "reference")
@@ -292,13 +279,13 @@ def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch):
     (64, 0, 0, True), (53, 0, 0, True), (64, 16, 16, True), (64, 8, 8, False),
     (53, 8, 8, False), (64, 0, 8, False)])
 def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, staged,
-                                               monkeypatch):
+                                               monkeypatch, request):
     """The sm_90 kernel gathers V4 rows by 16-byte cp.async through a staging buffer when
     every block of both caches starts 16-byte aligned (vLLM's pages are multiples of 576
     bytes), and by register loads when some block is only 8-byte aligned (8-byte paddings,
     one cache enough). Both producers must agree with the reference on poisoned, padded
     caches."""
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     a = decode_case("cuda", b=3, s_q=2, h=64, bs=bs, topk=96, extra_bs=61, extra_topk=40,
                     seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
     ref = _run_decode(a, "reference")
@@ -318,7 +305,7 @@ EXTREME_SCALES = [0, 1, 2, 3, 6, 7, 8, 9, 10, 100, 117, 118, 119, 120, 126, 127,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["ws_staged", "ws_registers", "portable"])
-def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
+def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch, request):
     """With q = 0 and one usable key, the output is that key's dequantized row bit for bit
     (p = 1), so every finite e4m3 value times every scale 2^(s - 127) must round to bf16
     exactly as the reference's fp32 product does, subnormal results included. A row whose
@@ -331,7 +318,7 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
     if ws and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if ws:
-        force_tiny_launches(monkeypatch, False)
+        force_tiny_launches(request, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     b, s_q, h, bs, topk = 2, 3, 64, 16, 64
@@ -379,45 +366,35 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 @pytest.mark.parametrize("n_splits,one_tile", [(12, True), (8, True), (7, False)])
-def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeypatch):
+def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeypatch, request):
     """Splits of at most one key tile run the split kernel without its key loop
     (``ONE_TILE``): 8 tiles of 32 keys per token in 12 splits (some of them empty) or 8, and
     in 7 (some splits two tiles: the loop). With the form allowed and forbidden, both agree
     with the reference (NaN-poisoned rows, ragged lengths, sinks) and with each other bit
     for bit: the same arithmetic in the same order."""
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
-    force_tiny_launches(monkeypatch, True)
+    use_policy(request, splits=n_splits)
+    force_tiny_launches(request, True)
     a = decode_case(device, b=2, s_q=2, h=24, topk=150, extra=True, extra_topk=70, seed=23,
                     fmt=fmt)
     ref = _run_decode(a, "reference")
-    forms = record_results(monkeypatch, plan, "one_tile")
-    outs = []
-    for allowed in (True, False):
-        monkeypatch.setattr(plan, "ONE_TILE_FORM", allowed)
-        forms.clear()
-        outs.append(_run_decode(a, "triton"))
-        assert forms == [allowed and one_tile]
-        if device == "cuda":
-            assert split_kernel_name() == "_split_kernel"
-        check_decode(ref, outs[-1])
-    for x, y in zip(*outs):
-        assert torch.equal(x, y)
+    got = _run_decode(a, "triton")
+    assert last_plan().one_tile == one_tile
+    if device == "cuda":
+        assert split_kernel_name() == "_split_kernel"
+    check_decode(ref, got)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("b,s_q,h,extra_topk,kernel", [
     (2, 2, 128, 512, "_ws_kernel"), (1, 1, 72, 512, "_ws_kernel"),
     (1, 2, 64, 512, "_split_kernel"), (2, 2, 64, 512, "_ws_kernel"),
     (1, 2, 64, 896, "_split_kernel"), (1, 1, 64, 960, "_ws_kernel"),
     (1, 1, 64, 1024, "_ws_kernel")])
-def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, monkeypatch):
+def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel):
     """Batch-1/2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps
-    the portable output-dim split only up to ``WS_TINY`` (2 units of at most 16 key tiles;
-    the H200 measurements behind it), both through the combine kernel launched with and
-    without programmatic dependent launch."""
-    from sparse_mla.ops.attention import launch as core
-    monkeypatch.setattr(core, "PDL", pdl)
+    the portable output-dim split only up to ``Policy.sm90_tiny_units`` / ``_tiles`` (2 units
+    of at most 16 key tiles; the H200 measurements behind it), both through the combine
+    kernel."""
     a = decode_case("cuda", b=b, s_q=s_q, h=h, bs=64, topk=128, extra=True,
                     extra_topk=extra_topk, extra_bs=64, seed=h + s_q)
     ref = _run_decode(a, "reference")
@@ -429,9 +406,9 @@ def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel, pdl, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="the combine is launched early (PDL) from sm_90 on")
 @pytest.mark.parametrize("b,s_q,h,extra_topk", [(2, 2, 128, 1024), (2, 1, 64, 512)])
-def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
+def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch, request):
     """Small early-launched combines run with at most ceil(CTAs / SMs) CTAs per SM
-    (``COMBINE_SPREAD``): the same kernel and arithmetic as uncapped, so bit-identical
+    (``Policy.combine_spread``): the same kernel and arithmetic as uncapped, so bit-identical
     outputs, both within tolerance of the reference."""
     from sparse_mla.ops.attention import launch as core
     caps = []
@@ -444,7 +421,7 @@ def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert last_plan().combined and caps == [-(-b * s_q * h // sms)]
     check_decode(ref, got)
-    monkeypatch.setattr(core, "COMBINE_SPREAD", None)
+    use_policy(request, combine_spread=None)
     caps.clear()
     plain = _run_decode(a, "triton")
     assert caps == [] and last_plan().combined
@@ -454,13 +431,13 @@ def test_capped_combine_matches_uncapped(b, s_q, h, extra_topk, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("h", [5, 24])
-def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
+def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch, request):
     """Tiny portable launches of V4 rows run 64 q rows per program on sm_90 whatever the
-    head count (``SMALL_HEAD_BLOCK_SM90``, rows past h masked), elsewhere the smallest power
+    head count (``Policy.tiny_head_block_sm90``, rows past h masked), elsewhere the smallest power
     of two that holds the heads; both blocks agree with the reference (NaN-poisoned rows,
     ragged lengths, sinks). CPU runs force the sm_90 choice to run it interpreted. (Plain
     bf16 rows keep 16-row blocks: tests/ops/trtllm_decode.)"""
-    force_tiny_launches(monkeypatch, True)
+    force_tiny_launches(request, True)
     a = decode_case(device, b=2, s_q=2, h=h, bs=53, topk=96, extra=True, extra_topk=40,
                     extra_bs=61, seed=30 + h)
     ref = _run_decode(a, "reference")
@@ -468,7 +445,7 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
     here = device != "cpu" and torch.cuda.get_device_capability(device)[0] == 9
     for sm90 in (None, False, True):    # None: this device's own answer
         if sm90 is not None:
-            monkeypatch.setattr(plan, "_wgmma_device", lambda dev, sm90=sm90: sm90)
+            fake_device(monkeypatch, capability=(9, 0) if sm90 else (8, 0))
         blocks.clear()
         got = _run_decode(a, "triton")
         assert blocks == [64 if (here if sm90 is None else sm90) else (16 if h <= 16 else 32)]
@@ -480,26 +457,26 @@ def test_tiny_launches_on_sm90_take_a_64_row_head_block(device, h, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["portable", "ws"])
 @pytest.mark.parametrize("n_splits", [1, 3])
-def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
+def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch, request):
     """Tokens cut into several splits pass their partial rows to the combine kernel as bf16
-    (``PARTIAL_DTYPE``), a launch of one split keeps fp32; either partial dtype, on either
+    (``Policy.partials``), a launch of one split keeps fp32; either partial dtype, on either
     split kernel, agrees with the reference (sinks, ragged lengths, NaN-poisoned rows), and
     the two differ by at most the extra bf16 rounding of each partial."""
     from sparse_mla.ops.attention import launch as core
     if route == "ws":
         if not hopper_with_gluon():
             pytest.skip("the warp-specialized kernel is sm_90 only")
-        force_tiny_launches(monkeypatch, False)
+        force_tiny_launches(request, False)
     else:
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
+    use_policy(request, splits=n_splits)
     made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
                     extra_bs=61, seed=11 + n_splits)
     ref = _run_decode(a, "reference")
     outs = {}
     for dtype in (torch.bfloat16, torch.float32):
-        monkeypatch.setattr(core, "PARTIAL_DTYPE", dtype)
+        use_policy(request, partials=dtype)
         made.clear()
         outs[dtype] = _run_decode(a, "triton")
         if device == "cuda":
@@ -518,17 +495,17 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch):
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("n_splits", [1, 2, "two launches"])
-def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch):
+def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch, request):
     """Prefill through the sm_90 kernel with one split (it writes out, lse and max logits
     itself, sink applied), with two (partials + combine kernel), and as ``plan_phases``' two
     launches (both epilogues in one call); a query without keys, ±inf sinks, out-of-range
     indices, NaN rows past s_kv."""
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     if n_splits == "two launches":
-        monkeypatch.setattr(plan, "plan_phases", lambda T, *args: [(0, 40, 1), (40, T, 3)])
+        use_policy(request, phases=((0, 40, 1), (40, None, 3)))
         n_splits = 3
     else:
-        monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: n_splits)
+        use_policy(request, splits=n_splits)
     a = prefill_case("cuda", s_q=70, h=128, s_kv=700, topk=256, seed=n_splits)
     a["topk_length"][1] = 0
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
@@ -542,12 +519,12 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
 @pytest.mark.parametrize("device", cuda_params())
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
 @pytest.mark.parametrize("tiny", [True, False])
-def test_software_e4m3_route_matches_reference(device, fmt, tiny, monkeypatch):
+def test_software_e4m3_route_matches_reference(device, fmt, tiny, monkeypatch, request):
     """The route GPUs below sm_89 take (e4m3 decoded in integer arithmetic by the portable
     kernel), forced on this GPU (``SPARSE_MLA_SOFT_FP8=1``): the route says so, the portable
     kernel ran, and the outputs are the reference's."""
     monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
-    force_tiny_launches(monkeypatch, tiny)
+    force_tiny_launches(request, tiny)
     a = decode_case(device, b=4, s_q=2, h=128, bs=64, topk=256, extra=True, extra_topk=128,
                     extra_bs=64, seed=17, fmt=fmt)
     ref = _run_decode(a, "reference")

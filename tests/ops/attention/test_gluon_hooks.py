@@ -8,7 +8,7 @@ import triton.language as tl
 from sparse_mla.ops.attention import plan
 
 pytestmark = pytest.mark.skipif(
-    not plan.gluon_triton_supported() or plan.triton_interpreting(),
+    not plan.sm90_triton_supported() or plan.triton_interpreting(),
     reason="the Gluon module is imported only on the tested Triton releases")
 
 

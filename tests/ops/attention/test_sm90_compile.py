@@ -15,7 +15,7 @@ from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention.sm90 import variants as sm90_variants
 
 pytestmark = pytest.mark.skipif(
-    not plan.gluon_triton_supported() or plan.triton_interpreting(),
+    not plan.sm90_triton_supported() or plan.triton_interpreting(),
     reason="the installed Triton is outside the Gluon kernel's tested range (or interpreted)")
 
 SM90_SHARED = 232448        # bytes of shared memory a CTA may use on sm_90

@@ -1,9 +1,14 @@
 """The split-count cost model of the sparse-attention launch (pure Python, no kernel)."""
 import pytest
 
+import dataclasses
+
 from sparse_mla.ops.attention import launch as core
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention.plan import choose_splits, plan_phases
+from sparse_mla.ops.attention.policy import DEFAULT
+
+OFF = dataclasses.replace(DEFAULT, persistent=False)
 
 
 @pytest.mark.parametrize("units,tiles,want", [
@@ -72,14 +77,13 @@ def test_plan_phases_cover_every_token_once(T, n_hb, tiles):
     (512, 132, True, 4), (256, 132, True, 2), (132, 132, True, 1), (1056, 132, True, 8),
     (1057, 132, True, None), (4096, 132, True, None), (512, 132, False, None)])
 def test_combine_residency(ctas, sms, pdl, want):
-    """Early-launched combines of up to ``COMBINE_SPREAD`` CTAs per SM are capped at
+    """Early-launched combines of up to ``Policy.combine_spread`` CTAs per SM are capped at
     ceil(CTAs / SMs) per SM; larger ones and those launched after the split are not."""
     assert core.combine_residency(ctas, sms, pdl) == want
 
 
-def test_combine_residency_off(monkeypatch):
-    monkeypatch.setattr(core, "COMBINE_SPREAD", None)
-    assert core.combine_residency(512, 132, True) is None
+def test_combine_residency_off():
+    assert core.combine_residency(512, 132, True, None) is None
 
 
 # bench_flashmla's V4 decode rows as (tokens, head blocks, 64-key tiles): window 128 (2 tiles)
@@ -95,7 +99,7 @@ _BENCH_ROWS = {
 
 
 def test_combine_is_charged_one_tile_by_default():
-    assert plan.SPLIT_COMBINE_TILES == 1
+    assert DEFAULT.split_combine_tiles == 1
     for T, n_hb, tiles in _BENCH_ROWS.values():
         assert plan_phases(T, n_hb, tiles, 132, 5) == plan_phases(T, n_hb, tiles, 132, 5, 1)
 
@@ -111,58 +115,47 @@ def test_combine_charge_of_one_tile_moves_only_the_short_b64_h64_row():
 
 
 def _persist(T, n_hb, **kw):
-    args = dict(sms=132, fmt="v4", staged=True, q_fp8=False, qrot=None, n_splits=1)
+    args = dict(sms=132, fmt="v4", staged=True, q_fp8=False, n_splits=1)
     args.update(kw)
     return plan.persist_programs(T, n_hb, **args)
 
 
 def test_persistent_programs_where_they_pay():
-    """Persistent sm_90 launches (ops/attention/sm90/persist.py): V4 rows staged, a bf16 q
-    without the q fold, one split, more units than SMs; as many programs a head block as fit,
-    more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_V4 and tuning.PERSIST_TOKENS == 8
+    """Persistent sm_90 launches (ops/attention/sm90/persist.py): V4 rows staged, a bf16 q,
+    one split, more units than SMs; as many programs a head block as fit, more where a
+    program would get over ``Sm90.persist_tokens`` tokens."""
+    assert DEFAULT.persistent and DEFAULT.sm90.persist_tokens == 8
     assert _persist(256, 1) == 132 and _persist(256, 2) == 66 and _persist(133, 1) == 132
     assert _persist(132, 1) == 0 and _persist(66, 2) == 0      # one wave: nothing to gain
     assert _persist(8 * 132 + 1, 1) == 133                     # 8 tokens a program at most
     for kw in (dict(fmt="v32"), dict(fmt="v41", staged=False), dict(staged=False),
-               dict(fmt="plain_fp8", staged=False), dict(q_fp8=True), dict(qrot=object()),
-               dict(n_splits=2)):
+               dict(fmt="plain_fp8", staged=False), dict(q_fp8=True), dict(n_splits=2)):
         assert _persist(256, 1, **kw) == 0, kw
 
 
-def test_persistent_programs_over_v41_rows_in_clusters(monkeypatch):
-    """V4.1 rows (528 B main rows) take persistent programs in 2-CTA clusters
-    (``tuning.PERSIST_V41``), not at 64 heads (Triton 3.7 / 3.8 spill that form), nor where it
-    is off."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_V41 is True
+def test_persistent_programs_over_v41_rows_in_clusters():
+    """V4.1 rows (528 B main rows) take persistent programs in 2-CTA clusters, not at 64
+    heads (Triton 3.7 / 3.8 spill that form), nor where the policy turns them off."""
     assert _persist(256, 2, fmt="v41", cluster=True) == 66
     assert _persist(256, 1, fmt="v41") == 0
     assert _persist(256, 2, fmt="v41_fp4", cluster=True) == 0  # 288 B main rows: portable
-    monkeypatch.setattr(tuning, "PERSIST_V41", False)
-    assert _persist(256, 2, fmt="v41", cluster=True) == 0
+    assert _persist(256, 2, fmt="v41", cluster=True, policy=OFF) == 0
 
 
-def test_persistent_programs_over_v32_clusters(monkeypatch):
-    """V3.2 rows take persistent programs only in 2-CTA clusters (their pair producer) and
-    only where ``tuning.PERSIST_V32``."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.PERSIST_V32 is True
+def test_persistent_programs_over_v32_clusters():
+    """V3.2 rows take persistent programs only in 2-CTA clusters (their pair producer)."""
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 66
     assert _persist(66, 2, fmt="v32", staged=False, cluster=True) == 0      # one wave
     assert _persist(256, 1, fmt="v32", staged=False) == 0       # 64 heads: no pair producer
     assert _persist(128, 2, fmt="v32", staged=False, cluster=True, n_splits=2) == 0
-    monkeypatch.setattr(tuning, "PERSIST_V32", False)
-    assert _persist(128, 2, fmt="v32", staged=False, cluster=True) == 0
+    assert _persist(128, 2, fmt="v32", staged=False, cluster=True, policy=OFF) == 0
 
 
 def test_clusters_where_they_pay():
     """2-CTA clusters: not in tiny launches; not for V4 rows in one wave over fewer than 4
     tiles a token (C128A's 192 keys at batch 64 and 128 heads: 128 units on 132 SMs), but at
     batch 256 (two waves), over longer lists, and for V3.2 rows."""
-    from sparse_mla.ops.attention.sm90 import tuning
-    assert tuning.CLUSTER_V4_MIN_TILES == 4
+    assert DEFAULT.cluster_v4_min_tiles == 4
     assert not plan.cluster_pays("v4", 8, 18, 132)
     assert not plan.cluster_pays("v4", 128, 3, 132)
     assert plan.cluster_pays("v4", 512, 3, 132)
@@ -170,10 +163,8 @@ def test_clusters_where_they_pay():
     assert plan.cluster_pays("v32", 128, 3, 132) and plan.cluster_pays("v41", 128, 3, 132)
 
 
-def test_persistent_programs_off(monkeypatch):
-    from sparse_mla.ops.attention.sm90 import tuning
-    monkeypatch.setattr(tuning, "PERSIST_V4", False)
-    assert _persist(256, 1) == 0
+def test_persistent_programs_off():
+    assert _persist(256, 1, policy=OFF) == 0
 
 
 def test_bench_rows_that_run_persistent_programs():

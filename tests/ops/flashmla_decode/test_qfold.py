@@ -100,14 +100,14 @@ GPU_SHAPES = [dict(b=4, s_q=1, h=64, bs=64, topk=128, extra_topk=128),
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tiny", [False, True])
 @pytest.mark.parametrize("case", range(len(GPU_SHAPES)))
-def test_fold_is_the_unfused_path_bit_for_bit(device, tiny, case, monkeypatch):
+def test_fold_is_the_unfused_path_bit_for_bit(device, tiny, case, monkeypatch, request):
     """Triton with the fold == Triton on the fused insert's q, outputs and lse bit for bit
     (the general and the tiny launch shape; pad heads within a head block; NaN past them);
     and the reference route with the fold within the decode tolerances of it."""
     shapes = CPU_SHAPES if device == "cpu" else GPU_SHAPES
     if case >= len(shapes):
         pytest.skip(f"the {device} grid has {len(shapes)} shapes")
-    force_tiny_launches(monkeypatch, tiny)
+    force_tiny_launches(request, tiny)
     a, q, fold, q_rot = _fold_case(device, case, nan_heads=2, **shapes[case])
     want = _decode(a, q_rot, "triton")
     got = _decode(a, q, "triton", **fold)

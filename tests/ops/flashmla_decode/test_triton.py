@@ -107,12 +107,12 @@ def test_decode_matches_reference(device, route, case, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gluon", ["1", "0"])
-def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch):
+def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch, request):
     """After a call, ``last_choice`` says which kernel route ran and why (the launch plan the
     core returned): the sm_90 routes only where the Gluon kernel runs, with the reason for
     the portable kernel otherwise; the plan's kernel is the one that ran."""
     monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     cuda = device == "cuda"
     a = decode_case(device, b=3 if cuda else 2, s_q=2 if cuda else 1, h=128 if cuda else 8,
                     bs=64, topk=256 if cuda else 32, extra=True, extra_topk=64 if cuda else 16,

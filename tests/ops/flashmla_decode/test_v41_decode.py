@@ -105,11 +105,11 @@ CPU_GRID = [(2, 2, 3, 32, 64, 32, 16, "v41", "v41_fp4", 512),
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(GPU_GRID)))
 @pytest.mark.parametrize("shape", ["auto", "general"])
-def test_triton_matches_reference(device, case, shape, monkeypatch):
+def test_triton_matches_reference(device, case, shape, monkeypatch, request):
     """Every grid case with the planner's launch shape and, forced, the general one (the
     interpreter's small cases are otherwise all tiny launches)."""
     if shape == "general":
-        force_tiny_launches(monkeypatch, False)
+        force_tiny_launches(request, False)
     grid = CPU_GRID if device == "cpu" else GPU_GRID
     if case >= len(grid):
         pytest.skip(f"the {device} grid has {len(grid)} shapes")
@@ -165,7 +165,7 @@ EXACT_GRID = [(4, 1, 64, 512, 0), (3, 2, 128, 512, 1), (40, 2, 64, 128, 2), (1, 
 
 @pytest.mark.parametrize("efmt", ["v41", "v41_fp4", "v4"])
 @pytest.mark.parametrize("b,s_q,h,etopk,seed", EXACT_GRID)
-def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt, monkeypatch):
+def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt, monkeypatch, request):
     """The sm_90 kernel (2-CTA clusters at h128) over 528 B main + 528 B, 288 B or 584 B extra
     rows against the same kernel over those rows
     decoded by quant's decoders into plain bf16 caches (the same launch plan, the same
@@ -175,7 +175,7 @@ def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt, monkeypatch
     from sparse_mla.ops.attention import sparse_attention_triton
     if not hopper_with_gluon():
         pytest.skip("needs the sm_90 Gluon kernel (an H100 / H200 with a Triton it supports)")
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v41", bs=32, topk=128, extra_bs=64,
                     extra_topk=etopk, seed=seed, extra_fmt=efmt, pad_bytes=512)
     a["indices"] = plant(a["indices"], out_of_cache_ids(a["k_cache"].shape[0] * 32))

@@ -155,9 +155,9 @@ def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monke
     shape (lab/perf-log.md, "Vendor decode route"), so the automatic choice takes Triton there and
     says why; without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill
     stays FlashMLA's (faster than ours)."""
-    from sparse_mla.ops.attention.plan import gluon_enabled
+    from sparse_mla.ops.attention.plan import sm90_enabled
     monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
-    if not gluon_enabled():
+    if not sm90_enabled():
         pytest.skip("the sm_90 kernel cannot run with this Triton")
     a = decode_case("cuda", b=1, s_q=1, h=64, topk=64, extra=False)
     choice = _explain_decode(a)

@@ -12,9 +12,10 @@ from sparse_mla.ops import trtllm_decode as td
 from sparse_mla.ops.trtllm_decode import reference
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
-from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, force_tiny_launches, gapped,
-                                      hopper_with_gluon, last_plan, naming, record_results,
-                                      seeded, split_kernel_name, triton_params)
+from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, fake_device,
+                                      force_tiny_launches, gapped, hopper_with_gluon, last_plan,
+                                      naming, record_results, seeded, split_kernel_name,
+                                      triton_params, use_policy)
 from sparse_mla.tests.ops.trtllm_decode.cases import I32, fill, poisoned_pool
 
 BF16 = torch.bfloat16
@@ -85,12 +86,12 @@ def _run(x, device, impl):
 @pytest.mark.parametrize("H", HEADS)
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
-def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
+def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch, request):
     """``tiny`` forces the launch shape used for a handful of (token, head block) units
     (output-dim split; an fp8 q decoded in the kernel) or the general one (fp8 q decoded to
     bf16 before the launch; on sm_90 the warp-specialized kernel), whatever this batch would
     pick."""
-    force_tiny_launches(monkeypatch, tiny)
+    force_tiny_launches(request, tiny)
     x = _batch(H, H, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
@@ -102,12 +103,12 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
 
 @pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("dtype,block", [(BF16, 16), (E4M3, 64)], ids=["bf16", "fp8"])
-def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
+def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch, request):
     """Tiny launches on sm_90 run e4m3 rows in 64-row head blocks at any head count and keep
-    plain bf16 rows at 8 heads in a 16-row block (``SMALL_HEAD_BLOCK_SM90``); either agrees
+    plain bf16 rows at 8 heads in a 16-row block (``Policy.tiny_head_block_sm90``); either agrees
     with the reference on a poisoned varlen batch. CPU runs force the sm_90 choice."""
-    force_tiny_launches(monkeypatch, True)
-    monkeypatch.setattr(plan, "_wgmma_device", lambda dev: True)
+    force_tiny_launches(request, True)
+    fake_device(monkeypatch, capability=(9, 0))
     blocks = record_results(monkeypatch, plan, "head_block")
     x = _batch(7, 8, dtype)
     ref = _run(x, "cpu", "reference")
@@ -120,7 +121,7 @@ def test_dsv4_tiny_launch_head_block_on_sm90(device, dtype, block, monkeypatch):
 @pytest.mark.parametrize("H", [16] if INTERPRETING else [16, 128])
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
-def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monkeypatch):
+def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monkeypatch, request):
     """A dense batch (one query length) hands seq_lens / sparse_topk_lens to the kernels as
     they are: each token's window (seq_len - Q + i + 1, partial for the first request) and
     compressed count are derived in-kernel, with no lengths launch."""
@@ -128,7 +129,7 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
 
     def no_launch(*args):
         raise AssertionError("a dense batch must not launch the lengths kernel")
-    force_tiny_launches(monkeypatch, tiny)
+    force_tiny_launches(request, tiny)
     monkeypatch.setattr(triton_impl, "dsv4_lengths", no_launch)
     x = _dense(_batch(H + 1, H, dtype, q_lens=(3, 3, 3), seq=(3, 130, 200)), 3, 3)
     ref = _run(x, "cpu", "reference")
@@ -198,11 +199,11 @@ def test_v32_triton_matches_reference(device, gap):
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("H", [16, 64, 128])
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
-def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch):
+def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch, request):
     """576-wide plain rows through the sm_90 kernel (the 64 RoPE dims scored from their own
     shared-memory stage, not used as values), bf16 and e4m3 pools and queries, more tokens
     than one split's worth of keys, a token with no keys."""
-    force_tiny_launches(monkeypatch, False)
+    force_tiny_launches(request, False)
     ran = []
     ref, tri = _v32_outputs("cuda", H, dtype, T=9, K=200, pages=16,
                             check=lambda: ran.append(split_kernel_name()))
@@ -222,10 +223,10 @@ def _run_scales(x, device, impl, b1, b2, out=None):
 
 @pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
-def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
+def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch, request):
     """bmm1/bmm2 scales given as one-element device tensors: the Triton path reads them in
     the kernels (no host sync) and must equal the reference, which reads them on the host."""
-    force_tiny_launches(monkeypatch, tiny)
+    force_tiny_launches(request, tiny)
     x = _batch(7, 16, E4M3)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
@@ -236,37 +237,34 @@ def test_dsv4_tensor_scales_match_reference(device, tiny, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
-@pytest.mark.parametrize("fp16", [True, False], ids=["fp16-dots", "bf16-dots"])
 @pytest.mark.parametrize("launch", ["warp-specialized", "portable", "portable-tiny"])
-def test_dsv4_fp8_dot_operand_type(fp16, launch, monkeypatch):
+def test_dsv4_fp8_dot_operand_type(launch, monkeypatch, request):
     """e4m3 pools and queries: both kernels run their dots on fp16 operands (e4m3 is exact in
-    fp16 too, and converts in one instruction per two bytes) or, switched off, on bf16 (the
-    tiny launch decodes q in the kernel, the others before it); the compiled kernel must be
-    the one asked for, and both must agree with the reference."""
-    from sparse_mla.ops.attention import launch as core
+    fp16 too, and converts in one instruction per two bytes; the tiny launch decodes q in the
+    kernel, the others before it); the compiled kernel must be that one, and agree with the
+    reference."""
     if launch == "warp-specialized" and not hopper_with_gluon():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if launch != "warp-specialized":
         monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    force_tiny_launches(monkeypatch, launch == "portable-tiny")
-    monkeypatch.setattr(core, "FP16_FOR_E4M3", fp16)
+    force_tiny_launches(request, launch == "portable-tiny")
     x = _batch(31, 128, E4M3)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, "cuda", "triton")
     assert split_kernel_name() == ("_ws_kernel" if launch == "warp-specialized"
                                    else "_split_kernel")
     ptx = last_plan().kernel.asm["ptx"]
-    assert ("f32.f16.f16" in ptx) == fp16 and ("f32.bf16.bf16" in ptx) == (not fp16)
+    assert "f32.f16.f16" in ptx and "f32.bf16.bf16" not in ptx
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
 @pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
-def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch):
+def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch, request):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
     tensor, read in the kernel) and writes bf16 out itself, no combine launch."""
-    force_tiny_launches(monkeypatch, False)
-    monkeypatch.setattr(plan, "choose_splits", lambda *args, **kw: 1)
+    force_tiny_launches(request, False)
+    use_policy(request, splits=1)
     x = _batch(24, 64, dtype)
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
@@ -362,14 +360,14 @@ def test_software_e4m3_route_matches_reference(device, tiny, monkeypatch):
 
 @pytest.mark.parametrize("device", triton_params())
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
-def test_low_shared_memory_launch_matches_reference(device, dtype, monkeypatch):
+def test_low_shared_memory_launch_matches_reference(device, dtype, monkeypatch, request):
     """GPUs with less shared memory per block than sm_90 (sm_80, 86, 89, 120) get one key
-    stage and plain bf16 rows loaded 64 dims at a time (``plan.LOW_SHARED_CONFIG``); the
+    stage and plain bf16 rows loaded 64 dims at a time (``Policy.low_shared``); the
     same inputs give the reference's outputs through that shape too (512- and 576-wide
     rows)."""
     monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    monkeypatch.setattr(plan, "shared_budget", lambda device: 99 * 1024)
-    force_tiny_launches(monkeypatch, False)
+    fake_device(monkeypatch, shared=99 * 1024)
+    force_tiny_launches(request, False)
     test_dsv4_triton_matches_reference(device, 16, dtype, False, monkeypatch)
     ref, tri = _v32_outputs(device, 16, dtype)
     torch.testing.assert_close(tri, ref, **TOL)
