@@ -161,6 +161,8 @@ class Launched:
         return self.kernels[-1] if self.kernels else None
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "plan":     # copy / pickle probe these first
+            raise AttributeError(name)
         return getattr(self.plan, name)
 
     def __str__(self):
