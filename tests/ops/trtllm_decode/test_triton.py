@@ -368,6 +368,6 @@ def test_low_shared_memory_launch_matches_reference(device, dtype, monkeypatch, 
     monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
     fake_device(monkeypatch, shared=99 * 1024)
     force_tiny_launches(request, False)
-    test_dsv4_triton_matches_reference(device, 16, dtype, False, monkeypatch)
+    test_dsv4_triton_matches_reference(device, 16, dtype, False, monkeypatch, request)
     ref, tri = _v32_outputs(device, 16, dtype)
     torch.testing.assert_close(tri, ref, **TOL)
