@@ -344,13 +344,13 @@ def test_triton_lengths_equal_torch_definition(device, B, Q, varlen, extra):
 @pytest.mark.skipif(INTERPRETING, reason="interpreted kernels always take the software route")
 @pytest.mark.parametrize("device", cuda_params())
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny-launch", "full-launch"])
-def test_software_e4m3_route_matches_reference(device, tiny, monkeypatch):
+def test_software_e4m3_route_matches_reference(device, tiny, monkeypatch, request):
     """The route GPUs below sm_89 take, forced on this GPU (``SPARSE_MLA_SOFT_FP8=1``): plain
     e4m3 rows and an e4m3 q (decoded in the kernel on tiny launches, fp16 dots otherwise)
     through the portable kernel, which the route names, against the reference."""
     monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", "1")
     for H in (16, 128):
-        test_dsv4_triton_matches_reference(device, H, E4M3, tiny, monkeypatch)
+        test_dsv4_triton_matches_reference(device, H, E4M3, tiny, monkeypatch, request)
         route = "tiny" if tiny else "portable"
         assert last_choice("trtllm_decode_dsv4").route == f"{route}, software e4m3 (forced)"
         assert split_kernel_name() == "_split_kernel"
