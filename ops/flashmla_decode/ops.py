@@ -28,6 +28,8 @@ HEAD_DIM = {f.name: f.out_dim for f in (formats.V4, formats.V32, formats.V41, fo
 # record page-footer (vLLM 0.32) or token-inline (vLLM 0.33)
 MIXABLE = ("v4",) + tuple(formats.V41_RECORD_OF)
 PREFILL_DIMS = (512, 576)     # d_qk of the prefill: V4, V3.2; the output is 512 wide either way
+# decode queries: bf16, or e4m3 with an optional fp32 scale (q_scale)
+Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _check_sink_and_out(attn_sink, h, out, out_shape):
@@ -53,7 +55,7 @@ def _extra_format(kv_format, extra_kv_format):
 def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
                      extra_kv_format=None, q_positions=None, cos_sin_cache=None,
-                     q_norm_eps=None):
+                     q_norm_eps=None, q_scale=None):
     if kv_format not in HEAD_DIM:
         raise ValueError(f"kv_format must be 'v4' (584 B), 'v32' (656 B), 'v41' / 'v41_inline' "
                          f"(528 B) or 'v41_fp4' / 'v41_fp4_inline' (288 B), got {kv_format!r}")
@@ -63,7 +65,7 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
                          f"{kv_format!r} (or equal to it), got {extra_kv_format!r}")
     fmt = formats.get_format(kv_format)
     d = HEAD_DIM[kv_format]
-    checks.expect_dtype("q", q, torch.bfloat16)
+    checks.expect_dtype("q", q, Q_DTYPES)
     if q.dim() != 4 or q.shape[3] != d:
         raise ValueError(f"q must have shape [batch, s_q, heads, {d}] for kv_format "
                          f"{kv_format!r}, got {list(q.shape)}")
@@ -105,8 +107,23 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
                               attn_sink=attn_sink)
     _check_lengths(q, (("topk_length", topk_length, indices),
                        ("extra_topk_length", extra_topk_length, extra_indices)))
+    _check_q_scale(q, q_scale)
     qrot = _check_fold(q, kv_format, q_positions, cos_sin_cache, q_norm_eps)
     return bs, extra_bs, qrot
+
+
+def _check_q_scale(q, q_scale):
+    """``q_scale``: only beside an e4m3 q; fp32, one value (per tensor) or ``[b, s_q, h]``
+    (per token and head), on q's device."""
+    if q_scale is None:
+        return
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q_scale dequantizes an e4m3 q; q is {str(q.dtype)[6:]}")
+    checks.expect_dtype("q_scale", q_scale, torch.float32)
+    if q_scale.numel() != 1 and tuple(q_scale.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"q_scale must hold one value (per tensor) or have shape "
+                         f"{list(q.shape[:3])} (per token and head), got {list(q_scale.shape)}")
+    checks.expect_same_device(q=q, q_scale=q_scale)
 
 
 def _check_fold(q, kv_format, q_positions, cos_sin_cache, q_norm_eps):
@@ -148,7 +165,8 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            extra_kv_format: Optional[str] = None,
                            q_positions: Optional[Tensor] = None,
                            cos_sin_cache: Optional[Tensor] = None,
-                           q_norm_eps: Optional[float] = None, impl: str = "auto") -> None:
+                           q_norm_eps: Optional[float] = None,
+                           q_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
     """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
     ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
     among "v4", "v41", "v41_fp4", "v41_inline", "v41_fp4_inline": docs/semantics.md §12).
@@ -158,25 +176,31 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
     op first applies, per head, the weightless RMS-norm with ``q_norm_eps`` (None: no norm,
     V4.1) and GPT-J RoPE on dims 448..511 at the row's position, rounded to bf16 exactly as
     ``fused_qnorm_rope_insert_v4`` writes q_out (docs/semantics.md §3.1); the Triton kernels do
-    it as they load q, the reference and vendor routes first, unfused."""
+    it as they load q, the reference and vendor routes first, unfused.
+
+    An e4m3 ``q`` (DeepSeek's fp8 q projection, as FlashInfer's DSv4 decode takes it) stands
+    for ``q.float() * q_scale``: ``q_scale`` fp32 with one value (per tensor; None: 1) or of
+    shape [b, s_q, h] (per token and head). The Triton kernels read the e4m3 bytes (half of
+    bf16's) and fold a per-tensor scale into the softmax scale; a per-token-head scale is
+    applied to q first, rounded to bf16 (docs/semantics.md §5.1)."""
     bs, extra_bs, qrot = _validate_decode(
         q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
         extra_topk_length, attn_sink, kv_format, block_size, extra_block_size, extra_kv_format,
-        q_positions, cos_sin_cache, q_norm_eps)
+        q_positions, cos_sin_cache, q_norm_eps, q_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     _DECODE(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
             extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs,
-            _extra_format(kv_format, extra_kv_format), qrot, impl=impl)
+            _extra_format(kv_format, extra_kv_format), qrot, q_scale, impl=impl)
 
 
 @flashmla_sparse_decode.register_fake
 def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
       extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
       block_size=None, extra_block_size=None, extra_kv_format=None, q_positions=None,
-      cos_sin_cache=None, q_norm_eps=None, impl="auto"):
+      cos_sin_cache=None, q_norm_eps=None, q_scale=None, impl="auto"):
     _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
-                     extra_kv_format, q_positions, cos_sin_cache, q_norm_eps)
+                     extra_kv_format, q_positions, cos_sin_cache, q_norm_eps, q_scale)
 
 
 def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=None,
@@ -184,7 +208,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
                            extra_topk_length=None, softmax_scale=None, kv_format="v4",
                            block_size=None, extra_block_size=None, extra_kv_format=None,
                            out=None, lse=None, impl="auto", q_positions=None,
-                           cos_sin_cache=None, q_norm_eps=None):
+                           cos_sin_cache=None, q_norm_eps=None, q_scale=None):
     """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
     Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs).
 
@@ -192,7 +216,8 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
     every id outside [0, the cache's slots) marks an unused column (-1 is the usual one) on
     every implementation: FlashMLA itself skips only -1 (docs/semantics.md §5.1), so the vendor path
     maps the others to -1 before calling it. ``q_positions`` / ``cos_sin_cache`` /
-    ``q_norm_eps``: q is raw, normed and rotated by the op (``flashmla_sparse_decode``)."""
+    ``q_norm_eps``: q is raw, normed and rotated by the op; ``q_scale``: an e4m3 q's scale
+    (``flashmla_sparse_decode``)."""
     b, s_q, h = q.shape[:3]
     if out is None:
         out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
@@ -201,7 +226,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
     flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
                            kv_format, block_size, extra_block_size, extra_kv_format,
-                           q_positions, cos_sin_cache, q_norm_eps, impl)
+                           q_positions, cos_sin_cache, q_norm_eps, q_scale, impl)
     return out, lse
 
 

@@ -51,39 +51,41 @@ class DecodePlan:
 def plan_decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cache=None,
                 extra_indices_in_kvcache=None, extra_topk_length=None, softmax_scale=None,
                 kv_format="v4", block_size=None, extra_block_size=None, extra_kv_format=None,
-                impl="auto") -> DecodePlan:
+                q_scale=None, impl="auto") -> DecodePlan:
     """The plan of ``flash_mla_with_kvcache`` on these arguments (see the module docstring)."""
     b, s_q, h = q.shape[:3]
     out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     bs, extra_bs, _ = ops._validate_decode(
         q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
-        extra_topk_length, attn_sink, kv_format, block_size, extra_block_size, extra_kv_format)
+        extra_topk_length, attn_sink, kv_format, block_size, extra_block_size, extra_kv_format,
+        q_scale=q_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     extra_fmt = ops._extra_format(kv_format, extra_kv_format)
     args = (q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
-            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt)
+            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt, None,
+            q_scale)
     choice = dispatch.dispatcher("flashmla_sparse_decode").explain(impl, *args)
     return DecodePlan(choice, _decode_kinds(q, k_cache, indices, topk_length, attn_sink,
                                             extra_k_cache, extra_indices_in_kvcache,
-                                            extra_topk_length),
+                                            extra_topk_length, q_scale),
                       scale, kv_format, bs, extra_bs, extra_fmt, _ran(choice))
 
 
 def _decode_kinds(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
-                  extra_topk_length):
+                  extra_topk_length, q_scale):
     return (_meta(q), tuple(k_cache.shape[1:]), k_cache.dtype, _meta(indices), _meta(topk_length),
             _meta(attn_sink), None if extra_k_cache is None else tuple(extra_k_cache.shape[1:]),
-            _meta(extra_indices), _meta(extra_topk_length))
+            _meta(extra_indices), _meta(extra_topk_length), _meta(q_scale))
 
 
 def run_decode(plan: DecodePlan, q, k_cache, indices, *, topk_length=None, attn_sink=None,
                extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None,
-               out=None, lse=None):
+               q_scale=None, out=None, lse=None):
     """``flash_mla_with_kvcache``'s ``(out, lse)`` for a call of ``plan``'s kind, by its plan
     (``out`` / ``lse``: persistent buffers for CUDA graphs, as the op takes them)."""
     got = _decode_kinds(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
-                        extra_indices_in_kvcache, extra_topk_length)
+                        extra_indices_in_kvcache, extra_topk_length, q_scale)
     _check_kind("decode", plan.kinds, got, _DECODE_NAMES)
     b, s_q, h = q.shape[:3]
     if out is None:
@@ -92,14 +94,14 @@ def run_decode(plan: DecodePlan, q, k_cache, indices, *, topk_length=None, attn_
         lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     args = (q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
             extra_topk_length, attn_sink, plan.scale, plan.kv_format, plan.block_size,
-            plan.extra_block_size, plan.extra_kv_format)
+            plan.extra_block_size, plan.extra_kv_format, None, q_scale)
     _run(plan, "flashmla_sparse_decode", args)
     return out, lse
 
 
 _DECODE_NAMES = ("q", "k_cache (its blocks)", "k_cache dtype", "indices", "topk_length",
                  "attn_sink", "extra_k_cache (its blocks)", "extra_indices_in_kvcache",
-                 "extra_topk_length")
+                 "extra_topk_length", "q_scale")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 their arguments as key sources of the shared attention reference (ops/attention/reference.py)."""
 from __future__ import annotations
 
+import torch
+
 from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 from sparse_mla.ops.attention.qrot import rotate_reference
 
@@ -20,11 +22,21 @@ def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
     return srcs
 
 
+def dequantized_q(q, q_scale):
+    """An e4m3 ``q``'s values: ``q.float() * q_scale`` (one value, or one per token and
+    head); any other q as it is."""
+    if q.dtype != torch.float8_e4m3fn or q_scale is None:
+        return q
+    s = q_scale.reshape(()) if q_scale.numel() == 1 else q_scale.unsqueeze(-1)
+    return q.float() * s
+
+
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
+           qrot=None, q_scale=None):
     if qrot is not None:    # the unfused path: the reference q-norm + RoPE, then attention
         q = rotate_reference(q, qrot)
+    q = dequantized_q(q, q_scale)
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from sparse_mla.ops.attention import plan_attention, sparse_attention_triton
-from sparse_mla.ops.flashmla_decode.reference import decode_sources, prefill_source
+from sparse_mla.ops.flashmla_decode.reference import (decode_sources, dequantized_q,
+                                                       prefill_source)
 
 
 def _token_rows(t: Tensor, shape):
@@ -20,10 +21,22 @@ def _token_rows(t: Tensor, shape):
         return torch.empty(shape, dtype=t.dtype, device=t.device), t
 
 
+def _q_and_scale(q, q_scale, scale):
+    """(q as the kernels read it, the softmax scale): an e4m3 q stays e4m3 with a per-tensor
+    ``q_scale`` folded into the scale (a device tensor: no host sync); a per-token-head one is
+    applied to q first, rounded to bf16."""
+    if q_scale is None:
+        return q, scale
+    if q_scale.numel() == 1:
+        return q, q_scale.reshape(1) * scale
+    return dequantized_q(q, q_scale).to(torch.bfloat16), scale
+
+
 def plan_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-                qrot=None):
+                qrot=None, q_scale=None):
     """What ``decode`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
+    q, _ = _q_and_scale(q, q_scale, scale)
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)
@@ -32,8 +45,9 @@ def plan_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None, plan=None):
+           qrot=None, q_scale=None, plan=None):
     """``plan``: ``plan_decode``'s for a call of this kind (else one is made now)."""
+    q, scale = _q_and_scale(q, q_scale, scale)
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)

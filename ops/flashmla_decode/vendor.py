@@ -126,7 +126,9 @@ def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tenso
 
 def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-                 qrot=None):
+                 qrot=None, q_scale=None):
+    if q.dtype != torch.bfloat16:
+        return "FlashMLA's sparse decode takes a bf16 q (its SM90 kernels read no e4m3 q)"
     if kv_format not in ("v4", "v32") or (extra_k_cache is not None
                                           and (extra_fmt or kv_format) != kv_format):
         return ("FlashMLA is wired here for one V4 (584 B) or V3.2 (656 B) cache format per "
@@ -146,7 +148,7 @@ def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extr
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
+           qrot=None, q_scale=None):
     if qrot is not None:    # FlashMLA takes q normed and rotated: the unfused reference first
         q = rotate_reference(q, qrot)
     flash_mla, _ = _flash_mla()
