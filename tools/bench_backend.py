@@ -33,8 +33,9 @@ import contextlib
 
 import torch
 
-from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
-from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.common import BatchDescription
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
+from sparse_mla.backends.v4 import FlashMLABackend
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import flashmla_decode as fd
 from sparse_mla.tools import harness

@@ -4,8 +4,8 @@ op it times."""
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerConfig, LayerKind
-from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
+from sparse_mla.backends.v4 import FlashMLABackend
 from sparse_mla.tools import bench_backend
 
 
