@@ -55,10 +55,10 @@ import os
 import sys
 import torch
 
-from sparse_mla.backends.common import LayerConfig, LayerKind
-from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
-from sparse_mla.backends.flashmla import FlashMLABackend
-from sparse_mla.backends.v41.backend import V41FlashMLABackend
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
+from sparse_mla.backends.v4.indexer_step import IndexerInputs, IndexerStep
+from sparse_mla.backends.v4 import FlashMLABackend
+from sparse_mla.backends.v41.flashmla import V41FlashMLABackend
 from sparse_mla.backends.v41.config import V41Kind, V41LayerConfig
 from sparse_mla.ops.common import dispatch
 from sparse_mla.ops.indexer import format as ifmt

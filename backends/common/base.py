@@ -16,7 +16,7 @@ op ran. The signatures are the same for every model:
 What a model has or lacks (DeepSeek-V4: a RoPE table the write applies, per-head sinks, a
 compressed cache; DeepSeek-V3.2: none of them) is its model class's hooks —
 ``_validate_inputs``, ``_check_sink``, ``_write``, ``_attend`` — over its config class and
-planner class (``CONFIG``, ``PLANNER``): ``backends/common/v4.py``, ``backends/v32/base.py``.
+planner class (``CONFIG``, ``PLANNER``): ``backends/v4/base.py``, ``backends/v32/base.py``.
 """
 from __future__ import annotations
 

@@ -9,41 +9,9 @@ Counts are Python ints, so the planner never reads them back from the device.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Optional
 
 from torch import Tensor
-
-
-class LayerKind(enum.Enum):
-    """The three DeepSeek-V4 attention layers; the value is the compress ratio."""
-
-    SWA_ONLY = 1      # sliding window only (compress_ratio 0/1)
-    C4A = 4           # window + indexer-selected compressed entries (ratio 4)
-    C128A = 128       # window + every completed compressed entry (ratio 128)
-
-    @property
-    def ratio(self) -> int:
-        return self.value
-
-    @property
-    def compressed(self) -> bool:
-        return self is not LayerKind.SWA_ONLY
-
-    @property
-    def uses_topk(self) -> bool:
-        """Its compressed list is the indexer's top-k (DeepSeek-V4.1's kinds: V41Kind)."""
-        return self is LayerKind.C4A
-
-    @classmethod
-    def from_ratio(cls, ratio: int) -> "LayerKind":
-        if ratio in (0, 1):
-            return cls.SWA_ONLY
-        for kind in cls:
-            if kind.value == ratio:
-                return kind
-        raise ValueError(f"compress_ratio must be 0/1 (SWA only), 4 (C4A) or 128 (C128A), "
-                         f"got {ratio}")
 
 
 @dataclasses.dataclass

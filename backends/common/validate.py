@@ -1,4 +1,6 @@
-"""Checks of one step's inputs, run before any cache byte is written.
+"""Checks of one step's inputs that every model's backends share (the request layout, the
+indexer's top-k, slots and block tables), run before any cache byte is written; each model adds
+its own (``backends/v4/validate.py``, ``backends/v32/base.py``).
 
 Shape, dtype and capacity checks always run (no device reads). Checks that read tensor values
 (positions against the RoPE table, block tables against positions, top-k ids against the
@@ -14,8 +16,7 @@ import torch
 from torch import Tensor
 
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.backends.common.config import LayerConfig
-from sparse_mla.ops.common import checks, formats
+from sparse_mla.ops.common import checks
 
 I32 = torch.int32
 
@@ -24,21 +25,6 @@ def _count(name: str, v) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"batch.{name} must be a non-negative Python int, got {v!r}")
     return v
-
-
-def validate_shapes(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
-                    kv: Optional[Tensor] = None, compressed_kv: Optional[Tensor] = None,
-                    attention: bool = True) -> None:
-    """Everything that needs no device read. ``attention=False``: only what a cache write
-    reads (an engine may fill the indexer's top-k after the write, as vLLM does)."""
-    if q.dim() != 3 or q.shape[1] != cfg.num_heads or q.shape[2] != formats.HEAD_DIM:
-        raise ValueError(f"q must have shape [num_tokens, {cfg.num_heads}, 512] (the layer's "
-                         f"local heads), got {list(q.shape)}")
-    T = q.shape[0]
-    Rd, Td, Rp, Tp, R = validate_requests(cfg, batch, T)
-    if kv is not None:
-        checks.expect_shape("kv", kv, (T, formats.HEAD_DIM))
-    _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention)
 
 
 def validate_requests(cfg, batch: BatchDescription, T: int):
@@ -82,40 +68,6 @@ def validate_requests(cfg, batch: BatchDescription, T: int):
     return Rd, Td, Rp, Tp, R
 
 
-def _validate_v4_fields(cfg, batch, q, kv, compressed_kv, R, Td, Tp, attention):
-    kind = cfg.kind
-    if kind.compressed:
-        if batch.compressed_block_table is None:
-            raise ValueError(f"batch.compressed_block_table is required for a {kind.name} layer")
-        checks.expect_dtype("batch.compressed_block_table", batch.compressed_block_table, I32)
-        checks.expect_shape("batch.compressed_block_table", batch.compressed_block_table,
-                            (R, None))
-        checks.expect_last_dim_contiguous("batch.compressed_block_table",
-                                          batch.compressed_block_table)
-    writing = kv is not None
-    if writing and (compressed_kv is None) != (batch.compressed_slot_mapping is None):
-        raise ValueError("compressed_kv and batch.compressed_slot_mapping come together")
-    if compressed_kv is not None:
-        if not kind.compressed:
-            raise ValueError("compressed_kv given for an SWA-only layer (it has no "
-                             "compressed cache)")
-        if compressed_kv.dim() != 2 or compressed_kv.shape[1] != formats.HEAD_DIM:
-            raise ValueError(f"compressed_kv must have shape [rows, 512], got "
-                             f"{list(compressed_kv.shape)}")
-        checks.expect_dtype("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
-                            checks.INDEX_DTYPES)
-        checks.expect_shape("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
-                            (compressed_kv.shape[0],))
-    if kind.uses_topk and attention:
-        check_topk(batch, cfg.topk, Td + Tp, f"a {kind.name} layer")
-    checks.expect_same_device(
-        q=q, kv=kv, compressed_kv=compressed_kv, query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, positions=batch.positions, swa_block_table=batch.swa_block_table,
-        swa_slot_mapping=batch.swa_slot_mapping,
-        compressed_block_table=batch.compressed_block_table,
-        compressed_slot_mapping=batch.compressed_slot_mapping, topk_indices=batch.topk_indices)
-
-
 def check_topk(batch: BatchDescription, topk: int, rows: int, layer: str) -> Tensor:
     """The indexer's top-k rows are there, int32 ``[>= rows, topk]`` with a unit last stride."""
     tk = batch.topk_indices
@@ -146,39 +98,6 @@ def _table_covers(name, table, num_blocks, req, first, last, block_size, what):
             j = lo + int(bad[0])
             raise ValueError(f"{name}[{r}, {j}] = {int(table[r, j])} is not a block of the "
                              f"cache (it has {num_blocks}); {what}s up to {b} need it")
-
-
-def validate_values(cfg: LayerConfig, batch: BatchDescription, q: Tensor,
-                    cos_sin_cache: Optional[Tensor], swa_blocks: int,
-                    compressed_blocks: Optional[int], attention: bool = True) -> None:
-    """The checks that read values; only where ``checks.value_checks_enabled``."""
-    if not checks.value_checks_enabled(q, batch.seq_lens):
-        return
-    qsl, seq, ql, tok, want = check_request_values(batch, cos_sin_cache)
-    R = batch.num_reqs
-    check_slots("batch.swa_slot_mapping", batch.swa_slot_mapping, swa_blocks * cfg.swa_block_size)
-    rr = torch.arange(R)
-    first = torch.clamp(seq - ql - (cfg.window - 1), min=0)
-    _table_covers("batch.swa_block_table", batch.swa_block_table.cpu(), swa_blocks, rr, first,
-                  seq - 1, cfg.swa_block_size, "position")
-    if not cfg.kind.compressed:
-        return
-    n_entries = seq // cfg.kind.ratio
-    _table_covers("batch.compressed_block_table", batch.compressed_block_table.cpu(),
-                  compressed_blocks, rr, torch.zeros_like(seq), n_entries - 1,
-                  cfg.compressed_block_size, "compressed entry")
-    if batch.compressed_slot_mapping is not None:
-        check_slots("batch.compressed_slot_mapping", batch.compressed_slot_mapping,
-                    compressed_blocks * cfg.compressed_block_size)
-    if cfg.kind.uses_topk and attention and tok.numel():
-        tk = batch.topk_indices.long().cpu()[tok]
-        avail = ((want + 1) // cfg.kind.ratio).unsqueeze(1)
-        bad = ((tk < -1) | (tk >= avail)).nonzero()
-        if bad.numel():
-            i, j = int(bad[0, 0]), int(bad[0, 1])
-            raise ValueError(f"batch.topk_indices[{int(tok[i])}, {j}] = {int(tk[i, j])}: a "
-                             f"token at position {int(want[i])} has compressed entries "
-                             f"0..{int(avail[i]) - 1} (-1 pads)")
 
 
 def check_slots(name: str, slots: Tensor, cap: int) -> None:

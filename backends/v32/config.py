@@ -1,6 +1,6 @@
 """A DeepSeek-V3.2 layer's static shape (what its backends are constructed with).
 
-Not ``backends.common.LayerConfig``: that one describes DeepSeek-V4 layers (kind, window,
+Not ``backends.v4.LayerConfig``: that one describes DeepSeek-V4 layers (kind, window,
 compressed pages, q-norm eps), none of which V3.2 has. The capacities mean the same here.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from typing import ClassVar
 
-from sparse_mla.backends.common.config import LayerConfig
+from sparse_mla.backends.v4.config import LayerConfig
 
 SM90_COMPRESSED_TOKENS = 64      # tokens per compressed block on SM90 (128 elsewhere)
 SWA_RECORDS = (584, 528)         # bytes per token: V4.0's record, V4.1's MXFP8

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
-from sparse_mla.backends.v41.backend import V41FlashMLABackend
+from sparse_mla.backends.v4.indexer_step import IndexerInputs, IndexerStep
+from sparse_mla.backends.v41.flashmla import V41FlashMLABackend
 from sparse_mla.backends.v41.indexer_config import V41IndexerConfig
 from sparse_mla.ops.common.dispatch import canonical_device
 from sparse_mla.ops.indexer_v41 import (indexer_v41_candidates_decode,

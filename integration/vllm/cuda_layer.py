@@ -1,10 +1,10 @@
 """DeepSeek-V4 attention for vLLM 0.32.0 / 0.33.0 on CUDA on a sparse_mla backend.
 
 ``SPARSE_MLA``: vLLM's FlashMLA layer class (584 B ``fp8_ds_mla`` caches, vLLM's FlashMLA
-metadata builders) with its cache insert and attention replaced by ``backends/flashmla``.
-``SPARSE_MLA_TRTLLM``: vLLM's FlashInfer TRTLLM-gen layer class (plain bf16 / per-tensor fp8
-caches) with ``backends/trtllm``. Both take the local head count as it is: unlike the vendor
-kernels, the backends need no padding of q to 64/128 heads.
+metadata builders) with its cache insert and attention replaced by
+``backends/v4/flashmla.py``. ``SPARSE_MLA_TRTLLM``: vLLM's FlashInfer TRTLLM-gen layer class
+(plain bf16 / per-tensor fp8 caches) with ``backends/v4/trtllm.py``. Both take the local head
+count as it is: unlike the vendor kernels, the backends need no padding of q to 64/128 heads.
 
 Not run end to end here (vLLM's CUDA stack cannot be installed on the GPU machine; the
 classes and signatures it relies on are checked per release by test_vllm_contract.py);

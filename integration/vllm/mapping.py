@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
+from sparse_mla.backends.common import BatchDescription
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
 
 
 def layer_kind(compress_ratio: int) -> LayerKind:

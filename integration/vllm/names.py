@@ -29,7 +29,7 @@ def lookup(selected):
 
 def backend_class(which: BackendName):
     if which.backend == "flashmla":
-        from sparse_mla.backends.flashmla import FlashMLABackend
+        from sparse_mla.backends.v4 import FlashMLABackend
         return FlashMLABackend
-    from sparse_mla.backends.trtllm import TrtllmBackend
+    from sparse_mla.backends.v4 import TrtllmBackend
     return TrtllmBackend

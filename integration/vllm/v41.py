@@ -38,7 +38,7 @@ from vllm.forward_context import get_forward_context
 from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
-from sparse_mla.backends.v41.backend import record_format as backend_record_format
+from sparse_mla.backends.v41.flashmla import record_format as backend_record_format
 from sparse_mla.integration.vllm import mapping, names, shared
 from sparse_mla.integration.vllm.layer import SparseMLALayerMixin
 

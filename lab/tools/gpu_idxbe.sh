@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The indexer inside a backend step (backends/common/indexer_step.py) on a GPU machine without
+# The indexer inside a backend step (backends/v4/indexer_step.py) on a GPU machine without
 # Bazel (the lead's H200): its tests with their CUDA parametrizations (CUDA-graph replay
 # included), then a decode-step timing table: the C4A step given the top-k, the same step with
 # the indexer inside (insert + top-k + attention), and the indexer's top-k op alone, for a
@@ -28,9 +28,10 @@ python3 - $smoke <<'PY' 2>"$out/bench.err" | tee "$out/bench.txt"
 import dataclasses
 import sys
 import torch
-from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
-from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
-from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.common import BatchDescription
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
+from sparse_mla.backends.v4.indexer_step import IndexerInputs, IndexerStep
+from sparse_mla.backends.v4 import FlashMLABackend
 from sparse_mla.ops.indexer import indexer_topk_decode
 
 smoke = sys.argv[1] == "1"

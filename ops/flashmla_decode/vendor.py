@@ -175,7 +175,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
 def _deliver(out, lse, o, l, h):
     """FlashMLA's decode outputs (its own tensors, heads padded) into the op's: a copy an
     engine calling FlashMLA directly does not make (vLLM's pure decode hands FlashMLA's output
-    on as it is), so tools/bench_backend.py's vLLM-like timing skips it."""
+    on as it is), so tools/bench_backend.py's vLLM-like layer calls FlashMLA itself."""
     out.copy_(o[:, :, :h])
     lse.copy_(l[:, :h])
 

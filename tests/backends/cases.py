@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_mla.backends.common import LayerConfig, LayerKind
-from sparse_mla.backends.flashmla import FlashMLABackend
-from sparse_mla.backends.trtllm import TrtllmBackend
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
+from sparse_mla.backends.v4 import FlashMLABackend
+from sparse_mla.backends.v4 import TrtllmBackend
 from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.sim import Simulator, written_bytes_mask
 from sparse_mla.tests.helpers import storage_bytes

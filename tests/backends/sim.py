@@ -13,7 +13,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from sparse_mla.backends.common import BatchDescription, LayerConfig, LayerKind
+from sparse_mla.backends.common import BatchDescription
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
 from sparse_mla.tests.backends import oracle
 
 D = 512

@@ -8,10 +8,10 @@ import inspect
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
+from sparse_mla.backends.v4 import LayerKind
 from sparse_mla.backends.common.base import Backend
-from sparse_mla.backends.flashmla import FlashMLABackend
-from sparse_mla.backends.trtllm import TrtllmBackend
+from sparse_mla.backends.v4 import FlashMLABackend
+from sparse_mla.backends.v4 import TrtllmBackend
 from sparse_mla.backends.v32 import V32FlashMLABackend, V32TrtllmBackend
 from sparse_mla.tests.backends.cases import Harness, config
 

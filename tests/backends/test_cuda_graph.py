@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_mla.backends.common.indexer_step import IndexerInputs
+from sparse_mla.backends.v4.indexer_step import IndexerInputs
 from sparse_mla.tests.backends.cases import KINDS, Harness, config
 from sparse_mla.tests.backends.test_indexer_step import IndexerHarness
 from sparse_mla.tests.helpers import requires_cuda

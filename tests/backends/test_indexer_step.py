@@ -1,4 +1,4 @@
-"""A C4A step with the Lightning indexer inside (backends/common/indexer_step.py): insert ->
+"""A C4A step with the Lightning indexer inside (backends/v4/indexer_step.py): insert ->
 top-k -> combine -> attention in one call gives the top-k an independent float64 indexer
 oracle computes from the history of indexer keys (docs/semantics.md §11), and exactly the
 output of the backend's own path given that top-k; mixed decode / prefill batches, MTP of
@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
-from sparse_mla.backends.common.indexer_step import IndexerInputs, IndexerStep
+from sparse_mla.backends.v4 import LayerKind
+from sparse_mla.backends.v4.indexer_step import IndexerInputs, IndexerStep
 from sparse_mla.ops.common import quant
 from sparse_mla.tests.backends.cases import Harness, config
 from sparse_mla.tests.helpers import CUDA, storage_bytes

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_mla.backends.common import LayerKind
-from sparse_mla.backends.common.indexer_step import IndexerStep
+from sparse_mla.backends.v4 import LayerKind
+from sparse_mla.backends.v4.indexer_step import IndexerStep
 from sparse_mla.tests.backends.cases import Harness, config
 from sparse_mla.tests.backends.test_indexer_step import IndexerHarness
 from sparse_mla.tests.helpers import INTERPRETING

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
+from sparse_mla.backends.v4 import LayerKind
 from sparse_mla.tests.backends import cases
 from sparse_mla.tests.backends.cases import BACKENDS, KINDS, Harness, config
 from sparse_mla.tests.backends.sim import Simulator

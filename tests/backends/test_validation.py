@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerConfig, LayerKind
+from sparse_mla.backends.v4 import LayerConfig, LayerKind
 from sparse_mla.tests.backends.cases import Harness, config
 from sparse_mla.tests.helpers import storage_bytes
 

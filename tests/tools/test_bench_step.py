@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
+from sparse_mla.backends.v4 import LayerKind
 from sparse_mla.tools import bench_step as bs
 from sparse_mla.tools import perf_tables
 

@@ -19,8 +19,8 @@ namespace levels' `__init__.py` (versions.bzl NAMESPACE_PACKAGES); whatever is l
 under this package (or `packages`), else the build fails naming the stray files. It requires
 each wheel of `deps` at exactly VERSION, and `requires` / `extras` from PINS. The distribution
 name defaults to `sparse-mla-<package>` with a leading `ops/` dropped and `/`, `_` as `-`
-(`ops/flashmla_decode` -> `sparse-mla-flashmla-decode`, `backends/flashmla` ->
-`sparse-mla-backends-flashmla`).
+(`ops/flashmla_decode` -> `sparse-mla-flashmla-decode`, `backends/v4` ->
+`sparse-mla-backends-v4`).
 
 `sparse_mla_wheel_set` gathers wheels (and every wheel they require) into one directory for
 `pip install --no-index --find-links`.

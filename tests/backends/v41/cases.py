@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
-from sparse_mla.backends.v41.backend import record_format
+from sparse_mla.backends.v41.flashmla import record_format
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.backends import cases, oracle
 from sparse_mla.tests.backends.sim import Simulator

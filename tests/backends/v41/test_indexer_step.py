@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from sparse_mla.backends.common.indexer_step import IndexerInputs
+from sparse_mla.backends.v4.indexer_step import IndexerInputs
 from sparse_mla.backends.v41 import V41Kind
 from sparse_mla.backends.v41.indexer_config import V41IndexerConfig, indexer_roles
 from sparse_mla.backends.v41.indexer_step import V41IndexerState, V41IndexerStep

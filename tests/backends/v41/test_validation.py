@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_mla.backends.common import LayerKind
-from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.v4 import LayerKind
+from sparse_mla.backends.v4 import FlashMLABackend
 from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind, V41LayerConfig
 from sparse_mla.tests.backends import cases as v4_cases
 from sparse_mla.tests.backends.v41.cases import RECORDS, Harness, config, record_ids

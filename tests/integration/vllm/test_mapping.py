@@ -14,8 +14,8 @@ from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 
-from sparse_mla.backends.common import LayerKind
-from sparse_mla.backends.flashmla import FlashMLABackend
+from sparse_mla.backends.v4 import LayerKind
+from sparse_mla.backends.v4 import FlashMLABackend
 from sparse_mla.integration.vllm import mapping
 from sparse_mla.ops.common import checks, formats, quant
 

@@ -143,5 +143,5 @@ def test_entry_point_declared_by_the_wheel():
         meta = zf.read(dist.replace("entry_points.txt", "METADATA")).decode()
     assert "[vllm.general_plugins]\nsparse_mla = sparse_mla.integration.vllm:register" in eps
     assert "sparse_mla/integration/vllm/plugin.py" in files
-    assert "Requires-Dist: sparse-mla-backends-flashmla==" in meta
+    assert "Requires-Dist: sparse-mla-backends-v4==" in meta
     assert "Requires-Dist: vllm" in meta and "extra == \"vllm\"" in meta     # an extra only

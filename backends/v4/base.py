@@ -15,9 +15,9 @@ from torch import Tensor
 
 from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.backends.common.config import LayerConfig
-from sparse_mla.backends.common.planner import IndexPlanner
-from sparse_mla.backends.common.validate import validate_shapes, validate_values
+from sparse_mla.backends.v4.config import LayerConfig
+from sparse_mla.backends.v4.planner import IndexPlanner
+from sparse_mla.backends.v4.validate import validate_shapes, validate_values
 from sparse_mla.ops.common import checks
 
 

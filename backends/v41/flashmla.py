@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 attention over packed caches, composed as vLLM 0.32.0's
 ``DeepseekV4FlashMLAAttention`` (``vllm/models/deepseek_v41/nvidia/flashmla.py``) composes it.
 
-The step is V4's FlashMLA-layout step (``backends/flashmla``): decode rows through one
+The step is V4's FlashMLA-layout step (``backends/v4/flashmla.py``): decode rows through one
 ``flashmla_sparse_decode`` (the SWA window as the main list, the indexer's top-k as global
 compressed slots as the extra list), prefill requests in workspace chunks (``gather_dequant``
 of the compressed entries and the window context, ``combine_topk_swa_indices``, then
@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Dict
 
 from sparse_mla.backends.common.spec import CacheSpec
-from sparse_mla.backends.flashmla.backend import FlashMLABackend
+from sparse_mla.backends.v4.flashmla import FlashMLABackend
 from sparse_mla.backends.v41.config import V41LayerConfig
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops.common import formats

@@ -14,9 +14,9 @@ from typing import Dict
 
 import torch
 
-from sparse_mla.backends.common.batch import LayerKind
 from sparse_mla.backends.common.spec import CacheSpec
-from sparse_mla.backends.common.v4 import V4Backend
+from sparse_mla.backends.v4.base import V4Backend
+from sparse_mla.backends.v4.config import LayerKind
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import index_combine as ic
 from sparse_mla.ops import trtllm_decode as td

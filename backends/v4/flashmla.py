@@ -14,7 +14,7 @@ from typing import Dict
 import torch
 
 from sparse_mla.backends.common.spec import CacheSpec
-from sparse_mla.backends.common.v4 import V4Backend
+from sparse_mla.backends.v4.base import V4Backend
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.ops import flashmla_decode as fd  # registers the ops
 from sparse_mla.ops import index_combine as ic
