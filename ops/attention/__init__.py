@@ -41,20 +41,18 @@ def _unit_strides(src: KeySource) -> KeySource:
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
                             sink: Optional[torch.Tensor], scale, out: torch.Tensor,
                             lse: Optional[torch.Tensor] = None, out_scale=1.0,
-                            max_logits: Optional[torch.Tensor] = None, qrot=None):
+                            max_logits: Optional[torch.Tensor] = None):
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
     and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
     contiguous). ``scale`` / ``out_scale`` may be one-element fp32 tensors on q's device:
     the kernels read them, so nothing syncs with the host. Index lists, lengths and the sink
     may be strided views: the kernels need unit-stride ones, made here (a copy only where the
     view has gaps). Returns the ``plan.LaunchPlan`` that ran (which kernel route and why, the
-    kernel's file; also on ``dispatch.last_choice(op)`` of the op that called this).
-    ``qrot`` (``qrot.QRot``, bf16 512-wide q only): q arrives raw (before its RMS-norm and
-    RoPE) and the kernels apply them as they load it, exactly as the unfused path rounds."""
+    kernel's file; also on ``dispatch.last_choice(op)`` of the op that called this)."""
     from sparse_mla.ops.attention import launch
     from sparse_mla.ops.common import dispatch
     sources = [_unit_strides(s) for s in sources]
     plan = launch.run(q, sources, checks.unit_stride(sink), scale, out, lse, out_scale,
-                       max_logits, qrot)
+                       max_logits)
     dispatch.record_plan(plan)
     return plan

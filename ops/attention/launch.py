@@ -51,9 +51,6 @@ FMT_V41_EXTRA = {"v41_fp4": 7, "v4": 8}
 FMT_PLAIN_BF16_TILED = 4
 LOG2E = 1.4426950408889634
 
-# The q fold's run-time kernel arguments of a launch without it (``qrot.QRot.pointer_args``)
-NO_QROT = dict(qpos_ptr=None, qcs_ptr=None, q_max_pos=None)
-
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
 # are scheduled while the kernel before them runs and wait for its writes in-kernel, so their
 # launch latency is hidden (lab/perf-log.md, "Fixed per-call costs").
@@ -68,7 +65,7 @@ FP16_FOR_E4M3 = True
 
 def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None, n_tok=None):
+                  out_scale, pdl, d576, f16, staged, cluster, t0, n_tok=None):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
     staged or V3.2 rows, 65-128 heads; its producer gets ``PRODUCER_REGS_CLUSTER``
     registers): the compiled kernel is made cluster-launchable before its first
@@ -97,11 +94,9 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         scale_t=isinstance(scale, torch.Tensor), q_fp8=q_fp8, final=final,
         has_sink=sink is not None, has_lse=lse is not None,
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
-        staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
-        qeps=qrot.eps32 if qrot is not None else 0.0, persist=n_tok is not None)
-    # the fold's run-time arguments always (None without it), n_tok too: the cluster launch
-    # passes every parameter by name (``triton_utils.launch_compiled``)
-    kwargs.update(qrot.pointer_args() if qrot is not None else NO_QROT)
+        staged=staged, cluster=cluster, persist=n_tok is not None)
+    # n_tok always (None where not persistent): the cluster launch passes every parameter by
+    # name (``triton_utils.launch_compiled``)
     kwargs["n_tok"] = n_tok
     kwargs["launch_pdl"] = pdl
     if cluster:
@@ -143,10 +138,9 @@ def _source_args(src):
     return cache, src.cache.stride(0), src.cache.stride(1)
 
 
-def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, qrot=None):
+def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     """Launch the attention of ``q`` over ``sources`` (``reference.KeySource``) and return
-    the ``plan.LaunchPlan`` that ran (None where there was nothing to compute). ``qrot``
-    (``qrot.QRot``): q is raw, and the split kernel norms / rotates it as it loads it."""
+    the ``plan.LaunchPlan`` that ran (None where there was nothing to compute)."""
     T, H = q.shape[0], q.shape[1]
     if T == 0 or H == 0:
         return None
@@ -201,7 +195,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
             part_o, part_ml = _partials(0 if final else (t1 - t0) * H * n_splits, dev,
                                          n_splits)
             # persistent programs (each running several tokens) where they pay
-            progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8, qrot,
+            progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8,
                                           n_splits, cluster) if len(phases) == 1 else 0
             launch.persist = progs
             launch.kernels.append(_launch_gluon(
@@ -209,7 +203,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
                 _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,
                 q_fp8, final, sink, out, lse, out_scale, pdl, d576, f16, staged, cluster, t0,
-                qrot, (t1 - t0) if progs else None))
+                (t1 - t0) if progs else None))
             if not final:
                 _combine(part_o, part_ml, n_splits, t0, t1, H, sink, out, lse, max_logits,
                          out_scale, pdl, interp=False)
@@ -252,7 +246,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, 
         ONE_TILE=plan.one_tile(max_tiles, n_splits), SOFT=bool(launch.soft_e4m3),
         num_warps=cfg["num_warps"] // dvs,
         num_stages=cfg["num_stages_v32"] if src0.fmt == "v32" else cfg["num_stages"],
-        launch_pdl=pdl, **(qrot.kernel_args() if qrot is not None else {})))
+        launch_pdl=pdl))
     _combine(part_o, part_ml, n_splits, 0, T, H, sink, out, lse, max_logits, out_scale, pdl,
              interp)
     return launch

@@ -287,18 +287,18 @@ def cluster_pays(fmt, units, tiles, sms):
     return not (fmt == "v4" and units <= sms and tiles < tuning.CLUSTER_V4_MIN_TILES)
 
 
-def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, qrot, n_splits, cluster=False):
+def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, n_splits, cluster=False):
     """Programs a head block for a persistent launch of the sm_90 kernel over ``T`` tokens of
     ``n_hb`` head blocks (ops/attention/sm90/persist.py: each program runs tokens t, t + G, ...),
     or 0 for one program a token: V4 rows staged; V4.1 and V3.2 rows in 2-CTA clusters
-    (``tuning.PERSIST_V41`` / ``PERSIST_V32``); a bf16 q without the q fold,
+    (``tuning.PERSIST_V41`` / ``PERSIST_V32``); a bf16 q,
     one split a token, and more units than ``sms`` (one wave gains nothing). As many programs
     as fit, or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
     rows = ((staged and fmt == "v4" and tuning.PERSIST_V4)
             or (cluster and fmt == GLUON_V41 and tuning.PERSIST_V41)
             or (cluster and fmt == "v32" and tuning.PERSIST_V32))
-    if not (rows and not q_fp8 and qrot is None and n_splits == 1):
+    if not (rows and not q_fp8 and n_splits == 1):
         return 0
     slots = max(1, sms // n_hb)
     if T <= slots:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.attention.qrot_kernels import q_position, q_rms_factor, rotated_q
 from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
                                                 grid_wait, to_bf16, ue8m0_scale,
                                                 v41_record_addrs)
@@ -272,32 +271,6 @@ def _load_q_block(q_row, hmask, DV: tl.constexpr, D576: tl.constexpr, Q_FP8: tl.
 
 
 @triton.jit
-def _rot_q_half(q_row, hmask, r, pos, cs_ptr, HALF: tl.constexpr, DOT_F32: tl.constexpr):
-    """Dims [256·HALF, 256·HALF + 256) of the folded q (qrot_kernels.rotated_q) as a dot
-    operand, built from 128-dim pieces (fp32 intermediates of a whole half spilled)."""
-    a = rotated_q(q_row, hmask, r, pos, cs_ptr, 256 * HALF, 128, DOT_F32)
-    b = rotated_q(q_row, hmask, r, pos, cs_ptr, 256 * HALF + 128, 128, DOT_F32)
-    x = _cat(a, b)
-    return _dot_operand(x.to(tl.float32) if DOT_F32 else x, DOT_F32)
-
-
-@triton.jit
-def _rot_q_block(q_row, hmask, t, qpos_ptr, qcs_ptr, q_max_pos, DV: tl.constexpr,
-                 QROT: tl.constexpr, QEPS: tl.constexpr, HB: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """``_load_q_block`` for a raw q (512-wide bf16 rows) normed and rotated as it is
-    loaded: the unfused path's bf16 q bit for bit (ops/attention/qrot_kernels.py)."""
-    pos = q_position(qpos_ptr, t, q_max_pos)
-    r = q_rms_factor(q_row, hmask, QROT, QEPS, HB)
-    q_lo = _rot_q_half(q_row, hmask, r, pos, qcs_ptr, 0, DOT_F32)
-    q_hi = _rot_q_half(q_row, hmask, r, pos, qcs_ptr, 1, DOT_F32)
-    if DV == 1:
-        q_lo = _cat(q_lo, q_hi)
-        q_hi = q_lo
-    return q_lo, q_hi, q_lo
-
-
-@triton.jit
 def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
                SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
                SOFT: tl.constexpr):
@@ -410,12 +383,7 @@ def _split_kernel(
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
-        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1,
-        qpos_ptr=None, qcs_ptr=None, q_max_pos=None, QROT: tl.constexpr = 0,
-        QEPS: tl.constexpr = 0.0):
-    # QROT (1 RoPE, 2 RMS-norm and RoPE: qrot.QRot): q is raw and normed / rotated as it is
-    # loaded; the q fold's arguments default to None, so launches without it compile as before
-    tl.static_assert(QROT == 0 or not (Q_FP8 or D576))
+        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -432,11 +400,7 @@ def _split_kernel(
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    if QROT == 0:
-        q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16, SOFT)
-    else:
-        q_lo, q_hi, q_rope = _rot_q_block(q_row, hmask, t, qpos_ptr, qcs_ptr, q_max_pos, DV,
-                                          QROT, QEPS, HB, DOT_F32)
+    q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16, SOFT)
     acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)

@@ -3,7 +3,6 @@ their arguments as key sources of the shared attention reference (ops/attention/
 from __future__ import annotations
 
 from sparse_mla.ops.attention import KeySource, sparse_attention_reference
-from sparse_mla.ops.attention.qrot import rotate_reference
 
 
 def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
@@ -21,10 +20,7 @@ def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
 
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
-    if qrot is not None:    # the unfused path: the reference q-norm + RoPE, then attention
-        q = rotate_reference(q, qrot)
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)

@@ -21,15 +21,13 @@ def _token_rows(t: Tensor, shape):
 
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
                           extra_topk_length, kv_format, bs, extra_bs, extra_fmt)
     o_rows, o_target = _token_rows(out, (b * s_q, h, 512))
     l_rows, l_target = _token_rows(lse.transpose(1, 2), (b * s_q, h))
-    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows,
-                            qrot=qrot)
+    sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows)
     for rows, target in ((o_rows, o_target), (l_rows, l_target)):
         if target is not None:
             target.copy_(rows.view(target.shape))

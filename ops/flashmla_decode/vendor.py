@@ -26,7 +26,6 @@ import triton.language as tl
 from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.attention.plan import gluon_enabled
-from sparse_mla.ops.attention.qrot import rotate_reference
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
 
@@ -125,8 +124,7 @@ def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tenso
 
 
 def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-                 qrot=None):
+                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     if kv_format not in ("v4", "v32") or (extra_k_cache is not None
                                           and (extra_fmt or kv_format) != kv_format):
         return ("FlashMLA is wired here for one V4 (584 B) or V3.2 (656 B) cache format per "
@@ -145,10 +143,7 @@ def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extr
 
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
-           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None):
-    if qrot is not None:    # FlashMLA takes q normed and rotated: the unfused reference first
-        q = rotate_reference(q, qrot)
+           extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)

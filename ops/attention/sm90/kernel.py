@@ -81,11 +81,8 @@ def _ws_kernel(
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
-        num_warps: gl.constexpr, qpos_ptr=None, qcs_ptr=None, q_max_pos=None,
-        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0, RANK_VIEWS: gl.constexpr = False,
+        num_warps: gl.constexpr, RANK_VIEWS: gl.constexpr = False,
         n_tok=None, PERSIST: gl.constexpr = 0):
-    # QROT (the q fold, qrot.QRot): q is raw bf16, normed / rotated by _lead as it loads it;
-    # its arguments default to None, so launches without it build the kernel as before.
     # RANK_VIEWS: the V4 cluster producer's stores indexed by rank at run time (compat, 3.7)
     # PERSIST (``persist``): each program (cluster) runs tokens tp, tp + G, ... < n_tok of
     # the launch (G programs a head block; at most PERSIST tokens each), one split each, its
@@ -93,10 +90,9 @@ def _ws_kernel(
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
     gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
     gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
-    gl.static_assert(QROT == 0 or not (Q_FP8 or D576))
     gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
     # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster
-    gl.static_assert(not PERSIST or (FINAL and QROT == 0 and not Q_FP8 and (
+    gl.static_assert(not PERSIST or (FINAL and not Q_FP8 and (
         (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5)))))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
@@ -209,8 +205,7 @@ def _ws_kernel(
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX,
                  FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED,
-                 qpos_ptr, qcs_ptr, q_max_pos, QROT, QEPS, rows_free, PERSIST, tok_tab,
-                 n_mine, t0, tp_step)),
+                 rows_free, PERSIST, tok_tab, n_mine, t0, tp_step)),
         (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,

@@ -55,15 +55,15 @@ PERSIST_TOKENS = 8
 
 def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
                       final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster,
-                      qrot=0, qeps=0.0, persist=False):
+                      persist=False):
     """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
-    ``fmt`` is the cache format's code (``launch.FMT_CODES``); ``qrot`` / ``qeps`` the q fold's
-    (``qrot.QRot.code`` / ``eps32``). Shared by the launch and by the compile-only check
-    (``variants``), so both build the same kernel. ``RANK_VIEWS`` is ``compat.RANK_VIEWS``
-    read now (V4 clusters only), so a flip between launches builds the other kernel.
+    ``fmt`` is the cache format's code (``launch.FMT_CODES``). Shared by the launch and by
+    the compile-only check (``variants``), so both build the same kernel. ``RANK_VIEWS`` is
+    ``compat.RANK_VIEWS`` read now (V4 clusters only), so a flip between launches builds the
+    other kernel.
     ``persist``: programs loop over tokens, ``PERSIST_TOKENS`` at most (``persist``)."""
     from sparse_mla.ops.attention.sm90 import compat
-    return dict(QROT=qrot, QEPS=qeps, PERSIST=PERSIST_TOKENS if persist else 0,
+    return dict(PERSIST=PERSIST_TOKENS if persist else 0,
         RANK_VIEWS=bool(compat.RANK_VIEWS and cluster and staged and fmt == 0),
         FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=BLOCK_N, STAGES=STAGES,
         TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t, P_WARPS=PRODUCER_WARPS,

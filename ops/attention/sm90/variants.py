@@ -44,11 +44,6 @@ VARIANTS = {
     "fp8_512": dict(fmt=3),
     "fp8_512_f16": dict(fmt=3, q_fp8=True, f16=True),
     "fp8_576_f16": dict(fmt=3, d576=True, q_fp8=True, f16=True),
-    # the q fold (raw q normed and rotated as it is loaded: ops/attention/qrot.py)
-    "v4_staged_qfold": dict(fmt=0, staged=True, qrot=2),
-    "v4_staged_final_qfold": dict(fmt=0, staged=True, final=True, qrot=2),
-    "v4_cluster_qfold": dict(fmt=0, staged=True, cluster=True, qrot=2),
-    "v4_unstaged_rope_qfold": dict(fmt=0, qrot=1),
     # persistent programs (sm90/persist.py)
     "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
     "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
@@ -59,8 +54,6 @@ VARIANTS = {
     "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
                                       persist=True),
 }
-# the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
-_QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}
 
 _FLOATS = {"scale2", "out_scale"}
 _DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs", "i0_s0",
@@ -74,8 +67,7 @@ def _pointer_types(v):
             "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32",
             "scale_ptr": "*fp32", "part_o": "*fp32" if final else "*bf16",
             "part_ml": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "mx_ptr": "*fp32",
-            "sink_ptr": "*fp32", "out_scale_ptr": "*fp32",
-            **(_QROT_ARGS if v.get("qrot") else {})}
+            "sink_ptr": "*fp32", "out_scale_ptr": "*fp32"}
 
 
 def constexprs(name):
@@ -89,8 +81,7 @@ def constexprs(name):
         n_units=2 if cluster else 1, scale_t=False, q_fp8=v.get("q_fp8", False),
         final=v.get("final", False), has_sink=True, has_lse=True, out_scale_t=False, pdl=True,
         d576=v.get("d576", False), f16=v.get("f16", False), staged=v.get("staged", False),
-        cluster=cluster, qrot=v.get("qrot", 0), qeps=1e-6 if v.get("qrot") == 2 else 0.0,
-        persist=v.get("persist", False))
+        cluster=cluster, persist=v.get("persist", False))
 
 
 def compile_variant(name):
@@ -114,8 +105,8 @@ def compile_variant(name):
     if unset:
         raise ValueError(f"{name}: no value for _ws_kernel's constexpr parameters {unset}")
     cx["num_warps"] = num_warps
-    # run-time parameters defaulting to None (the q fold's) are constexpr None where unused,
-    # as the JIT makes them: the variants without the fold build exactly as before it
+    # run-time parameters defaulting to None (n_tok without PERSIST) are constexpr None where
+    # unused, as the JIT makes them
     for p in fn.params:
         if not p.is_constexpr and p.has_default and p.default is None \
                 and p.name not in pointers and not (p.name == "n_tok" and cx["PERSIST"]):

@@ -111,14 +111,14 @@ def test_combine_charge_of_one_tile_moves_only_the_short_b64_h64_row():
 
 
 def _persist(T, n_hb, **kw):
-    args = dict(sms=132, fmt="v4", staged=True, q_fp8=False, qrot=None, n_splits=1)
+    args = dict(sms=132, fmt="v4", staged=True, q_fp8=False, n_splits=1)
     args.update(kw)
     return plan.persist_programs(T, n_hb, **args)
 
 
 def test_persistent_programs_where_they_pay():
-    """Persistent sm_90 launches (ops/attention/sm90/persist.py): V4 rows staged, a bf16 q
-    without the q fold, one split, more units than SMs; as many programs a head block as fit,
+    """Persistent sm_90 launches (ops/attention/sm90/persist.py): V4 rows staged, a bf16 q,
+    one split, more units than SMs; as many programs a head block as fit,
     more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
     assert tuning.PERSIST_V4 and tuning.PERSIST_TOKENS == 8
@@ -126,7 +126,7 @@ def test_persistent_programs_where_they_pay():
     assert _persist(132, 1) == 0 and _persist(66, 2) == 0      # one wave: nothing to gain
     assert _persist(8 * 132 + 1, 1) == 133                     # 8 tokens a program at most
     for kw in (dict(fmt="v32"), dict(fmt="v41", staged=False), dict(staged=False),
-               dict(fmt="plain_fp8", staged=False), dict(q_fp8=True), dict(qrot=object()),
+               dict(fmt="plain_fp8", staged=False), dict(q_fp8=True),
                dict(n_splits=2)):
         assert _persist(256, 1, **kw) == 0, kw
 
