@@ -27,14 +27,14 @@ import torch
 import triton
 
 from sparse_mla.ops.attention import plan
+from sparse_mla.ops.attention import fmt_codes
 from sparse_mla.ops.attention import portable as kernels
 from sparse_mla.ops.attention.reference import head_dims
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
-FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_fp4": 6,
-             "v41_inline": 9, "v41_fp4_inline": 10}
+FMT_CODES = fmt_codes.BY_NAME
 # Records of 512-wide rows with their own scales (V4 584 B, V4.1 528 B and 288 B, these two
 # page-footer or token-inline): a launch's two sources may mix these (a V4.1 layer's 528 B SWA
 # cache and its 288 B compressed cache); the portable kernel then decodes each source's tiles
@@ -43,12 +43,8 @@ TAIL_FORMATS = ("v4",) + tuple(formats.V41_RECORD_OF)
 # The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
 # ``plan.GLUON_V41_PAIRS``)
 V41_FORMATS = tuple(formats.V41_RECORD_OF)
-# The sm_90 kernel's FMT for 528 B main rows with extra rows in another record, by that record
-# (its producer picks each chunk's record by its source: ``sm90/producers_v41.py``)
-FMT_V41_EXTRA = {"v41_fp4": 7, "v4": 8}
-# The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
-# ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
-FMT_PLAIN_BF16_TILED = 4
+FMT_V41_EXTRA = fmt_codes.V41_EXTRA
+FMT_PLAIN_BF16_TILED = fmt_codes.PLAIN_BF16_TILED.value
 LOG2E = 1.4426950408889634
 
 # Programmatic dependent launch where the GPU has it (sm_90+): the split and combine kernels
@@ -153,8 +149,9 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             src0.fmt in TAIL_FORMATS and src1.fmt in TAIL_FORMATS):
         raise ValueError(f"sources must share one cache format (or both be one of "
                          f"{TAIL_FORMATS}), got {src0.fmt} and {src1.fmt}")
-    # the second source's format code where it differs from the first's (-1: the same)
-    fmt1 = FMT_CODES[src1.fmt] if src1 is not None and src1.fmt != src0.fmt else -1
+    # the second source's format code where it differs from the first's
+    fmt1 = (FMT_CODES[src1.fmt] if src1 is not None and src1.fmt != src0.fmt
+            else fmt_codes.SAME_AS_FMT.value)
     c0, c0s0, c0s1 = _source_args(src0)
     if src1 is not None:
         c1, c1s0, c1s1 = _source_args(src1)

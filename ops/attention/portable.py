@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.attention.fmt_codes import (PLAIN_BF16, PLAIN_FP8, SAME_AS_FMT, V4, V32, V41,
+                                                V41_FP4, V41_FP4_INLINE, V41_INLINE)
 from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
                                                 grid_wait, to_bf16, ue8m0_scale,
                                                 v41_record_addrs)
@@ -68,7 +70,7 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
     """V4 with 8-byte-aligned blocks: each row's eight UE8M0 scale bytes as one int64 [BN, 1].
     One 8-byte load per row replaces seven 1-byte loads per tile, and Triton's pipeliner can
     stage it asynchronously (it cannot stage 1-byte loads: they stalled every iteration)."""
-    if FMT == 0 and SCALE64:
+    if FMT == V4 and SCALE64:
         ptr = (cache_ptr + blk * s0 + BS * 576 + off * 8).to(tl.pointer_type(tl.int64))
         sc = tl.load(ptr, mask=v, other=0)
     else:
@@ -87,7 +89,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
     time keeps the dequantization temporaries small: a whole [BN, 512] fp32 tile next to the
     [64, 512] accumulator is what made the first version spill."""
     c = tl.arange(0, 64)[None, :]
-    if FMT == 0:
+    if FMT == V4:
         base = cache_ptr + blk * s0
         if TILE < 7:
             x = _load_values(base + off * 576 + TILE * 64 + c, v, True, SOFT)
@@ -99,7 +101,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
                               False, DOT_F32)
-    elif FMT == 1:
+    elif FMT == V32:
         rec = cache_ptr + blk * s0 + off * 656
         if TILE < 8:
             x = _load_values(rec + TILE * 64 + c, v, True, SOFT)
@@ -109,29 +111,30 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
                               DOT_F32)
-    elif FMT == 5 or FMT == 9:
+    elif FMT == V41 or FMT == V41_INLINE:
         # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims (two per tile)
         # in the block's tail (5) or right after the row's data (9, token-inline); e4m3 × 2^k
         # is exact in bf16
-        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == 9)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == V41_INLINE)
         x = _load_values(data + TILE * 64 + c, v, True, SOFT)
         sb = tl.load(scales + TILE * 2 + c // 32, mask=v, other=127).to(tl.int32)
         k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
-    elif FMT == 6 or FMT == 10:
+    elif FMT == V41_FP4 or FMT == V41_FP4_INLINE:
         # V4.1 288 B: e2m1 pairs (the even dim in the low nibble), then per row 32 e4m3
         # scales of 16 dims in the block's tail (6) or after the row's data (10, token-inline);
         # e2m1 × e4m3 is exact in bf16
         # (the tile's 32 bytes loaded once and their nibbles interleaved: a load of each
         # byte per dim took three times the shared memory, more than sm_86 / sm_89 allow)
-        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 256, 32, FMT == 10)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 256, 32,
+                                        FMT == V41_FP4_INLINE)
         j = tl.arange(0, 32)[None, :]
         b = tl.load(data + TILE * 32 + j, mask=v, other=0).to(tl.int32)
         sc = _load_values(scales + TILE * 4 + j // 8, v, True, SOFT)
         k = _dot_operand(tl.interleave(e2m1_value(b & 0xF) * sc, e2m1_value(b >> 4) * sc),
                          DOT_F32)
     else:
-        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32,
-                          F16, SOFT)
+        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == PLAIN_FP8,
+                          DOT_F32, F16, SOFT)
     return k
 
 
@@ -281,9 +284,9 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
     v = valid[:, None]
     blk = (idx // bs).to(tl.int64)[:, None]
     off = (idx % bs).to(tl.int64)[:, None]
-    if FMT == 2:
+    if FMT == PLAIN_BF16:
         # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
-        # shared memory (cp.async) instead of staging 64-wide pieces in registers. (FMT 4:
+        # shared memory (cp.async) instead of staging 64-wide pieces in registers. (PLAIN_BF16_TILED:
         # the same rows in 64-wide pieces, for GPUs below sm_90, whose shared memory cannot
         # hold two stages of whole rows: plan.LOW_SHARED_CONFIG.)
         row = cache + blk * s0 + off * s1
@@ -420,7 +423,7 @@ def _split_kernel(
         # first dot, and q's loads and the gather's are in flight together (sm_90 SASS)
         cache, s0, s1, bs, cap = tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        if FMT1 < 0:
+        if FMT1 == SAME_AS_FMT:
             acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
                                            scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
                                            SCALE64, DOT_F32, F16, SOFT)
@@ -439,7 +442,7 @@ def _split_kernel(
                                        i1_s0, BN)
             else:
                 idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-            if FMT1 < 0:
+            if FMT1 == SAME_AS_FMT:
                 acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope,
                                                dv, scale2, acc, m_i, l_i, mx, FMT, DV, D576,
                                                TRACK_MAX, SCALE64, DOT_F32, F16, SOFT)

@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from sparse_mla.ops.attention.fmt_codes import PLAIN_FP8, V32, V4, V41_FIRST
 from sparse_mla.ops.attention.portable import key_run
 from sparse_mla.ops.attention.sm90 import hooks, persist
 from sparse_mla.ops.attention.sm90.cluster import PAIR_SUB, V32_STAGED_PANELS
@@ -88,12 +89,12 @@ def _ws_kernel(
     # the launch (G programs a head block; at most PERSIST tokens each), one split each, its
     # ring running on across them
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
-    gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
-    gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
-    gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
+    gl.static_assert(not F16 or (FMT == PLAIN_FP8 and Q_FP8))     # fp16 only where it is exact
+    gl.static_assert(not STAGED or FMT == V4 or FMT >= V41_FIRST)   # V4 or V4.1 rows
+    gl.static_assert(not CLUSTER or ((STAGED or FMT == V32) and N_UNITS == 2))  # rank: head block
     # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster
     gl.static_assert(not PERSIST or (FINAL and not Q_FP8 and (
-        (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5)))))
+        (STAGED and FMT == V4) or (CLUSTER and (FMT == V32 or FMT >= V41_FIRST)))))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -105,8 +106,8 @@ def _ws_kernel(
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     EARLY: gl.constexpr = (EARLY_SLOTS and not CLUSTER and not PERSIST
-                           and (FMT == 0 or FMT == 3 or FMT >= 5))
-    V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
+                           and (FMT == V4 or FMT == PLAIN_FP8 or FMT >= V41_FIRST))
+    V32_STAGED: gl.constexpr = CLUSTER and FMT == V32
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
                              2 * BN, num_warps)
