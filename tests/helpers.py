@@ -71,14 +71,14 @@ def seeded(seed: int) -> torch.Generator:
     return g
 
 
-def hopper_with_gluon():
+def hopper_with_sm90():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon) now: not
-    where the process turned it off (``SPARSE_MLA_GLUON=0``, the forced software e4m3 route
-    ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.gluon_disabled_reason``)."""
+    where the process turned it off (``SPARSE_MLA_SM90=0``, the forced software e4m3 route
+    ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.sm90_disabled_reason``)."""
     import torch
-    from sparse_mla.ops.attention.plan import gluon_disabled_reason
+    from sparse_mla.ops.attention.plan import sm90_disabled_reason
     if INTERPRETING or not torch.cuda.is_available() or \
-            torch.cuda.get_device_capability() != (9, 0) or gluon_disabled_reason() is not None:
+            torch.cuda.get_device_capability() != (9, 0) or sm90_disabled_reason() is not None:
         return False
     try:
         import sparse_mla.ops.attention.sm90.kernel  # noqa: F401
@@ -95,7 +95,7 @@ def last_plan():
 
 
 def split_kernel_name():
-    """Name of the attention core's last split kernel (``_ws_kernel`` or ``_split_kernel``)."""
+    """Name of the attention core's last split kernel (``sm90_kernel`` or ``_split_kernel``)."""
     return last_plan().kernel.name
 
 
@@ -104,7 +104,7 @@ def force_tiny_launches(monkeypatch, tiny: bool):
     shape (the portable kernel's output-dim split), whatever its size and GPU; where the
     sm_90 kernel runs, one head block is still needed."""
     monkeypatch.setattr(plan, "SMALL_UNITS", 10 ** 9 if tiny else -1)
-    monkeypatch.setattr(plan, "WS_TINY", None)
+    monkeypatch.setattr(plan, "SM90_TINY", None)
 
 
 def record_results(monkeypatch, owner, name: str) -> list:

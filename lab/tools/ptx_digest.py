@@ -2,7 +2,7 @@
 (no GPU: Triton compiles for a target architecture), with the debug-line noise stripped.
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 lab/tools/ptx_digest.py [--out FILE] \\
-      [--save-ptx DIR] [--only REGEX]
+      [--save-ptx DIR] [--only REGEX] [--rename NEW=OLD ...]
   python3 lab/tools/ptx_digest.py --compare BEFORE AFTER [--dropped REGEX]
 
 Moving a kernel to another file changes its ``.loc`` / ``.file`` directives and debug
@@ -166,14 +166,19 @@ def variants():
     return out
 
 
-def digests(only=None, save_ptx=None):
-    """[(variant, sha256 of its stripped PTX, or "error: ...")] of every variant."""
+def digests(only=None, save_ptx=None, renames=()):
+    """[(variant, sha256 of its stripped PTX, or "error: ...")] of every variant.
+    ``renames``: (new, old) kernel names; the PTX's ``new`` (its ``.entry`` and the
+    ``new_param_N`` names derived from it) is written ``old`` before the digest, so a tree
+    that renamed a kernel compares by instructions with one from before the rename."""
     rows = []
     for name, build in variants().items():
         if only and not re.search(only, name):
             continue
         try:
             ptx = strip_debug(build().asm["ptx"])
+            for new, old in renames:
+                ptx = re.sub(rf"\b{re.escape(new)}(?=\b|_param_)", old, ptx)
             digest = hashlib.sha256(ptx.encode()).hexdigest()
             if save_ptx:
                 path = os.path.join(save_ptx, name.replace("/", "__") + ".ptx")
@@ -224,6 +229,8 @@ def main(argv=None):
     p.add_argument("--only", help="only the variants whose name matches this regex")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="compare two digest files instead")
+    p.add_argument("--rename", action="append", default=[], metavar="NEW=OLD",
+                   help="digest kernel NEW's PTX under its old name OLD (a renamed kernel)")
     p.add_argument("--dropped", help="with --compare: variants matching this regex may be "
                    "missing from AFTER (removed on purpose)")
     a = p.parse_args(argv)
@@ -231,7 +238,7 @@ def main(argv=None):
         return compare(*a.compare, dropped=a.dropped)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptx_digest_cache_")
     import triton
-    rows = digests(a.only, a.save_ptx)
+    rows = digests(a.only, a.save_ptx, [tuple(r.split("=", 1)) for r in a.rename])
     text = f"# triton {triton.__version__}\n" + "".join(f"{n} {d}\n" for n, d in rows)
     if a.out:
         with open(a.out, "w") as f:

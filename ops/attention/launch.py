@@ -5,7 +5,7 @@
 counts from a wave cost model) and launches it: the portable split and combine kernels
 (``portable``: grid tokens × head blocks × output halves, splits; each token's key list is
 virtual, ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into
-``n_splits`` runs of whole tiles), or on sm_90 ``sm90.kernel._ws_kernel`` (warp-specialized:
+``n_splits`` runs of whole tiles), or on sm_90 ``sm90.kernel.sm90_kernel`` (warp-specialized:
 producer warps gather and dequantize, consumer warpgroups run the dots) for every cache
 format unless the launch is tiny and has one head block. The combine kernel is shared
 (launched with programmatic dependent launch on sm_90+), and when a launch has one split per
@@ -41,7 +41,7 @@ FMT_CODES = fmt_codes.BY_NAME
 # in its own format
 TAIL_FORMATS = ("v4",) + tuple(formats.V41_RECORD_OF)
 # The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
-# ``plan.GLUON_V41_PAIRS``)
+# ``plan.SM90_V41_PAIRS``)
 V41_FORMATS = tuple(formats.V41_RECORD_OF)
 FMT_V41_EXTRA = fmt_codes.V41_EXTRA
 FMT_PLAIN_BF16_TILED = fmt_codes.PLAIN_BF16_TILED.value
@@ -59,7 +59,7 @@ PDL = True
 FP16_FOR_E4M3 = True
 
 
-def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
+def _launch_sm90(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
                   out_scale, pdl, d576, f16, staged, cluster, t0, n_tok=None):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
@@ -97,8 +97,8 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
     kwargs["launch_pdl"] = pdl
     if cluster:
         from sparse_mla.ops.attention.sm90 import hooks
-        return hooks.launch_clusters(g._ws_kernel, grid, args, kwargs)
-    return g._ws_kernel[grid](*args, **kwargs)
+        return hooks.launch_clusters(g.sm90_kernel, grid, args, kwargs)
+    return g.sm90_kernel[grid](*args, **kwargs)
 
 
 def _length_args(src, dummy):
@@ -195,7 +195,7 @@ def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
             progs = plan.persist_programs(t1 - t0, n_hb, sms, src0.fmt, staged, q_fp8,
                                           n_splits, cluster) if len(phases) == 1 else 0
             launch.persist = progs
-            launch.kernels.append(_launch_gluon(
+            launch.kernels.append(_launch_sm90(
                 g, ((progs or t1 - t0) * n_hb, n_splits), qq, (c0, c0s0, c0s1), src0, i0, k0,
                 _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
                 _length_args(src1, dummy), scale, part_o, part_ml, n_splits, n_hb, max_logits,

@@ -98,13 +98,13 @@ CONFIG = {"block_n": 64, "max_heads": 64, "num_warps": 8, "num_stages": 2, "pref
 # slower as soon as the batch fills the card (lab/perf-log.md, "Attention core rework"). Where
 # the sm_90 warp-specialized kernel runs, tiny launches of two head blocks (h > 64) use it
 # instead (faster: lab/perf-log.md, "Small head counts"), and so do those of one head block
-# past ``WS_TINY``.
+# past ``SM90_TINY``.
 SMALL_UNITS = 8
 # Where the sm_90 kernel runs, a tiny launch also has at most "units" units of at most "tiles"
 # 64-key tiles each (index columns): that kernel wins from 4 units up and, at 1-2 units, from
 # 17 tiles up, where 16 tiles stay faster split (lab/perf-log.md, "Small head counts", "Tiny
 # launches up to 16 tiles"). None: ``SMALL_UNITS`` alone.
-WS_TINY = {"units": 2, "tiles": 16}
+SM90_TINY = {"units": 2, "tiles": 16}
 CLUSTER_MIN_UNITS = SMALL_UNITS     # launches of more units run 2-CTA clusters where they can
 # "max_splits": one combine program then merges at most 32 partial rows of 512 dims in one
 # step; more cost it more than a second tile per split program saves (lab/perf-log.md,
@@ -121,7 +121,7 @@ SMALL_HEAD_BLOCK_SM90 = 64
 # partials, the combine launch): at 5, b74 / b148 V4 decode keep one split where 3 chose two,
 # faster at h64 and h128, and no measured shape got slower (lab/perf-log.md, "V4 rows staged
 # by cp.async"). The portable kernel keeps 3 (not re-measured).
-WS_CONFIG = {"split_overhead": 5}
+SM90_CONFIG = {"split_overhead": 5}
 # The combine launch that follows an sm_90 launch of more than one split, in key tiles, charged
 # by ``choose_splits`` / ``plan_phases`` to every plan that splits. At 3 tiles a token (C128A
 # rows: window 128 + 64) a split saves one tile and adds the partials and a combine launch of
@@ -172,21 +172,21 @@ def _wgmma_device(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def launch_config(T, n_hb, tiles, warp_specialized=False, shared=None, ws_tiny=True):
+def launch_config(T, n_hb, tiles, sm90=False, shared=None, sm90_tiny=True):
     """The launch shape of ``T`` tokens × ``n_hb`` head blocks over ``tiles`` 64-key tiles per
     token (index columns): tiny, sm_90 kernel or general (portable; ``LOW_SHARED_CONFIG``
     where ``shared``, the device's ``shared_budget``, is below ``FULL_SHARED``). Where the
-    sm_90 kernel runs, ``ws_tiny`` False keeps every launch on it (``V41_WS_TINY``)."""
+    sm_90 kernel runs, ``sm90_tiny`` False keeps every launch on it (``V41_SM90_TINY``)."""
     units = T * n_hb
     tiny = units <= SMALL_UNITS
-    if warp_specialized:
-        tiny = tiny and ws_tiny and n_hb == 1 and (
-            WS_TINY is None or (units <= WS_TINY["units"] and tiles <= WS_TINY["tiles"]))
+    if sm90:
+        tiny = tiny and sm90_tiny and n_hb == 1 and (
+            SM90_TINY is None or (units <= SM90_TINY["units"] and tiles <= SM90_TINY["tiles"]))
     cfg = dict(CONFIG)
     if tiny:
         cfg.update(SMALL_CONFIG)
-    elif warp_specialized:
-        cfg.update(WS_CONFIG)
+    elif sm90:
+        cfg.update(SM90_CONFIG)
     elif shared is not None and shared < FULL_SHARED:
         cfg.update(LOW_SHARED_CONFIG)
     return cfg
@@ -296,7 +296,7 @@ def persist_programs(T, n_hb, sms, fmt, staged, q_fp8, n_splits, cluster=False):
     as fit, or more where a program would get over ``tuning.PERSIST_TOKENS`` tokens."""
     from sparse_mla.ops.attention.sm90 import tuning
     rows = ((staged and fmt == "v4" and tuning.PERSIST_V4)
-            or (cluster and fmt == GLUON_V41 and tuning.PERSIST_V41)
+            or (cluster and fmt == SM90_V41 and tuning.PERSIST_V41)
             or (cluster and fmt == "v32" and tuning.PERSIST_V32))
     if not (rows and not q_fp8 and n_splits == 1):
         return 0
@@ -323,7 +323,7 @@ def one_tile(max_tiles, n_splits):
 # sm_90a (``sm90/variants.py``) and the GPU tests (lab/perf-history.md, "Triton 3.6-3.9"). A release
 # outside the range falls back to the portable kernel, and ``plan_launch`` says so: a new
 # Triton's Gluon API changes are found by tests/ops/attention/test_sm90_compile.py first.
-GLUON_TRITON = ((3, 6), (3, 9))
+SM90_TRITON = ((3, 6), (3, 9))
 
 
 def _version(version: str):
@@ -331,36 +331,45 @@ def _version(version: str):
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def gluon_triton_supported(version: str = triton.__version__) -> bool:
+def sm90_triton_supported(version: str = triton.__version__) -> bool:
     """Whether ``version`` (a Triton version string) is in the range the sm_90 Gluon kernel
-    is tested on (``GLUON_TRITON``, inclusive)."""
+    is tested on (``SM90_TRITON``, inclusive)."""
     v = _version(version)
-    return v is not None and GLUON_TRITON[0] <= v <= GLUON_TRITON[1]
+    return v is not None and SM90_TRITON[0] <= v <= SM90_TRITON[1]
 
 
-def gluon_disabled_reason() -> Optional[str]:
+def _sm90_switch() -> str:
+    """The variable that turns the sm_90 kernel off: ``SPARSE_MLA_SM90``, or its old name
+    ``SPARSE_MLA_GLUON`` where only that one is set (scripts of older checkouts set it)."""
+    if "SPARSE_MLA_SM90" not in os.environ and "SPARSE_MLA_GLUON" in os.environ:
+        return "SPARSE_MLA_GLUON"
+    return "SPARSE_MLA_SM90"
+
+
+def sm90_disabled_reason() -> Optional[str]:
     """Why the sm_90 Gluon kernel may not run in this process at all (None: it may)."""
-    if os.environ.get("SPARSE_MLA_GLUON", "1") == "0":
-        return "SPARSE_MLA_GLUON=0"
+    switch = _sm90_switch()
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
     if triton_interpreting():
         return "the Triton interpreter runs the portable kernel"
     if soft_fp8_forced():
         # the Gluon kernel converts e4m3 in hardware only; the forced software route runs
         # what a GPU below sm_89 runs, on any GPU (all of it, so a Hopper runs exactly that)
         return f"{SOFT_FP8_ENV}=1: the software e4m3 route's portable kernel, as below sm_89"
-    if not gluon_triton_supported():
-        lo, hi = GLUON_TRITON
+    if not sm90_triton_supported():
+        lo, hi = SM90_TRITON
         return (f"Triton {triton.__version__} is outside the sm_90 kernel's tested range "
                 f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}")
     return None
 
 
-def gluon_enabled() -> bool:
+def sm90_enabled() -> bool:
     """Whether the sm_90 Gluon kernel may run in this process at all: a Triton in
-    ``GLUON_TRITON``, not interpreted, not turned off by ``SPARSE_MLA_GLUON=0`` or by the
+    ``SM90_TRITON``, not interpreted, not turned off by ``SPARSE_MLA_SM90=0`` or by the
     forced software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``). Each launch
-    then checks its GPU and cache alignment (``gluon_route``)."""
-    return gluon_disabled_reason() is None
+    then checks its GPU and cache alignment (``sm90_route``)."""
+    return sm90_disabled_reason() is None
 
 
 def uses_e4m3(q, fmt) -> bool:
@@ -392,7 +401,7 @@ def record_config(cfg, fmts, shared):
 
 
 # The V4.1 records (528 B MXFP8, 288 B NVFP4: docs/semantics.md §12). The sm_90 kernel's
-# producer warps decode them in the pairs (main, extra) of ``GLUON_V41_PAIRS`` (staged by
+# producer warps decode them in the pairs (main, extra) of ``SM90_V41_PAIRS`` (staged by
 # cp.async: 16-byte-aligned blocks): 528 B main rows alone or with 528 B, 288 B or 584 B extra
 # rows, a V4.1 layer's SWA and compressed caches. Other launches reading them (288 B main
 # rows, 584 B main rows beside V4.1 ones) run the portable kernel on every GPU.
@@ -401,33 +410,33 @@ V41_RECORDS = ("v41", "v41_fp4", "v41_inline", "v41_fp4_inline")
 # producers address page-footer rows (a TMA-free cp.async gather of a block's data rows, then
 # its scale rows), and teaching them a second layout is a kernel change of its own
 V41_INLINE = ("v41_inline", "v41_fp4_inline")
-GLUON_V41 = "v41"
-GLUON_V41_PAIRS = ((GLUON_V41, None), (GLUON_V41, GLUON_V41), (GLUON_V41, "v41_fp4"),
-                   (GLUON_V41, "v4"))
+SM90_V41 = "v41"
+SM90_V41_PAIRS = ((SM90_V41, None), (SM90_V41, SM90_V41), (SM90_V41, "v41_fp4"),
+                   (SM90_V41, "v4"))
 # the extra records beside 528 B main rows, as the plan's reason names them
 _V41_EXTRA_BYTES = {"v41_fp4": "288 B", "v4": "584 B"}
 # Whether V4.1 launches that the sm_90 kernel takes may still run the portable kernel's tiny
-# shape (``WS_TINY``, measured on V4 rows): off, the sm_90 kernel takes them however small,
+# shape (``SM90_TINY``, measured on V4 rows): off, the sm_90 kernel takes them however small,
 # since the tiny shape decodes V4.1 records more slowly than V4's (lab/tools/bench_v41gluon.py
 # times both routes)
-V41_WS_TINY = False
+V41_SM90_TINY = False
 
 
-def gluon_route(q, fmt, blocks, extra_fmt=None):
+def sm90_route(q, fmt, blocks, extra_fmt=None):
     """(``sm90.kernel`` or None, why not) for one launch: its warp-specialized
-    kernel serves sm_90, a Triton in ``GLUON_TRITON``, keys in the V4 cache (8-byte-aligned
+    kernel serves sm_90, a Triton in ``SM90_TRITON``, keys in the V4 cache (8-byte-aligned
     blocks; 16-byte-aligned ones are gathered by cp.async through a staging buffer), the
-    V4.1 528 B cache alone or with a 528 B, 288 B or 584 B extra cache (``GLUON_V41_PAIRS``;
+    V4.1 528 B cache alone or with a 528 B, 288 B or 584 B extra cache (``SM90_V41_PAIRS``;
     16-byte-aligned blocks, staged likewise), the V3.2
     cache (16-byte-aligned blocks: the RoPE dims are copied with 16-byte cp.async) or a plain
     bf16 / e4m3 cache of 512- or 576-wide rows (``plan_launch`` still keeps tiny launches that
     ``launch_config`` gives the output-dim split on the portable kernel). ``blocks``: each
-    source's (cache, block stride) as the kernels get them. ``SPARSE_MLA_GLUON=0`` turns it
+    source's (cache, block stride) as the kernels get them. ``SPARSE_MLA_SM90=0`` turns it
     off (A/B runs, bisecting)."""
-    reason = gluon_disabled_reason()
+    reason = sm90_disabled_reason()
     if reason is not None:
         return None, reason
-    v41_pair = (fmt, extra_fmt) in GLUON_V41_PAIRS
+    v41_pair = (fmt, extra_fmt) in SM90_V41_PAIRS
     if fmt in V41_INLINE or extra_fmt in V41_INLINE:
         pair = fmt if extra_fmt is None else f"{fmt} + {extra_fmt}"
         return None, (f"{pair} rows: the sm_90 kernel decodes V4.1 records in the page-footer "
@@ -445,7 +454,7 @@ def gluon_route(q, fmt, blocks, extra_fmt=None):
     cap = torch.cuda.get_device_capability(q.device)
     if cap != (9, 0):
         return None, f"GPU capability sm_{cap[0]}{cap[1]}, the Gluon kernel is sm_90 only"
-    need = {"v4": 8, "v32": 16, GLUON_V41: 16}.get(fmt)
+    need = {"v4": 8, "v32": 16, SM90_V41: 16}.get(fmt)
     if need is not None and not all(_blocks_aligned(c, s0, need) for c, s0 in blocks):
         return None, f"{fmt} cache blocks not all {need}-byte aligned"
     if fmt in ("plain_bf16", "plain_fp8") and not all(_rows_vectorized(c) for c, _ in blocks):
@@ -466,17 +475,17 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, sms, extra_fmt=None):
     Returns (LaunchPlan, launch config, the Gluon kernel module or None); ``run`` launches
     it."""
     soft = soft_e4m3(q, fmt)
-    g, why_not = gluon_route(q, fmt, blocks, extra_fmt)
+    g, why_not = sm90_route(q, fmt, blocks, extra_fmt)
     shared = shared_budget(q.device)
     tiles = _tiles(k0, k1, 64)
-    cfg = record_config(launch_config(T, n_hb, tiles, warp_specialized=g is not None,
-                                      shared=shared, ws_tiny=fmt != GLUON_V41 or V41_WS_TINY),
+    cfg = record_config(launch_config(T, n_hb, tiles, sm90=g is not None,
+                                      shared=shared, sm90_tiny=fmt != SM90_V41 or V41_SM90_TINY),
                         (fmt, extra_fmt), shared)
     units = T * n_hb
     if g is not None and cfg["dv"] != 1:
         g = None
         why_not = (f"tiny launch of one head block ({units} units of at most "
-                   f"{tiles} key tiles: WS_TINY)")
+                   f"{tiles} key tiles: SM90_TINY)")
     if g is None:
         route = "tiny" if cfg["tiny"] else "portable"
         return LaunchPlan(route, why_not or "the portable kernel", soft_e4m3=soft), cfg, None
@@ -484,19 +493,19 @@ def plan_launch(q, fmt, blocks, T, n_hb, k0, k1, *, heads, sms, extra_fmt=None):
     # the sm_90 kernel gathers V4 rows by 16-byte cp.async when every block allows it
     staged = ((fmt == "v4" and tuning.STAGE_V4
                and all(_blocks_aligned(c, s0, 16) for c, s0 in blocks))
-              or fmt == GLUON_V41)     # always staged (gluon_route: 16-byte aligned)
+              or fmt == SM90_V41)     # always staged (sm90_route: 16-byte aligned)
     # two head blocks of a token share their dequantized rows as a 2-CTA cluster
     cluster = (n_hb == 2 and cluster_pays(fmt, units, tiles, sms)
                and ((staged and fmt == "v4" and tuning.CLUSTER_V4)
                     or (fmt == "v32" and tuning.CLUSTER_V32)
-                    or (fmt == GLUON_V41 and tuning.CLUSTER_V41)))
+                    or (fmt == SM90_V41 and tuning.CLUSTER_V41)))
     if cluster:
         rows = f"{fmt} + {extra_fmt}" if extra_fmt not in (None, fmt) else fmt
         reason = (f"{rows} rows at {heads} heads: each token's two head blocks as one 2-CTA "
                   "cluster")
     else:
         reason = f"sm_90, {fmt} rows, Triton {triton.__version__}"
-        if fmt == GLUON_V41:
+        if fmt == SM90_V41:
             extra = _V41_EXTRA_BYTES.get(extra_fmt)
             reason += (", V4.1 528 B" + (f" + {extra}" if extra else "")
                        + " rows staged by cp.async")

@@ -286,9 +286,9 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
     off = (idx % bs).to(tl.int64)[:, None]
     if FMT == PLAIN_BF16:
         # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
-        # shared memory (cp.async) instead of staging 64-wide pieces in registers. (PLAIN_BF16_TILED:
-        # the same rows in 64-wide pieces, for GPUs below sm_90, whose shared memory cannot
-        # hold two stages of whole rows: plan.LOW_SHARED_CONFIG.)
+        # shared memory (cp.async) instead of staging 64-wide pieces in registers.
+        # (PLAIN_BF16_TILED: the same rows in 64-wide pieces, for GPUs below sm_90, whose
+        # shared memory cannot hold two stages of whole rows: plan.LOW_SHARED_CONFIG.)
         row = cache + blk * s0 + off * s1
         if DV == 1:
             k_lo = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
-from sparse_mla.ops.attention.plan import gluon_enabled
+from sparse_mla.ops.attention.plan import sm90_enabled
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
 
@@ -178,7 +178,7 @@ def decode_automatic(*args, **kwargs):
     stateless op must give FlashMLA fresh scheduler metadata on every call, so its planner runs
     every time, and the path was then slower than the Triton op on every decode shape measured
     (lab/perf-log.md, "Vendor decode route"). ``impl="vendor"`` still runs it."""
-    if gluon_enabled():
+    if sm90_enabled():
         return ("passed over automatically: with its planner run on every call FlashMLA is "
                 "slower here than the Triton kernel (lab/perf-log.md, 'Vendor decode route'); "
                 "impl='vendor' runs it")

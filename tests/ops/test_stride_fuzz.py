@@ -381,7 +381,7 @@ def test_plain_rows_off_16_elements_run_the_portable_kernel():
     """A prefill kv whose rows are 520 elements apart (16-byte aligned, but not 16-element
     strided) failed to compile in the sm_90 kernel's cp.async copy; it runs the portable
     kernel, says so, and agrees with the contiguous call within the op's tolerance."""
-    from sparse_mla.tests.helpers import hopper_with_gluon
+    from sparse_mla.tests.helpers import hopper_with_sm90
     overload, args, kwargs = recorded_calls("cuda")["flashmla_sparse_prefill"]
     names = _schema_names(overload)
     base = _fresh(args)
@@ -395,7 +395,7 @@ def test_plain_rows_off_16_elements_run_the_portable_kernel():
     trial[names.index("kv")] = view
     _call(overload, trial, kwargs, "triton")
     plan = dispatch.last_choice("flashmla_sparse_prefill").plan
-    if hopper_with_gluon():
+    if hopper_with_sm90():
         assert plan.route in ("portable", "tiny") and "16-element strided" in plan.reason
     out = names.index("out")
     torch.testing.assert_close(trial[out].float(), base[out].float(), atol=1e-2, rtol=2 / 128)

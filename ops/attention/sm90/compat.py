@@ -2,7 +2,7 @@
 
 The kernel (``kernel`` and the modules it is made of) and its compile hooks (``hooks``) are
 written once against the names below; each resolves to what the installed Triton calls it.
-The supported range itself is ``plan.GLUON_TRITON`` (ops/attention/plan.py, pure Python:
+The supported range itself is ``plan.SM90_TRITON`` (ops/attention/plan.py, pure Python:
 checked before this module, which needs Gluon, is imported). What changed, release by release
 (each checked by compiling every launch variant for sm_90a: ``variants``,
 tests/ops/attention/test_sm90_compile.py):

@@ -1,5 +1,5 @@
 """Warp-specialized Hopper (sm_90) split kernel of the attention core, written in Gluon: the
-entry kernel ``_ws_kernel`` (shared-memory plan, barriers, the three partitions).
+entry kernel ``sm90_kernel`` (shared-memory plan, barriers, the three partitions).
 
 Same contract as ``portable._split_kernel`` (one program per token × 64-head block × split of
 the token's virtual key list; partial out / lse2 / max written for the combine kernel) for
@@ -35,7 +35,7 @@ An e4m3 q is decoded once, into shared memory, by the lead warpgroup: to fp16 wh
 are plain e4m3 too, and the dots then run on fp16 operands (exact, like bf16, but e4m3 -> fp16
 is one conversion per two bytes and e4m3 -> bf16 three: the fp8 producer was conversion-bound;
 the V4 producer, at two per pair, is not: lab/perf-log.md, "V3.2 and 576-wide rows on
-sm_90"). Only used on sm_90 with a Triton in ``plan.GLUON_TRITON`` (3.6-3.9: the Gluon API
+sm_90"). Only used on sm_90 with a Triton in ``plan.SM90_TRITON`` (3.6-3.9: the Gluon API
 differences between them are the shims of ``compat``); ``plan.plan_launch`` routes to the
 portable kernel everywhere else and for tiny launches of one head block, and says why. The
 launch parameters are ``tuning``'s. lab/perf-log.md has the measurements (including what was
@@ -60,7 +60,7 @@ from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
-# Installed on import, on purpose: every build of ``_ws_kernel`` needs the hook (its cluster
+# Installed on import, on purpose: every build of ``sm90_kernel`` needs the hook (its cluster
 # variant's shared-memory offsets and the ``.maxnreg`` edit), and whatever compiles the kernel
 # (the launcher, ``variants``, tests, tools/dev) imports this module first. The hook leaves
 # every other kernel's build as it was (``hooks``), and ``install`` is idempotent.
@@ -68,7 +68,7 @@ hooks.install()
 
 
 @gluon.jit
-def _ws_kernel(
+def sm90_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,

@@ -1,4 +1,4 @@
-"""Launch shape and tuning of the sm_90 kernel (``kernel._ws_kernel``): the module constants its
+"""Launch shape and tuning of the sm_90 kernel (``kernel.sm90_kernel``): the module constants its
 launches are built from, and ``launch_constexprs``, the compile-time parameters of one launch
 variant, shared by the launcher (ops/attention/launch.py) and the compile-only check
 (``variants``) so both build the same kernel. ops/attention/plan.py reads ``STAGE_V4``,
@@ -56,7 +56,7 @@ PERSIST_TOKENS = 8
 def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
                       final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster,
                       persist=False):
-    """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
+    """``sm90_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
     ``fmt`` is the cache format's code (``launch.FMT_CODES``). Shared by the launch and by
     the compile-only check (``variants``), so both build the same kernel. ``RANK_VIEWS`` is
     ``compat.RANK_VIEWS`` read now (V4 clusters only), so a flip between launches builds the

@@ -85,13 +85,13 @@ def constexprs(name):
 
 
 def compile_variant(name):
-    """``_ws_kernel`` compiled for sm_90a (the CompiledKernel: ``asm["ptx"]``, metadata)."""
+    """``sm90_kernel`` compiled for sm_90a (the CompiledKernel: ``asm["ptx"]``, metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sparse_mla.ops.attention.sm90 import kernel
-    fn = kernel._ws_kernel
+    fn = kernel.sm90_kernel
     names = list(inspect.signature(fn.fn).parameters)
     cx = constexprs(name)
     num_warps = cx.pop("num_warps")
@@ -99,11 +99,11 @@ def compile_variant(name):
     unknown = [n for n in cx if n not in names]
     if unknown:
         raise ValueError(f"{name}: launch_constexprs gives parameters {unknown} that "
-                         "_ws_kernel does not have")
+                         "sm90_kernel does not have")
     unset = [p.name for p in fn.params if p.is_constexpr and p.name not in cx
              and p.name != "num_warps"]
     if unset:
-        raise ValueError(f"{name}: no value for _ws_kernel's constexpr parameters {unset}")
+        raise ValueError(f"{name}: no value for sm90_kernel's constexpr parameters {unset}")
     cx["num_warps"] = num_warps
     # run-time parameters defaulting to None (n_tok without PERSIST) are constexpr None where
     # unused, as the JIT makes them
@@ -163,7 +163,7 @@ def ptxas_report(name, kernel, arch="sm_90a"):
 def main(argv=None):
     import triton
     names = argv or list(VARIANTS)
-    print(f"triton {triton.__version__}, _ws_kernel for sm_90a")
+    print(f"triton {triton.__version__}, sm90_kernel for sm_90a")
     for name in names:
         print(ptxas_report(name, compile_variant(name)), flush=True)
 

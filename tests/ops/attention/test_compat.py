@@ -9,7 +9,7 @@ import pytest
 from sparse_mla.ops.attention import plan
 
 pytestmark = pytest.mark.skipif(
-    not plan.gluon_triton_supported(),
+    not plan.sm90_triton_supported(),
     reason="the Gluon shims are imported only on the tested Triton releases")
 
 PROBE = ("from sparse_mla.ops.attention.sm90 import compat; "

@@ -4,8 +4,8 @@ fails here, in the CPU CI, instead of silently sending Hopper GPUs to the portab
 
 Registers and spills are reported per variant (a warning where ptxas spills: the numbers per
 release are in lab/perf-history.md, "Triton 3.6-3.9"). Runs where the installed Triton is in the
-tested range (``plan.GLUON_TRITON``); outside it the kernel is not used at all, and
-test_gluon_gate checks that the reason says so.
+tested range (``plan.SM90_TRITON``); outside it the kernel is not used at all, and
+test_sm90_gate checks that the reason says so.
 """
 import warnings
 
@@ -15,7 +15,7 @@ from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention.sm90 import variants as sm90_variants
 
 pytestmark = pytest.mark.skipif(
-    not plan.gluon_triton_supported() or plan.triton_interpreting(),
+    not plan.sm90_triton_supported() or plan.triton_interpreting(),
     reason="the installed Triton is outside the Gluon kernel's tested range (or interpreted)")
 
 SM90_SHARED = 232448        # bytes of shared memory a CTA may use on sm_90

@@ -13,40 +13,57 @@ from sparse_mla.ops.attention import plan
     ("3.5.1", False), ("3.10.0", False), ("4.0", False), ("2.3.1", False), ("", False),
     ("nightly", False),
 ])
-def test_gluon_kernel_on_the_tested_triton_range(version, ok):
-    assert plan.gluon_triton_supported(version) is ok
+def test_sm90_kernel_on_the_tested_triton_range(version, ok):
+    assert plan.sm90_triton_supported(version) is ok
 
 
 def test_outside_the_range_the_reason_names_the_version(monkeypatch):
-    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SM90", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
     monkeypatch.setattr(plan.triton, "__version__", "3.10.0")
-    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
-    reason = plan.gluon_disabled_reason()
+    monkeypatch.setattr(plan, "sm90_triton_supported", lambda *a: False)
+    reason = plan.sm90_disabled_reason()
     assert "3.10.0" in reason and "3.6-3.9" in reason
-    assert plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])[0] is None
+    assert plan.sm90_route(torch.zeros(1, 1, 512), "v4", [])[0] is None
 
 
-@pytest.mark.parametrize("env,interp,soft,want", [("0", "", "0", "SPARSE_MLA_GLUON=0"),
+@pytest.mark.parametrize("env,interp,soft,want", [("0", "", "0", "SPARSE_MLA_SM90=0"),
                                                   ("1", "1", "0", "interpreter"),
                                                   ("1", "", "1", "SPARSE_MLA_SOFT_FP8=1")])
 def test_switches_give_their_reason(env, interp, soft, want, monkeypatch):
     """The forced software e4m3 route (``SPARSE_MLA_SOFT_FP8=1``) is the portable kernel's
     on every GPU: the Gluon kernel converts e4m3 in hardware only."""
-    monkeypatch.setenv("SPARSE_MLA_GLUON", env)
+    monkeypatch.setenv("SPARSE_MLA_SM90", env)
     monkeypatch.setenv("TRITON_INTERPRET", interp)
     monkeypatch.setenv("SPARSE_MLA_SOFT_FP8", soft)
-    assert want in plan.gluon_disabled_reason()
-    assert not plan.gluon_enabled()
+    assert want in plan.sm90_disabled_reason()
+    assert not plan.sm90_enabled()
 
 
-def test_cpu_tensors_are_not_routed_to_the_gluon_kernel(monkeypatch):
-    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+@pytest.mark.parametrize("new,old,want", [(None, "0", "SPARSE_MLA_GLUON=0"),
+                                          (None, "1", None), ("1", "0", None),
+                                          ("0", "1", "SPARSE_MLA_SM90=0")])
+def test_the_old_switch_name_is_read_where_the_new_one_is_unset(new, old, want, monkeypatch):
+    """``SPARSE_MLA_GLUON`` (the switch's old name) still turns the kernel off, unless
+    ``SPARSE_MLA_SM90`` is set: then that one decides."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
-    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: True)
-    g, why = plan.gluon_route(torch.zeros(1, 1, 512), "v4", [])
+    monkeypatch.setattr(plan, "sm90_triton_supported", lambda *a: True)
+    if new is None:
+        monkeypatch.delenv("SPARSE_MLA_SM90", raising=False)
+    else:
+        monkeypatch.setenv("SPARSE_MLA_SM90", new)
+    monkeypatch.setenv("SPARSE_MLA_GLUON", old)
+    assert plan.sm90_disabled_reason() == want
+
+
+def test_cpu_tensors_are_not_routed_to_the_sm90_kernel(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_SM90", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
+    monkeypatch.setattr(plan, "sm90_triton_supported", lambda *a: True)
+    g, why = plan.sm90_route(torch.zeros(1, 1, 512), "v4", [])
     assert g is None and "cpu" in why
 
 
@@ -55,15 +72,15 @@ def _sm90():
 
 
 @pytest.mark.skipif(not _sm90(), reason="elsewhere the device check already says no")
-def test_unsupported_triton_never_imports_the_gluon_module(monkeypatch):
+def test_unsupported_triton_never_imports_the_sm90_module(monkeypatch):
     """Importing the Gluon module installs a compile hook for the whole process (harmless on
-    the tested releases: tests/ops/attention/test_gluon_hooks.py), but a release outside the
+    the tested releases: tests/ops/attention/test_sm90_hooks.py), but a release outside the
     range may not even compile it, so the version check comes first."""
     monkeypatch.delitem(sys.modules, "sparse_mla.ops.attention.sm90.kernel",
                         raising=False)
     monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
-    monkeypatch.setattr(plan, "gluon_triton_supported", lambda *a: False)
+    monkeypatch.setattr(plan, "sm90_triton_supported", lambda *a: False)
     q = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device="cuda")
-    g, why = plan.gluon_route(q, "plain_bf16", [])
+    g, why = plan.sm90_route(q, "plain_bf16", [])
     assert g is None and "outside" in why
     assert "sparse_mla.ops.attention.sm90.kernel" not in sys.modules

@@ -8,7 +8,7 @@ import triton.language as tl
 from sparse_mla.ops.attention import plan
 
 pytestmark = pytest.mark.skipif(
-    not plan.gluon_triton_supported() or plan.triton_interpreting(),
+    not plan.sm90_triton_supported() or plan.triton_interpreting(),
     reason="the Gluon module is imported only on the tested Triton releases")
 
 
@@ -63,7 +63,7 @@ def test_install_chains_a_hook_found_before_and_only_once(monkeypatch):
 
 def test_other_kernels_compile_unchanged_after_the_import(monkeypatch):
     """A plain Triton kernel compiled for sm_90a with the hook installed has the same PTX as
-    without any hook (the hook edits ``_ws_kernel`` builds only)."""
+    without any hook (the hook edits ``sm90_kernel`` builds only)."""
     from triton import knobs
 
     from sparse_mla.ops.attention.sm90 import kernel  # noqa: F401
