@@ -1,6 +1,6 @@
-"""Every launch variant of the sm_90 Gluon kernel, compiled for sm_90a without a GPU.
+"""Every launch variant of the sm_90 kernel, compiled for sm_90a without a GPU.
 
-A Triton upgrade that breaks the Gluon kernel would otherwise only show on a Hopper GPU,
+A Triton upgrade that breaks the sm_90 kernel would otherwise only show on a Hopper GPU,
 and there only as the portable kernel running instead (the version gate falls back). This
 compiles each variant the launcher (ops/attention/launch.py) can pick with the installed
 Triton and its own ptxas, and reports registers and spills per thread
@@ -22,36 +22,37 @@ import subprocess
 import sys
 import tempfile
 
-# (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES); 7 / 8 528 B
-#   main rows with 288 B / 584 B extra rows (launch.FMT_V41_EXTRA)
+from sparse_mla.ops.attention import fmt_codes as fc
+
+# (fmt code (ops/attention/fmt_codes.py), q fp8, d576, staged, cluster, f16, final): the
+# variants run() can pick
 VARIANTS = {
-    "v4_staged": dict(fmt=0, staged=True),
-    "v4_staged_final": dict(fmt=0, staged=True, final=True),
-    "v4_unstaged": dict(fmt=0),
-    "v4_cluster": dict(fmt=0, staged=True, cluster=True),
-    "v41_staged": dict(fmt=5, staged=True),
-    "v41_staged_final": dict(fmt=5, staged=True, final=True),
-    "v41_fp4_staged": dict(fmt=7, staged=True),
-    "v41_cluster": dict(fmt=5, staged=True, cluster=True),
-    "v41_fp4_cluster": dict(fmt=7, staged=True, cluster=True),
-    "v41_v4_staged": dict(fmt=8, staged=True),
-    "v41_v4_cluster": dict(fmt=8, staged=True, cluster=True),
-    "v32": dict(fmt=1, d576=True),
-    "v32_cluster": dict(fmt=1, d576=True, cluster=True),
-    "bf16_512": dict(fmt=2),
-    "bf16_576": dict(fmt=2, d576=True),
-    "fp8_512": dict(fmt=3),
-    "fp8_512_f16": dict(fmt=3, q_fp8=True, f16=True),
-    "fp8_576_f16": dict(fmt=3, d576=True, q_fp8=True, f16=True),
+    "v4_staged": dict(fmt=fc.V4.value, staged=True),
+    "v4_staged_final": dict(fmt=fc.V4.value, staged=True, final=True),
+    "v4_unstaged": dict(fmt=fc.V4.value),
+    "v4_cluster": dict(fmt=fc.V4.value, staged=True, cluster=True),
+    "v41_staged": dict(fmt=fc.V41.value, staged=True),
+    "v41_staged_final": dict(fmt=fc.V41.value, staged=True, final=True),
+    "v41_fp4_staged": dict(fmt=fc.V41_WITH_FP4.value, staged=True),
+    "v41_cluster": dict(fmt=fc.V41.value, staged=True, cluster=True),
+    "v41_fp4_cluster": dict(fmt=fc.V41_WITH_FP4.value, staged=True, cluster=True),
+    "v41_v4_staged": dict(fmt=fc.V41_WITH_V4.value, staged=True),
+    "v41_v4_cluster": dict(fmt=fc.V41_WITH_V4.value, staged=True, cluster=True),
+    "v32": dict(fmt=fc.V32.value, d576=True),
+    "v32_cluster": dict(fmt=fc.V32.value, d576=True, cluster=True),
+    "bf16_512": dict(fmt=fc.PLAIN_BF16.value),
+    "bf16_576": dict(fmt=fc.PLAIN_BF16.value, d576=True),
+    "fp8_512": dict(fmt=fc.PLAIN_FP8.value),
+    "fp8_512_f16": dict(fmt=fc.PLAIN_FP8.value, q_fp8=True, f16=True),
+    "fp8_576_f16": dict(fmt=fc.PLAIN_FP8.value, d576=True, q_fp8=True, f16=True),
     # persistent programs (sm90/persist.py)
-    "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
-    "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
+    "v4_staged_final_persist": dict(fmt=fc.V4.value, staged=True, final=True, persist=True),
+    "v4_cluster_final_persist": dict(fmt=fc.V4.value, staged=True, cluster=True, final=True,
                                      persist=True),
     # (V4.1 and V3.2 ones: clusters only, tuning.PERSIST_V41 / PERSIST_V32)
-    "v41_cluster_final_persist": dict(fmt=5, staged=True, cluster=True, final=True,
+    "v41_cluster_final_persist": dict(fmt=fc.V41.value, staged=True, cluster=True, final=True,
                                       persist=True),
-    "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
+    "v32_cluster_final_persist": dict(fmt=fc.V32.value, d576=True, cluster=True, final=True,
                                       persist=True),
 }
 
@@ -61,7 +62,7 @@ _DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_b
 
 
 def _pointer_types(v):
-    cache = "*bf16" if v.get("fmt") == 2 else "*u8"
+    cache = "*bf16" if v.get("fmt") == fc.PLAIN_BF16.value else "*u8"
     final = v.get("final", False)
     return {"q_ptr": "*u8" if v.get("q_fp8") else "*bf16", "c0_ptr": cache, "c1_ptr": cache,
             "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32",
