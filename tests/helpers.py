@@ -71,9 +71,9 @@ def seeded(seed: int) -> torch.Generator:
     return g
 
 
-def hopper_with_gluon():
+def hopper_with_sm90():
     """Whether this machine runs the sm_90 warp-specialized attention kernel (Gluon) now: not
-    where the process turned it off (``SPARSE_MLA_GLUON=0``, the forced software e4m3 route
+    where the process turned it off (``SPARSE_MLA_SM90=0``, the forced software e4m3 route
     ``SPARSE_MLA_SOFT_FP8=1``, a Triton outside its range: ``plan.sm90_disabled_reason``)."""
     import torch
     from sparse_mla.ops.attention.plan import sm90_disabled_reason
@@ -95,7 +95,7 @@ def last_plan():
 
 
 def split_kernel_name():
-    """Name of the attention core's last split kernel (``_ws_kernel`` or ``_split_kernel``)."""
+    """Name of the attention core's last split kernel (``sm90_kernel`` or ``_split_kernel``)."""
     return last_plan().kernel.name
 
 

@@ -8,11 +8,7 @@ CUDA-graph replays (GPU µs per step): "step" = write (q-norm + RoPE + SWA inser
 insert) + index planning + attention; "attn" = the attention op alone on the step's index lists;
 "layer" = the same with the step's shared plan (token → request, windows, C128A lists) already
 built, what each further layer of the kind pays (``forward(planned=True)``); "glue" = step or
-layer - attn (the target: <= 10 µs at b 256). With the q fold (the backend's ``QFOLD``, off by
-default; ``--qfold on`` / ``both`` for the folded step or both) the step hands decode rows' raw
-q to the op, whose kernel norms and rotates it: "attn_fold" (parts line) is that op alone;
-"attn" stays the op on the rotated q, so the glue columns also hold what the fold adds to the
-kernel. Rows are named "... fold" / "... unfused". "FlashMLA" runs the same step / layer with
+layer - attn (the target: <= 10 µs at b 256). "FlashMLA" runs the same step / layer with
 FlashMLA (``sgl-flash-mla``, legacy SM90 kernels) as the attention kernel, when the wheel
 imports, its layer timed the way vLLM runs it: vLLM's FlashMLA backends build one
 ``get_mla_metadata()`` per step and hand it to every layer (FlashMLA plans it at the first call:
@@ -113,7 +109,7 @@ def _batch(cfg, lens, device, g):
     return batch, blocks, T
 
 
-def _case(kind, h, lens, device, vendor, qfold=True):
+def _case(kind, h, lens, device, vendor):
     g = torch.Generator().manual_seed(0)
     topk = 512 if h <= 64 else 1024
     T = sum(n for _, n in lens)
@@ -121,7 +117,6 @@ def _case(kind, h, lens, device, vendor, qfold=True):
                       max_model_len=2 * CTX + 64, topk=topk)
     batch, blocks, T = _batch(cfg, lens, device, g)
     ours = FlashMLABackend(cfg, device)
-    ours.QFOLD = qfold
     caches = ours.allocate_caches(blocks)
     for name, c in caches.items():
         bs = cfg.swa_block_size if name == "swa" else cfg.compressed_block_size
@@ -158,18 +153,12 @@ def _case(kind, h, lens, device, vendor, qfold=True):
                          extra_topk_length=p.compressed_lens[:Td],
                          extra_block_size=cfg.compressed_block_size)
 
-        def attn(q_in=q_rot, **fold):
-            fd.flashmla_sparse_decode(q_in[:Td].unsqueeze(1), caches["swa"],
+        def attn():
+            fd.flashmla_sparse_decode(q_rot[:Td].unsqueeze(1), caches["swa"],
                                       p.swa_indices[:Td].unsqueeze(1), out[:Td].unsqueeze(1),
                                       ours.decode_lse[:Td], topk_length=p.swa_lens[:Td],
                                       attn_sink=sink, softmax_scale=cfg.softmax_scale,
-                                      block_size=cfg.swa_block_size, **extra, **fold)
-
-        if ours._fold_step(q, batch, cos_sin):
-            # the op as the folded step runs it: raw q, normed and rotated by the kernel
-            res["attn_fold"] = harness.time_graph(lambda: attn(
-                q, q_positions=batch.positions[:Td].view(Td, 1), cos_sin_cache=cos_sin,
-                q_norm_eps=cfg.eps))
+                                      block_size=cfg.swa_block_size, **extra)
     else:
         n = T
         idx, lens_ = ours.combined[:n], ours.combined_lens[:n]
@@ -181,8 +170,7 @@ def _case(kind, h, lens, device, vendor, qfold=True):
                                        ours.prefill_max_logits[:n], ours.prefill_lse[:n],
                                        cfg.softmax_scale, lens_, sink)
     res["attn"] = harness.time_graph(attn)
-    res["write"] = harness.time_graph(lambda: _step_write(ours, q, kv, caches, batch, cos_sin,
-                                                          comp))
+    res["write"] = harness.time_graph(lambda: ours._write(q, kv, caches, batch, cos_sin, comp))
     res["plan"] = harness.time_graph(lambda: ours.plan(batch, T))
     if not Td:
         res.update(_prefill_parts(ours, caches, batch))
@@ -202,16 +190,6 @@ def _case(kind, h, lens, device, vendor, qfold=True):
             err = torch.maximum(err, (fair.decode_out().float() - ref[:Td].float()).abs().max())
         res["vendor_err"] = float(err)
     return res
-
-
-def _step_write(be, q, kv, caches, batch, cos_sin, comp):
-    """The write as ``forward`` runs it (folded where the step folds q into the decode op:
-    then the kv-only insert)."""
-    be._in_forward = True
-    try:
-        be._write(q, kv, caches, batch, cos_sin, comp)
-    finally:
-        be._in_forward, be._fold = False, None
 
 
 def _prefill_parts(be, caches, batch):
@@ -335,9 +313,6 @@ def main(argv=None):
                     help="head counts (default 64 128)")
     ap.add_argument("--s-q", type=int, nargs="+", default=(1, 2),
                     help="decode tokens per request (default 1 2)")
-    ap.add_argument("--qfold", choices=("on", "off", "both"), default="off",
-                    help="decode steps with the q fold, without (default: the backend's own "
-                         "default), or both")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_backend needs a CUDA GPU")
@@ -350,12 +325,9 @@ def main(argv=None):
         for h in args.heads:
             for b in batches:
                 for s_q in args.s_q:
-                    for fold in {"on": (True,), "off": (False,), "both": (False, True)}[
-                            args.qfold]:
-                        r = _case(kind, h, [(CTX, s_q)] * b, dev, vendor, fold)
-                        rows.append((f"{kind.name} h{h} b{b} s_q{s_q} "
-                                     f"{'fold' if fold else 'unfused'}", r))
-                        _print_row(*rows[-1])
+                    r = _case(kind, h, [(CTX, s_q)] * b, dev, vendor)
+                    rows.append((f"{kind.name} h{h} b{b} s_q{s_q}", r))
+                    _print_row(*rows[-1])
     if not (args.quick or args.no_prefill):
         for kind in (LayerKind.C4A, LayerKind.C128A):
             r = _case(kind, 64, [(CTX, 8192)], dev, vendor)
@@ -382,7 +354,7 @@ def _print_row(name, r):
           f"{_us(vl):>7s}  layer ratio {ratio(vl)}  FlashMLA layer planner/call "
           f"{_us(vp):>7s} (ratio {ratio(vp)})  max|diff| {r.get('vendor_err', '-')}",
           flush=True)
-    parts = [f"{k} {_us(r[k])}" for k in ("write", "plan", "gather", "combine", "attn_fold")
+    parts = [f"{k} {_us(r[k])}" for k in ("write", "plan", "gather", "combine")
              if k in r]
     print(f"{'':30s} parts µs: " + ", ".join(parts), flush=True)
 

@@ -10,7 +10,7 @@ does): the per-layer cost. "+sched µs" gives each call a fresh one, so it also 
 FlashMLA's scheduler: the first such layer of a step. Ratio = FlashMLA µs / ours µs (> 1:
 ours is faster). "route" is the kernel route ours ran (``dispatch.last_plan``: sm90,
 sm90_cluster, tiny, portable). "portable µs" is the same op with the sm_90 warp-specialized kernel
-turned off (``SPARSE_MLA_GLUON=0``: the portable Triton kernel). Roofline: this run's copy
+turned off (``SPARSE_MLA_SM90=0``: the portable Triton kernel). Roofline: this run's copy
 bandwidth and bf16 matmul rate. Each shape is also checked: max |ours - FlashMLA| on the output.
 ``--rounds N`` times FlashMLA and ours alternately N times per shape: the µs columns are then
 medians over the rounds, the ratio is the median of the rounds' own ratios, and "range" gives
@@ -179,7 +179,7 @@ def main(argv=None):
         except Exception as exc:  # reported in the table
             v_out, vendor, tv_sched = None, None, None
             print(f"FlashMLA failed on {case.shape}: {exc}", file=sys.stderr)
-        with mock.patch.dict(os.environ, {"SPARSE_MLA_GLUON": "0"}):
+        with mock.patch.dict(os.environ, {"SPARSE_MLA_SM90": "0"}):
             tp, _ = _time(lambda case=case, a=a: case.run(a, "triton"))
         ours = case.run(a, "triton")
         route = getattr(dispatch.last_plan(), "route", "?")

@@ -294,8 +294,8 @@ def run_case(layer: Layer, h: int, ctx: int, b: int, s_q: int, device: str,
             indexer()
         be.forward(q, kv, caches, batch, cos_sin, sink, out, comp)
 
-    res["insert"] = time(lambda: bb._step_write(be, q, kv, caches, batch, cos_sin, comp))
-    bb._step_write(be, q, kv, caches, batch, cos_sin, comp)
+    res["insert"] = time(lambda: be._write(q, kv, caches, batch, cos_sin, comp))
+    be._write(q, kv, caches, batch, cos_sin, comp)
     res["plan"] = time(plan)
     plan()
     res["attn"] = time(lambda: be._decode(be.q_rot[:T], caches, batch, sink, out))

@@ -25,10 +25,7 @@ D = formats.HEAD_DIM
 
 class FlashMLABackend(V4Backend):
     name = "flashmla"
-    # The fold is off: on the H200 the folded kernel costs more than the pass over q it
-    # removes (lab/perf-history.md, "The q fold"); ``QFOLD = True`` turns it on
-    QFOLD = False
-    OPS = ("fused_qnorm_rope_insert_v4", "rope_insert_v4", "quantize_insert_v4",
+    OPS = ("fused_qnorm_rope_insert_v4", "quantize_insert_v4",
            "swa_indices_and_lens",
            "global_topk_indices_and_lens", "c128a_indices_and_lens", "flashmla_sparse_decode",
            "gather_dequant", "combine_topk_swa_indices", "flashmla_sparse_prefill")
@@ -47,7 +44,6 @@ class FlashMLABackend(V4Backend):
         self.combined_lens = torch.zeros(T, dtype=torch.int32, device=dev)
         self.workspace = torch.empty(config.prefill_workspace_rows, D, dtype=torch.bfloat16,
                                      device=dev)
-        self._no_slots = torch.empty(0, dtype=torch.int64, device=dev)
 
     def _records(self) -> Dict[str, formats.PagedFormat]:
         """Each cache's packed record ("swa", "compressed"): the 584 B one (DeepSeek-V4.1's
@@ -68,19 +64,9 @@ class FlashMLABackend(V4Backend):
     def _write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv):
         cfg, T = self.config, q.shape[0]
         q_rot = self.q_rot[:T]
-        if not self._start_fold(q, batch, cos_sin_cache):
-            ci.fused_qnorm_rope_insert_v4(q, kv, caches["swa"], batch.swa_slot_mapping,
-                                          batch.positions, cos_sin_cache, q_rot, cfg.eps,
-                                          cfg.swa_block_size, cfg.apply_q_norm, self.impl)
-        else:   # decode rows' q goes raw to the decode kernel (V4Backend's q fold)
-            ci.rope_insert_v4(kv, caches["swa"], batch.swa_slot_mapping, batch.positions,
-                              cos_sin_cache, cfg.swa_block_size, self.impl)
-            Td = batch.num_decode_tokens
-            if T > Td:      # prefill rows: their q as the unfused path writes it (no kv rows)
-                ci.fused_qnorm_rope_insert_v4(q[Td:], kv[Td:], caches["swa"], self._no_slots,
-                                              batch.positions[Td:T], cos_sin_cache, q_rot[Td:],
-                                              cfg.eps, cfg.swa_block_size, cfg.apply_q_norm,
-                                              self.impl)
+        ci.fused_qnorm_rope_insert_v4(q, kv, caches["swa"], batch.swa_slot_mapping,
+                                      batch.positions, cos_sin_cache, q_rot, cfg.eps,
+                                      cfg.swa_block_size, cfg.apply_q_norm, self.impl)
         if compressed_kv is not None:
             ci.quantize_insert_v4(compressed_kv, caches["compressed"],
                                   batch.compressed_slot_mapping, cfg.compressed_block_size,
@@ -103,10 +89,6 @@ class FlashMLABackend(V4Backend):
                          extra_topk_length=p.compressed_lens[:Td],
                          extra_block_size=cfg.compressed_block_size,
                          extra_kv_format=self.records["compressed"].name)
-        fold = self._decode_fold_args(batch)
-        if fold:    # raw q, normed and rotated by the decode kernel
-            q_rot = fold.pop("q_raw")
-            extra.update(fold)
         fd.flashmla_sparse_decode(
             q_rot[:Td].unsqueeze(1), caches["swa"], p.swa_indices[:Td].unsqueeze(1),
             out[:Td].unsqueeze(1), self.decode_lse[:Td], topk_length=p.swa_lens[:Td],

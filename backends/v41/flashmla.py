@@ -55,10 +55,9 @@ def record_format(record: int, cache: str, layout: str = "footer") -> formats.Pa
 class V41FlashMLABackend(FlashMLABackend):
     name = "v41_flashmla"
     CONFIG = V41LayerConfig
-    QFOLD = False   # the unfused write for now (the decode op's fold also takes RoPE only)
     OPS = ("fused_rope_insert_v41", "compressed_insert_v41") + tuple(
         op for op in FlashMLABackend.OPS
-        if op not in ("fused_qnorm_rope_insert_v4", "rope_insert_v4", "quantize_insert_v4"))
+        if op not in ("fused_qnorm_rope_insert_v4", "quantize_insert_v4"))
 
     def _records(self) -> Dict[str, formats.PagedFormat]:
         cfg = self.config

@@ -1,7 +1,7 @@
 """The V4.1-Flash decode shapes (ops/flashmla_decode/bench.py: window 128 in 32-token SWA pages
 + top-k 512 in 64-token compressed blocks) per record pair and kernel route: the 584 B pair
 on the sm_90 kernel (the baseline), 528+528 and 528+288 on the route the planner picks now
-and on the portable kernel (``SPARSE_MLA_GLUON=0``), and where flash_mla imports FlashMLA's
+and on the portable kernel (``SPARSE_MLA_SM90=0``), and where flash_mla imports FlashMLA's
 V4.0 SM90 kernel on the 584 B pair (what vLLM runs for V4.1 on Hopper; tools/bench_flashmla.py's
 call, one scheduler metadata per shape). Times are CUDA-graph replays (``harness.time_graph``;
 do_bench where a call cannot be captured). Run by lab/tools/gpu_v41gluon.sh; ``--quick``: s_q
@@ -69,7 +69,7 @@ def main(argv):
             if main_fmt == "v4":
                 fm = _flash_mla_time(a, h, s_q, b)
             for route in routes:
-                env = {"SPARSE_MLA_GLUON": "0"} if route == "portable" else {}
+                env = {"SPARSE_MLA_SM90": "0"} if route == "portable" else {}
                 with mock.patch.dict(os.environ, env):
                     fn = _call(a)
                     out = fn()

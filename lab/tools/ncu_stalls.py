@@ -1,6 +1,6 @@
 """Warp-stall samples of one kernel, from Nsight Compute's SASS source page, summarised.
 
-  ncu --clock-control none --kernel-name _ws_kernel --launch-skip 2 --launch-count 1 \\
+  ncu --clock-control none --kernel-name sm90_kernel --launch-skip 2 --launch-count 1 \\
       --set full -o rep python3 <script that runs the op a few times>
   ncu -i rep.ncu-rep --page source --csv --print-source sass > source.csv
   python3 -m sparse_mla.lab.tools.ncu_stalls source.csv [--top 30]

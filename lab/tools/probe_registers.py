@@ -45,9 +45,9 @@ def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64
                       Q_FP8=False, HB=heads, BN=block_n, D576=fmt == "v32", TRACK_MAX=False,
                       PREFETCH=True, DV=dv, N_UNITS=2 * dv, SCALE64=fmt == "v4", SCALE_T=False,
                       DOT_F32=False, PDL=False, F16=False, ONE_TILE=one_tile, SOFT=False,
-                      FMT1=-1, QROT=0, QEPS=0.0)
-    # run-time parameters defaulting to None (the q fold's): constexpr None, as a launch
-    # without the fold passes them
+                      FMT1=-1)
+    # run-time parameters defaulting to None: constexpr None, as a launch without them
+    # passes them
     constexprs.update({p.name: None for p in fn.params
                        if not p.is_constexpr and p.has_default and p.default is None})
     missing = set(names) - set(constexprs) - set(POINTERS) - set(FLOATS)

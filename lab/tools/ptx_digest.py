@@ -2,8 +2,8 @@
 (no GPU: Triton compiles for a target architecture), with the debug-line noise stripped.
 
   PYTHONPATH=$(bash tools/pyroot.sh) python3 lab/tools/ptx_digest.py [--out FILE] \\
-      [--save-ptx DIR] [--only REGEX]
-  python3 lab/tools/ptx_digest.py --compare BEFORE AFTER
+      [--save-ptx DIR] [--only REGEX] [--rename NEW=OLD ...]
+  python3 lab/tools/ptx_digest.py --compare BEFORE AFTER [--dropped REGEX]
 
 Moving a kernel to another file changes its ``.loc`` / ``.file`` directives and debug
 sections, not its instructions; this strips them, so two trees (say before and after a
@@ -23,7 +23,9 @@ either side of the move to ``ops/attention`` (``MODULES``). The variants:
 
 Each run compiles into a fresh Triton cache (``TRITON_CACHE_DIR``), so a kernel is never
 taken from a cache filled by the other tree. ``--compare`` prints the variants whose digests
-differ (and exits 1 if any does, or if the variant lists differ).
+differ (and exits 1 if any does, or if AFTER lost a variant). ``--dropped REGEX``: variants of
+BEFORE whose name matches were removed from the code on purpose; their loss is listed, not
+failed.
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     for p in fn.params:
         if p.is_constexpr and p.has_default and p.name not in constexprs:
             constexprs[p.name] = p.default
-        # run-time parameters defaulting to None (the q fold's) are constexpr None where the
-        # variant leaves them out, as the JIT makes them
+        # run-time parameters defaulting to None are constexpr None where the variant leaves
+        # them out, as the JIT makes them
         if not p.is_constexpr and p.has_default and p.default is None \
                 and p.name not in pointers:
             constexprs[p.name] = None
@@ -106,13 +108,11 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False, qrot=0):
+def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False):
     kernels = load("portable")
     pointers = {"q_ptr": "*fp16" if f16 else "*bf16", "i0_ptr": "*i32", "i1_ptr": "*i32",
                 "l0_ptr": "*i32", "l1_ptr": "*i32", "part_o": "*fp32", "part_ml": "*fp32",
                 "scale_ptr": "*fp32"}
-    if qrot:    # the q fold (ops/attention/qrot.py): positions, the RoPE table
-        pointers.update(qpos_ptr="*i64", qcs_ptr="*fp32", q_max_pos="i32")
     pointers["c0_ptr"] = pointers["c1_ptr"] = "*bf16" if fmt == "plain_bf16" else "*u8"
     dv = 2 if tiny else 1
     cx = dict(FMT=FMT_CODES[fmt], HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=False,
@@ -122,8 +122,6 @@ def _split(fmt, arch, *, f16=False, tiny=False, one_tile=False, soft=False, qrot
               ONE_TILE=one_tile, FMT1=-1)
     if soft:
         cx["SOFT"] = True
-    if qrot:
-        cx.update(QROT=qrot, QEPS=float.fromhex("0x1.0c6f7ap-20"))   # 1e-6 in fp32
     stages = 1 if tiny else (3 if fmt == "v32" else 2)
     return _compile(kernels._split_kernel, cx, pointers, {"scale2"}, arch,
                     {"num_warps": 8 // dv, "num_stages": stages})
@@ -157,10 +155,6 @@ def variants():
             out[f"portable/tiny_v4_{'one_tile' if one_tile else 'loop'}_sm{arch}"] = (
                 lambda arch=arch, one_tile=one_tile: _split("v4", arch, tiny=True,
                                                             one_tile=one_tile))
-    for arch in FEW_ARCHS:      # the q fold (absent from a tree older than it)
-        out[f"portable/split_v4_qfold_sm{arch}"] = lambda arch=arch: _split("v4", arch, qrot=2)
-        out[f"portable/tiny_v4_qfold_sm{arch}"] = (
-            lambda arch=arch: _split("v4", arch, tiny=True, one_tile=True, qrot=2))
     for fmt in ("v4", "v32", "plain_fp8"):
         for arch in (80, 90):
             out[f"portable/split_{fmt}_soft_sm{arch}"] = (
@@ -172,14 +166,19 @@ def variants():
     return out
 
 
-def digests(only=None, save_ptx=None):
-    """[(variant, sha256 of its stripped PTX, or "error: ...")] of every variant."""
+def digests(only=None, save_ptx=None, renames=()):
+    """[(variant, sha256 of its stripped PTX, or "error: ...")] of every variant.
+    ``renames``: (new, old) kernel names; the PTX's ``new`` (its ``.entry`` and the
+    ``new_param_N`` names derived from it) is written ``old`` before the digest, so a tree
+    that renamed a kernel compares by instructions with one from before the rename."""
     rows = []
     for name, build in variants().items():
         if only and not re.search(only, name):
             continue
         try:
             ptx = strip_debug(build().asm["ptx"])
+            for new, old in renames:
+                ptx = re.sub(rf"\b{re.escape(new)}(?=\b|_param_)", old, ptx)
             digest = hashlib.sha256(ptx.encode()).hexdigest()
             if save_ptx:
                 path = os.path.join(save_ptx, name.replace("/", "__") + ".ptx")
@@ -199,10 +198,15 @@ def read(path):
     return {parts[0]: " ".join(parts[1:]) for parts in lines}
 
 
-def compare(before, after) -> int:
+def compare(before, after, dropped=None) -> int:
     a, b = read(before), read(after)
     bad = 0
     lost, new = [n for n in a if n not in b], [n for n in b if n not in a]
+    if dropped:
+        gone = [n for n in lost if re.search(dropped, n)]
+        lost = [n for n in lost if n not in gone]
+        if gone:
+            print(f"variants only BEFORE has, dropped on purpose (--dropped): {gone}")
     if lost:
         print(f"variants only BEFORE has (lost): {lost}")
         bad = 1
@@ -225,12 +229,16 @@ def main(argv=None):
     p.add_argument("--only", help="only the variants whose name matches this regex")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="compare two digest files instead")
+    p.add_argument("--rename", action="append", default=[], metavar="NEW=OLD",
+                   help="digest kernel NEW's PTX under its old name OLD (a renamed kernel)")
+    p.add_argument("--dropped", help="with --compare: variants matching this regex may be "
+                   "missing from AFTER (removed on purpose)")
     a = p.parse_args(argv)
     if a.compare:
-        return compare(*a.compare)
+        return compare(*a.compare, dropped=a.dropped)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptx_digest_cache_")
     import triton
-    rows = digests(a.only, a.save_ptx)
+    rows = digests(a.only, a.save_ptx, [tuple(r.split("=", 1)) for r in a.rename])
     text = f"# triton {triton.__version__}\n" + "".join(f"{n} {d}\n" for n, d in rows)
     if a.out:
         with open(a.out, "w") as f:

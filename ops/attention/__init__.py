@@ -52,7 +52,7 @@ def plan_attention(q: torch.Tensor, sources: Sequence[KeySource], policy=None):
 def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
                             sink: Optional[torch.Tensor], scale, out: torch.Tensor,
                             lse: Optional[torch.Tensor] = None, out_scale=1.0,
-                            max_logits: Optional[torch.Tensor] = None, qrot=None, plan=None,
+                            max_logits: Optional[torch.Tensor] = None, plan=None,
                             policy=None):
     """The same math on the GPU (or the Triton interpreter): writes ``out`` [T, H, 512] bf16
     and, if given, ``lse`` / ``max_logits`` [T, H] fp32 (any strides; ``out``'s last dim
@@ -63,18 +63,15 @@ def sparse_attention_triton(q: torch.Tensor, sources: Sequence[KeySource],
     ``LaunchPlan.check_fits``), else one is made under ``policy`` (``policy.DEFAULT``).
     Returns what ran (``launch.Launched``: the plan and its compiled kernels; also on
     ``dispatch.last_choice(op)`` of the op that called this).
-    ``qrot`` (``qrot.QRot``, bf16 512-wide q only): q arrives raw (before its RMS-norm and
-    RoPE) and the kernels apply them as they load it, exactly as the unfused path rounds."""
+    """
     from sparse_mla.ops.attention import launch
     from sparse_mla.ops.common import dispatch
     sources = [_unit_strides(s) for s in sources]
     sink = checks.unit_stride(sink)
     if plan is None:
-        ran = launch.run(q, sources, sink, scale, out, lse, out_scale, max_logits, qrot,
-                         policy)
+        ran = launch.run(q, sources, sink, scale, out, lse, out_scale, max_logits, policy)
     else:
         plan.check_fits(q, sources)
-        ran = launch.execute(plan, q, sources, sink, scale, out, lse, out_scale, max_logits,
-                             qrot)
+        ran = launch.execute(plan, q, sources, sink, scale, out, lse, out_scale, max_logits)
     dispatch.record_plan(ran)
     return ran

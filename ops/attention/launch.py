@@ -5,7 +5,7 @@
 counts from a wave cost model) and launches it: the portable split and combine kernels
 (``portable``: grid tokens × head blocks × output halves, splits; each token's key list is
 virtual, ``[source 0's usable columns, padded to BLOCK_N | source 1's]``, cut into
-``n_splits`` runs of whole tiles), or on sm_90 ``sm90.kernel._ws_kernel`` (warp-specialized:
+``n_splits`` runs of whole tiles), or on sm_90 ``sm90.kernel.sm90_kernel`` (warp-specialized:
 producer warps gather and dequantize, consumer warpgroups run the dots) for every cache
 format unless the launch is tiny and has one head block. The combine kernel is shared
 (launched with programmatic dependent launch on sm_90+), and when a launch has one split per
@@ -29,43 +29,35 @@ import torch
 import triton
 
 from sparse_mla.ops.attention import plan
-from sparse_mla.ops.attention.policy import DEFAULT
+from sparse_mla.ops.attention import fmt_codes
 from sparse_mla.ops.attention import portable as kernels_mod
+from sparse_mla.ops.attention.policy import DEFAULT
 from sparse_mla.ops.attention.reference import head_dims
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.common.dispatch import triton_interpreting
 from sparse_mla.ops.common.triton_utils import launch_capped, pdl_supported
 
-FMT_CODES = {"v4": 0, "v32": 1, "plain_bf16": 2, "plain_fp8": 3, "v41": 5, "v41_fp4": 6,
-             "v41_inline": 9, "v41_fp4_inline": 10}
+FMT_CODES = fmt_codes.BY_NAME
 # Records of 512-wide rows with their own scales (V4 584 B, V4.1 528 B and 288 B, these two
 # page-footer or token-inline): a launch's two sources may mix these (a V4.1 layer's 528 B SWA
 # cache and its 288 B compressed cache); the portable kernel then decodes each source's tiles
 # in its own format
 TAIL_FORMATS = ("v4",) + tuple(formats.V41_RECORD_OF)
 # The V4.1 records (the portable kernel decodes every pair, the sm_90 kernel those of
-# ``plan.GLUON_V41_PAIRS``)
+# ``plan.SM90_V41_PAIRS``)
 V41_FORMATS = tuple(formats.V41_RECORD_OF)
-# The sm_90 kernel's FMT for 528 B main rows with extra rows in another record, by that record
-# (its producer picks each chunk's record by its source: ``sm90/producers_v41.py``)
-FMT_V41_EXTRA = {"v41_fp4": 7, "v4": 8}
-# The portable kernel's code for plain bf16 rows loaded 64 dims at a time (the launch config's
-# ``tiled_bf16``: GPUs with less shared memory per block than sm_90)
-FMT_PLAIN_BF16_TILED = 4
+FMT_V41_EXTRA = fmt_codes.V41_EXTRA
+FMT_PLAIN_BF16_TILED = fmt_codes.PLAIN_BF16_TILED.value
 LOG2E = 1.4426950408889634
-
-# The q fold's run-time kernel arguments of a launch without it (``qrot.QRot.pointer_args``)
-NO_QROT = dict(qpos_ptr=None, qcs_ptr=None, q_max_pos=None)
 
 # Programmatic dependent launch wherever the GPU has it (sm_90+: ``pdl_supported``): the split
 # and combine kernels are scheduled while the kernel before them runs and wait for its writes
 # in-kernel, so their launch latency is hidden (lab/perf-log.md, "Fixed per-call costs").
 
 
-def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
+def _launch_sm90(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len1, scale,
                   part_o, part_ml, n_splits, n_units, max_logits, q_fp8, final, sink, out, lse,
-                  out_scale, pdl, d576, f16, staged, cluster, t0, qrot=None, n_tok=None,
-                  policy=DEFAULT):
+                  out_scale, pdl, d576, f16, staged, cluster, t0, n_tok=None, policy=DEFAULT):
     """``cluster``: the two head blocks of each token run as one 2-CTA cluster (V4 rows
     staged or V3.2 rows, 65-128 heads; its producer gets ``Sm90.producer_regs_cluster``
     registers): the compiled kernel is made cluster-launchable before its first
@@ -94,18 +86,15 @@ def _launch_gluon(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, le
         scale_t=isinstance(scale, torch.Tensor), q_fp8=q_fp8, final=final,
         has_sink=sink is not None, has_lse=lse is not None,
         out_scale_t=isinstance(out_scale, torch.Tensor), pdl=pdl, d576=d576, f16=f16,
-        staged=staged, cluster=cluster, qrot=qrot.code if qrot is not None else 0,
-        qeps=qrot.eps32 if qrot is not None else 0.0, persist=n_tok is not None,
-        shape=policy.sm90)
-    # the fold's run-time arguments always (None without it), n_tok too: the cluster launch
-    # passes every parameter by name (``triton_utils.launch_compiled``)
-    kwargs.update(qrot.pointer_args() if qrot is not None else NO_QROT)
+        staged=staged, cluster=cluster, persist=n_tok is not None, shape=policy.sm90)
+    # n_tok always (None where not persistent): the cluster launch passes every parameter by
+    # name (``triton_utils.launch_compiled``)
     kwargs["n_tok"] = n_tok
     kwargs["launch_pdl"] = pdl
     if cluster:
         from sparse_mla.ops.attention.sm90 import hooks
-        return hooks.launch_clusters(g._ws_kernel, grid, args, kwargs)
-    return g._ws_kernel[grid](*args, **kwargs)
+        return hooks.launch_clusters(g.sm90_kernel, grid, args, kwargs)
+    return g.sm90_kernel[grid](*args, **kwargs)
 
 
 def _length_args(src, dummy):
@@ -136,16 +125,14 @@ def _source_args(src):
     return plan.cache_view(src)
 
 
-def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, qrot=None,
-        policy=None):
+def run(q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None, policy=None):
     """Plan (``plan.plan_launch``) and launch the attention of ``q`` over ``sources``
     (``reference.KeySource``); returns what ran (``Launched``; None where there was nothing to
-    compute). ``qrot`` (``qrot.QRot``): q is raw, and the split kernel norms / rotates it as it
-    loads it."""
+    compute)."""
     if q.shape[0] == 0 or q.shape[1] == 0:
         return None
     return execute(plan.plan_launch(q, sources, policy=policy), q, sources, sink, scale, out,
-                   lse, out_scale, max_logits, qrot)
+                   lse, out_scale, max_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +156,7 @@ class Launched:
         return str(self.plan)
 
 
-def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None,
-            qrot=None):
+def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits=None):
     """Launch plan ``p`` (``plan.plan_launch``'s, for a call of this kind: ``p.check_fits``)
     on these tensors; nothing is decided here."""
     T, H = q.shape[0], q.shape[1]
@@ -184,8 +170,9 @@ def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits
             src0.fmt in TAIL_FORMATS and src1.fmt in TAIL_FORMATS):
         raise ValueError(f"sources must share one cache format (or both be one of "
                          f"{TAIL_FORMATS}), got {src0.fmt} and {src1.fmt}")
-    # the second source's format code where it differs from the first's (-1: the same)
-    fmt1 = FMT_CODES[src1.fmt] if src1 is not None and src1.fmt != src0.fmt else -1
+    # the second source's format code where it differs from the first's
+    fmt1 = (FMT_CODES[src1.fmt] if src1 is not None and src1.fmt != src0.fmt
+            else fmt_codes.SAME_AS_FMT.value)
     c0, c0s0, c0s1 = _source_args(src0)
     if src1 is not None:
         c1, c1s0, c1s1 = _source_args(src1)
@@ -212,12 +199,12 @@ def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits
             final = ph.splits == 1
             part_o, part_ml = _partials(0 if final else (ph.t1 - ph.t0) * H * ph.splits, dev,
                                          ph.splits, p.policy)
-            kernels.append(_launch_gluon(
+            kernels.append(_launch_sm90(
                 g, ((ph.programs or ph.t1 - ph.t0) * n_hb, ph.splits), qq, (c0, c0s0, c0s1),
                 src0, i0, k0, _length_args(src0, dummy), (c1, c1s0, c1s1), src1, i1, k1,
                 _length_args(src1, dummy), scale, part_o, part_ml, ph.splits, n_hb,
                 max_logits, q_fp8, final, sink, out, lse, out_scale, pdl, d576, p.fp16_dots,
-                p.staged, p.cluster, ph.t0, qrot, (ph.t1 - ph.t0) if ph.programs else None,
+                p.staged, p.cluster, ph.t0, (ph.t1 - ph.t0) if ph.programs else None,
                 p.policy))
             if not final:
                 _combine(part_o, part_ml, ph.splits, ph.t0, ph.t1, H, sink, out, lse,
@@ -248,7 +235,7 @@ def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits
         SCALE_T=isinstance(scale, torch.Tensor), DOT_F32=interp, PDL=pdl, F16=p.fp16_dots,
         ONE_TILE=p.one_tile, SOFT=bool(p.soft_e4m3),
         num_warps=cfg.num_warps // dvs, num_stages=cfg.stages(src0.fmt),
-        launch_pdl=pdl, **(qrot.kernel_args() if qrot is not None else {})))
+        launch_pdl=pdl))
     _combine(part_o, part_ml, n_splits, 0, T, H, sink, out, lse, max_logits, out_scale, pdl,
              interp, p.policy)
     return Launched(p, tuple(kernels))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from typing import Optional, Sequence
 
@@ -32,7 +33,7 @@ import triton
 
 from sparse_mla.ops.attention import policy as policies
 from sparse_mla.ops.attention.policy import DEFAULT, Policy, Shape
-from sparse_mla.ops.common import checks, env, formats
+from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import soft_fp8_forced, triton_interpreting
 from sparse_mla.ops.common.triton_utils import SOFT_FP8_ENV, soft_fp8_reason
 
@@ -349,13 +350,19 @@ def sm90_triton_supported(version: str = triton.__version__) -> bool:
     return v is not None and SM90_TRITON[0] <= v <= SM90_TRITON[1]
 
 
+def _sm90_switch() -> str:
+    """The variable that turns the sm_90 kernel off (A/B runs, bisecting): ``SPARSE_MLA_SM90``,
+    or its old name ``SPARSE_MLA_GLUON`` where only that one is set (older scripts set it)."""
+    if "SPARSE_MLA_SM90" not in os.environ and "SPARSE_MLA_GLUON" in os.environ:
+        return "SPARSE_MLA_GLUON"
+    return "SPARSE_MLA_SM90"
+
+
 def sm90_disabled_reason(version: str = triton.__version__) -> Optional[str]:
     """Why the sm_90 kernel may not run in this process at all (None: it may)."""
-    # "0" turns the sm_90 kernel off (A/B runs, bisecting); its old name is still read
-    if env.getenv("SPARSE_MLA_SM90") == "0":
-        return "SPARSE_MLA_SM90=0"
-    if env.getenv("SPARSE_MLA_GLUON") == "0":
-        return "SPARSE_MLA_GLUON=0"
+    switch = _sm90_switch()
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
     if triton_interpreting():
         return "the Triton interpreter runs the portable kernel"
     if soft_fp8_forced():

@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_mla.ops.attention.qrot_kernels import q_position, q_rms_factor, rotated_q
+from sparse_mla.ops.attention.fmt_codes import (PLAIN_BF16, PLAIN_FP8, SAME_AS_FMT, V4, V32, V41,
+                                                V41_FP4, V41_FP4_INLINE, V41_INLINE)
 from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
                                                 grid_wait, to_bf16, ue8m0_scale,
                                                 v41_record_addrs)
@@ -69,7 +70,7 @@ def _row_scales(cache_ptr, s0, BS, blk, off, v, FMT: tl.constexpr, SCALE64: tl.c
     """V4 with 8-byte-aligned blocks: each row's eight UE8M0 scale bytes as one int64 [BN, 1].
     One 8-byte load per row replaces seven 1-byte loads per tile, and Triton's pipeliner can
     stage it asynchronously (it cannot stage 1-byte loads: they stalled every iteration)."""
-    if FMT == 0 and SCALE64:
+    if FMT == V4 and SCALE64:
         ptr = (cache_ptr + blk * s0 + BS * 576 + off * 8).to(tl.pointer_type(tl.int64))
         sc = tl.load(ptr, mask=v, other=0)
     else:
@@ -88,7 +89,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
     time keeps the dequantization temporaries small: a whole [BN, 512] fp32 tile next to the
     [64, 512] accumulator is what made the first version spill."""
     c = tl.arange(0, 64)[None, :]
-    if FMT == 0:
+    if FMT == V4:
         base = cache_ptr + blk * s0
         if TILE < 7:
             x = _load_values(base + off * 576 + TILE * 64 + c, v, True, SOFT)
@@ -100,7 +101,7 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((base + off * 576 + 448).to(tl.pointer_type(tl.bfloat16)) + c, v,
                               False, DOT_F32)
-    elif FMT == 1:
+    elif FMT == V32:
         rec = cache_ptr + blk * s0 + off * 656
         if TILE < 8:
             x = _load_values(rec + TILE * 64 + c, v, True, SOFT)
@@ -110,29 +111,30 @@ def _key_tile(cache_ptr, s0, s1, BS, blk, off, v, sc64, TILE: tl.constexpr, FMT:
         else:
             k = _load_operand((rec + 528).to(tl.pointer_type(tl.bfloat16)) + c, v, False,
                               DOT_F32)
-    elif FMT == 5 or FMT == 9:
+    elif FMT == V41 or FMT == V41_INLINE:
         # V4.1 528 B: 512 e4m3 dims, then per row 16 UE8M0 scales of 32 dims (two per tile)
         # in the block's tail (5) or right after the row's data (9, token-inline); e4m3 × 2^k
         # is exact in bf16
-        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == 9)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 512, 16, FMT == V41_INLINE)
         x = _load_values(data + TILE * 64 + c, v, True, SOFT)
         sb = tl.load(scales + TILE * 2 + c // 32, mask=v, other=127).to(tl.int32)
         k = _dot_operand(x * ue8m0_scale(sb), DOT_F32)
-    elif FMT == 6 or FMT == 10:
+    elif FMT == V41_FP4 or FMT == V41_FP4_INLINE:
         # V4.1 288 B: e2m1 pairs (the even dim in the low nibble), then per row 32 e4m3
         # scales of 16 dims in the block's tail (6) or after the row's data (10, token-inline);
         # e2m1 × e4m3 is exact in bf16
         # (the tile's 32 bytes loaded once and their nibbles interleaved: a load of each
         # byte per dim took three times the shared memory, more than sm_86 / sm_89 allow)
-        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 256, 32, FMT == 10)
+        data, scales = v41_record_addrs(cache_ptr + blk * s0, off, BS, 256, 32,
+                                        FMT == V41_FP4_INLINE)
         j = tl.arange(0, 32)[None, :]
         b = tl.load(data + TILE * 32 + j, mask=v, other=0).to(tl.int32)
         sc = _load_values(scales + TILE * 4 + j // 8, v, True, SOFT)
         k = _dot_operand(tl.interleave(e2m1_value(b & 0xF) * sc, e2m1_value(b >> 4) * sc),
                          DOT_F32)
     else:
-        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == 3, DOT_F32,
-                          F16, SOFT)
+        k = _load_operand(cache_ptr + blk * s0 + off * s1 + TILE * 64 + c, v, FMT == PLAIN_FP8,
+                          DOT_F32, F16, SOFT)
     return k
 
 
@@ -272,32 +274,6 @@ def _load_q_block(q_row, hmask, DV: tl.constexpr, D576: tl.constexpr, Q_FP8: tl.
 
 
 @triton.jit
-def _rot_q_half(q_row, hmask, r, pos, cs_ptr, HALF: tl.constexpr, DOT_F32: tl.constexpr):
-    """Dims [256·HALF, 256·HALF + 256) of the folded q (qrot_kernels.rotated_q) as a dot
-    operand, built from 128-dim pieces (fp32 intermediates of a whole half spilled)."""
-    a = rotated_q(q_row, hmask, r, pos, cs_ptr, 256 * HALF, 128, DOT_F32)
-    b = rotated_q(q_row, hmask, r, pos, cs_ptr, 256 * HALF + 128, 128, DOT_F32)
-    x = _cat(a, b)
-    return _dot_operand(x.to(tl.float32) if DOT_F32 else x, DOT_F32)
-
-
-@triton.jit
-def _rot_q_block(q_row, hmask, t, qpos_ptr, qcs_ptr, q_max_pos, DV: tl.constexpr,
-                 QROT: tl.constexpr, QEPS: tl.constexpr, HB: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """``_load_q_block`` for a raw q (512-wide bf16 rows) normed and rotated as it is
-    loaded: the unfused path's bf16 q bit for bit (ops/attention/qrot_kernels.py)."""
-    pos = q_position(qpos_ptr, t, q_max_pos)
-    r = q_rms_factor(q_row, hmask, QROT, QEPS, HB)
-    q_lo = _rot_q_half(q_row, hmask, r, pos, qcs_ptr, 0, DOT_F32)
-    q_hi = _rot_q_half(q_row, hmask, r, pos, qcs_ptr, 1, DOT_F32)
-    if DV == 1:
-        q_lo = _cat(q_lo, q_hi)
-        q_hi = q_lo
-    return q_lo, q_hi, q_lo
-
-
-@triton.jit
 def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
                SCALE64: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
                SOFT: tl.constexpr):
@@ -308,11 +284,11 @@ def _tile_keys(cache, s0, s1, bs, cap, idx, FMT: tl.constexpr, DV: tl.constexpr,
     v = valid[:, None]
     blk = (idx // bs).to(tl.int64)[:, None]
     off = (idx % bs).to(tl.int64)[:, None]
-    if FMT == 2:
+    if FMT == PLAIN_BF16:
         # plain bf16 rows need no decoding: loaded whole, Triton copies them straight into
-        # shared memory (cp.async) instead of staging 64-wide pieces in registers. (FMT 4:
-        # the same rows in 64-wide pieces, for GPUs below sm_90, whose shared memory cannot
-        # hold two stages of whole rows: Policy.low_shared.)
+        # shared memory (cp.async) instead of staging 64-wide pieces in registers.
+        # (PLAIN_BF16_TILED: the same rows in 64-wide pieces, for GPUs below sm_90, whose
+        # shared memory cannot hold two stages of whole rows: Policy.low_shared.)
         row = cache + blk * s0 + off * s1
         if DV == 1:
             k_lo = _load_operand(row + tl.arange(0, 512)[None, :], v, False, DOT_F32)
@@ -410,12 +386,7 @@ def _split_kernel(
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
-        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1,
-        qpos_ptr=None, qcs_ptr=None, q_max_pos=None, QROT: tl.constexpr = 0,
-        QEPS: tl.constexpr = 0.0):
-    # QROT (1 RoPE, 2 RMS-norm and RoPE: qrot.QRot): q is raw and normed / rotated as it is
-    # loaded; the q fold's arguments default to None, so launches without it compile as before
-    tl.static_assert(QROT == 0 or not (Q_FP8 or D576))
+        ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1):
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -432,11 +403,7 @@ def _split_kernel(
     h = hb * HB + tl.arange(0, HB)
     hmask = h < H
     q_row = q_ptr + t.to(tl.int64) * q_s0 + h[:, None] * q_s1
-    if QROT == 0:
-        q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16, SOFT)
-    else:
-        q_lo, q_hi, q_rope = _rot_q_block(q_row, hmask, t, qpos_ptr, qcs_ptr, q_max_pos, DV,
-                                          QROT, QEPS, HB, DOT_F32)
+    q_lo, q_hi, q_rope = _load_q_block(q_row, hmask, DV, D576, Q_FP8, DOT_F32, F16, SOFT)
     acc = tl.zeros((HB, NV), tl.float32)
     m_i = tl.full((HB,), float("-inf"), tl.float32)
     l_i = tl.zeros((HB,), tl.float32)
@@ -456,7 +423,7 @@ def _split_kernel(
         # first dot, and q's loads and the gather's are in flight together (sm_90 SASS)
         cache, s0, s1, bs, cap = tile_source(lo < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
-        if FMT1 < 0:
+        if FMT1 == SAME_AS_FMT:
             acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv,
                                            scale2, acc, m_i, l_i, mx, FMT, DV, D576, TRACK_MAX,
                                            SCALE64, DOT_F32, F16, SOFT)
@@ -475,7 +442,7 @@ def _split_kernel(
                                        i1_s0, BN)
             else:
                 idx = _tile_slots(c, hi, n0p, n0, n1, i0_ptr, i1_ptr, t, i0_s0, i1_s0, BN)
-            if FMT1 < 0:
+            if FMT1 == SAME_AS_FMT:
                 acc, m_i, l_i, mx = _tile_step(cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope,
                                                dv, scale2, acc, m_i, l_i, mx, FMT, DV, D576,
                                                TRACK_MAX, SCALE64, DOT_F32, F16, SOFT)

@@ -10,6 +10,5 @@ from sparse_mla.ops.cache_insert.ops import (  # noqa: F401
     qnorm_rope_kv_insert_v4,
     quantize_insert_v32,
     quantize_insert_v4,
-    rope_insert_v4,
     rope_kv_insert_v41,
 )

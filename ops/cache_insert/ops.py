@@ -182,41 +182,6 @@ def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps=1e-6, b
                        block_size)
 
 
-# ---------------------------------------------------------------------------------------------
-# RoPE + insert of kv rows alone into the V4 SWA cache: the kv half of fused_qnorm_rope_insert_v4
-# (a step whose attention kernel norms and rotates q itself: ops/attention/qrot.py)
-
-_ROPE_V4 = implementations("rope_insert_v4", vendor=vendor.ROUTE,
-                           triton=triton_impl.rope_insert_v4, reference=reference.rope_insert_v4)
-
-
-def _validate_rope_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size):
-    n = kv.shape[0] if kv.dim() == 2 else -1
-    _check_kv_rope_inputs(kv, n, positions, cos_sin_cache, kv)
-    bs = checks.paged_cache_block_size("k_cache", k_cache, formats.V4, block_size)
-    _check_slots(slot_mapping, n, k_cache.shape[0] * bs, kv)
-    checks.expect_same_device(kv=kv, k_cache=k_cache, slot_mapping=slot_mapping,
-                              positions=positions, cos_sin_cache=cos_sin_cache)
-    return bs
-
-
-@custom_op("sparse_mla::rope_insert_v4", mutates_args=("k_cache",))
-def rope_insert_v4(kv: Tensor, k_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
-                   cos_sin_cache: Tensor, block_size: Optional[int] = None,
-                   impl: str = "auto") -> None:
-    """The kv half of ``fused_qnorm_rope_insert_v4`` (docs/semantics.md §3.1), byte for byte:
-    ``kv`` ``[N, 512]`` gets GPT-J RoPE on dims 448..511 at ``positions[t]`` in fp32 and is
-    quantized (§2.2) into the V4 584 B ``k_cache`` at ``slot_mapping[t]`` for
-    ``t < len(slot_mapping)``; -1 skips. No q."""
-    bs = _validate_rope_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size)
-    _ROPE_V4(kv, k_cache, slot_mapping, positions, cos_sin_cache, bs, impl=impl)
-
-
-@rope_insert_v4.register_fake
-def _(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size=None, impl="auto"):
-    _validate_rope_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size)
-
-
 def _q_out_buffer(q, q_head_padded, out):
     """``out``, or a new bf16 ``[N, q_head_padded (default H), 512]`` q_out buffer."""
     if out is None:

@@ -60,11 +60,6 @@ def write_q_out(q_out, q_rot):
 def fused_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out, eps,
                     block_size, apply_q_norm):
     write_q_out(q_out, rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm))
-    rope_insert_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size)
-
-
-def rope_insert_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size):
-    """The kv half of ``fused_insert_v4``."""
     tok, slots = _valid_slots(slot_mapping, slot_mapping.shape[0])
     kv_rot = quant.rope_gptj(kv[tok].float(), cos_sin_cache[positions[tok].long()])
     data, scales = quant.quantize_v4(kv_rot)

@@ -98,22 +98,6 @@ def fused_insert_v4(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_ou
                   None, None, eps, apply_q_norm, MODE_V4)
 
 
-def rope_insert_v4(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size):
-    """The fused kernel's kv programs alone (one head-block axis of zero q programs): the
-    same code as ``fused_insert_v4``'s kv half, so the same bytes."""
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    stride0 = checks.block_stride(k_cache, formats.V4, block_size)
-    # q / q_out / scale arguments are never read (no q programs): kv and the table stand in
-    fused_insert_kernel[(n, 1)](
-        kv, kv.stride(0), 0, kv, kv.stride(0), _bytes(k_cache), stride0, 0, slot_mapping, n,
-        k_cache.shape[0] * block_size, positions, cos_sin_cache, cos_sin_cache.stride(0),
-        cos_sin_cache.shape[0], kv, 0, 0, cos_sin_cache, cos_sin_cache, 0.0, 1, 1, block_size,
-        HB=1, MODE=MODE_V4, APPLY_NORM=False, SOFT=soft_fp8(kv.device), INLINE=False,
-        num_warps=CONFIG["num_warps"], **_LAUNCH)
-
-
 def fused_insert_plain(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_out,
                        kv_scale, q_scale_inv, eps, apply_q_norm):
     fp8 = k_cache.dtype == torch.float8_e4m3fn

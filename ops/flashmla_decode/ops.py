@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.ops.attention import qrot as qfold
 from sparse_mla.ops.common import checks, formats
 from sparse_mla.ops.common.dispatch import implementations
 from sparse_mla.ops.common.opdef import custom_op
@@ -54,8 +53,7 @@ def _extra_format(kv_format, extra_kv_format):
 
 def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
-                     extra_kv_format=None, q_positions=None, cos_sin_cache=None,
-                     q_norm_eps=None, q_scale=None):
+                     extra_kv_format=None, q_scale=None):
     if kv_format not in HEAD_DIM:
         raise ValueError(f"kv_format must be 'v4' (584 B), 'v32' (656 B), 'v41' / 'v41_inline' "
                          f"(528 B) or 'v41_fp4' / 'v41_fp4_inline' (288 B), got {kv_format!r}")
@@ -108,8 +106,7 @@ def _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, 
     _check_lengths(q, (("topk_length", topk_length, indices),
                        ("extra_topk_length", extra_topk_length, extra_indices)))
     _check_q_scale(q, q_scale)
-    qrot = _check_fold(q, kv_format, q_positions, cos_sin_cache, q_norm_eps)
-    return bs, extra_bs, qrot
+    return bs, extra_bs
 
 
 def _check_q_scale(q, q_scale):
@@ -124,20 +121,6 @@ def _check_q_scale(q, q_scale):
         raise ValueError(f"q_scale must hold one value (per tensor) or have shape "
                          f"{list(q.shape[:3])} (per token and head), got {list(q_scale.shape)}")
     checks.expect_same_device(q=q, q_scale=q_scale)
-
-
-def _check_fold(q, kv_format, q_positions, cos_sin_cache, q_norm_eps):
-    """The q fold's arguments (``qrot.QRot``, None without them): 512-wide rows only (V3.2's
-    576-wide q has its RoPE dims apart and no such norm)."""
-    if (q_positions is not None or cos_sin_cache is not None) and HEAD_DIM[kv_format] != 512:
-        raise ValueError(f"q_positions / cos_sin_cache (q normed and rotated by the kernel) "
-                         f"need 512-wide rows (kv_format one of {MIXABLE}), got "
-                         f"kv_format {kv_format!r}")
-    qrot = qfold.check_qrot(q, q.shape[0] * q.shape[1], q_positions, cos_sin_cache,
-                            q_norm_eps)
-    if qrot is not None:
-        checks.expect_same_device(q=q, q_positions=q_positions, cos_sin_cache=cos_sin_cache)
-    return qrot
 
 
 def _check_lengths(q, lists):
@@ -163,60 +146,47 @@ def flashmla_sparse_decode(q: Tensor, k_cache: Tensor, indices: Tensor, out: Ten
                            block_size: Optional[int] = None,
                            extra_block_size: Optional[int] = None,
                            extra_kv_format: Optional[str] = None,
-                           q_positions: Optional[Tensor] = None,
-                           cos_sin_cache: Optional[Tensor] = None,
-                           q_norm_eps: Optional[float] = None,
                            q_scale: Optional[Tensor] = None, impl: str = "auto") -> None:
     """docs/semantics.md §5.1 into ``out`` [b, s_q, h, 512] bf16 and ``lse`` [b, h, s_q] fp32.
     ``extra_kv_format``: the extra cache's record where it differs from ``kv_format`` (both
     among "v4", "v41", "v41_fp4", "v41_inline", "v41_fp4_inline": docs/semantics.md §12).
-
-    The q fold (512-wide rows, bf16 q): with ``q_positions`` (int [b, s_q], contiguous) and
-    ``cos_sin_cache`` (fp32 [max_pos, 64], cos || sin, contiguous), ``q`` is the raw q and the
-    op first applies, per head, the weightless RMS-norm with ``q_norm_eps`` (None: no norm,
-    V4.1) and GPT-J RoPE on dims 448..511 at the row's position, rounded to bf16 exactly as
-    ``fused_qnorm_rope_insert_v4`` writes q_out (docs/semantics.md §3.1); the Triton kernels do
-    it as they load q, the reference and vendor routes first, unfused.
 
     An e4m3 ``q`` (DeepSeek's fp8 q projection, as FlashInfer's DSv4 decode takes it) stands
     for ``q.float() * q_scale``: ``q_scale`` fp32 with one value (per tensor; None: 1) or of
     shape [b, s_q, h] (per token and head). The Triton kernels read the e4m3 bytes (half of
     bf16's) and fold a per-tensor scale into the softmax scale; a per-token-head scale is
     applied to q first, rounded to bf16 (docs/semantics.md §5.1)."""
-    bs, extra_bs, qrot = _validate_decode(
+    bs, extra_bs = _validate_decode(
         q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
         extra_topk_length, attn_sink, kv_format, block_size, extra_block_size, extra_kv_format,
-        q_positions, cos_sin_cache, q_norm_eps, q_scale)
+        q_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     _DECODE(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
             extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs,
-            _extra_format(kv_format, extra_kv_format), qrot, q_scale, impl=impl)
+            _extra_format(kv_format, extra_kv_format), q_scale, impl=impl)
 
 
 @flashmla_sparse_decode.register_fake
 def _(q, k_cache, indices, out, lse, topk_length=None, extra_k_cache=None, extra_indices=None,
       extra_topk_length=None, attn_sink=None, softmax_scale=None, kv_format="v4",
-      block_size=None, extra_block_size=None, extra_kv_format=None, q_positions=None,
-      cos_sin_cache=None, q_norm_eps=None, q_scale=None, impl="auto"):
+      block_size=None, extra_block_size=None, extra_kv_format=None, q_scale=None, impl="auto"):
     _validate_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                      extra_topk_length, attn_sink, kv_format, block_size, extra_block_size,
-                     extra_kv_format, q_positions, cos_sin_cache, q_norm_eps, q_scale)
+                     extra_kv_format, q_scale)
 
 
 def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=None,
                            extra_k_cache=None, extra_indices_in_kvcache=None,
                            extra_topk_length=None, softmax_scale=None, kv_format="v4",
                            block_size=None, extra_block_size=None, extra_kv_format=None,
-                           out=None, lse=None, impl="auto", q_positions=None,
-                           cos_sin_cache=None, q_norm_eps=None, q_scale=None):
+                           out=None, lse=None, impl="auto", q_scale=None):
     """FlashMLA's decode call: returns ``(out [b, s_q, h, 512] bf16, lse [b, h, s_q] fp32)``.
     Pass persistent ``out``/``lse`` buffers to run allocation-free (CUDA graphs).
 
     Index columns past ``topk_length`` / ``extra_topk_length`` may hold anything. Within them,
     every id outside [0, the cache's slots) marks an unused column (-1 is the usual one) on
     every implementation: FlashMLA itself skips only -1 (docs/semantics.md §5.1), so the vendor path
-    maps the others to -1 before calling it. ``q_positions`` / ``cos_sin_cache`` /
-    ``q_norm_eps``: q is raw, normed and rotated by the op; ``q_scale``: an e4m3 q's scale
+    maps the others to -1 before calling it. ``q_scale``: an e4m3 q's scale
     (``flashmla_sparse_decode``)."""
     b, s_q, h = q.shape[:3]
     if out is None:
@@ -226,7 +196,7 @@ def flash_mla_with_kvcache(q, k_cache, indices, *, topk_length=None, attn_sink=N
     flashmla_sparse_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, attn_sink, softmax_scale,
                            kv_format, block_size, extra_block_size, extra_kv_format,
-                           q_positions, cos_sin_cache, q_norm_eps, q_scale, impl)
+                           q_scale, impl)
     return out, lse
 
 

@@ -56,15 +56,14 @@ def plan_decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_
     b, s_q, h = q.shape[:3]
     out = torch.empty(b, s_q, h, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
-    bs, extra_bs, _ = ops._validate_decode(
+    bs, extra_bs = ops._validate_decode(
         q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
         extra_topk_length, attn_sink, kv_format, block_size, extra_block_size, extra_kv_format,
         q_scale=q_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     extra_fmt = ops._extra_format(kv_format, extra_kv_format)
     args = (q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
-            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt, None,
-            q_scale)
+            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt, q_scale)
     choice = dispatch.dispatcher("flashmla_sparse_decode").explain(impl, *args)
     return DecodePlan(choice, _decode_kinds(q, k_cache, indices, topk_length, attn_sink,
                                             extra_k_cache, extra_indices_in_kvcache,
@@ -94,7 +93,7 @@ def run_decode(plan: DecodePlan, q, k_cache, indices, *, topk_length=None, attn_
         lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device).transpose(1, 2)
     args = (q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices_in_kvcache,
             extra_topk_length, attn_sink, plan.scale, plan.kv_format, plan.block_size,
-            plan.extra_block_size, plan.extra_kv_format, None, q_scale)
+            plan.extra_block_size, plan.extra_kv_format, q_scale)
     _run(plan, "flashmla_sparse_decode", args)
     return out, lse
 

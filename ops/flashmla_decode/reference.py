@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from sparse_mla.ops.attention import KeySource, sparse_attention_reference
-from sparse_mla.ops.attention.qrot import rotate_reference
 
 
 def decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,
@@ -33,9 +32,7 @@ def dequantized_q(q, q_scale):
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None, q_scale=None):
-    if qrot is not None:    # the unfused path: the reference q-norm + RoPE, then attention
-        q = rotate_reference(q, qrot)
+           q_scale=None):
     q = dequantized_q(q, q_scale)
     b, s_q, h, d = q.shape
     srcs = decode_sources(k_cache, indices, topk_length, extra_k_cache, extra_indices,

@@ -34,7 +34,7 @@ def _q_and_scale(q, q_scale, scale):
 
 def plan_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                 extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-                qrot=None, q_scale=None):
+                q_scale=None):
     """What ``decode`` would launch on these arguments (``plan.LaunchPlan``), not launched."""
     q, _ = _q_and_scale(q, q_scale, scale)
     b, s_q, h, d = q.shape
@@ -45,7 +45,7 @@ def plan_decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None, q_scale=None, plan=None):
+           q_scale=None, plan=None):
     """``plan``: ``plan_decode``'s for a call of this kind (else one is made now)."""
     q, scale = _q_and_scale(q, q_scale, scale)
     b, s_q, h, d = q.shape
@@ -54,7 +54,7 @@ def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indi
     o_rows, o_target = _token_rows(out, (b * s_q, h, 512))
     l_rows, l_target = _token_rows(lse.transpose(1, 2), (b * s_q, h))
     sparse_attention_triton(q.reshape(b * s_q, h, d), srcs, attn_sink, scale, o_rows, l_rows,
-                            qrot=qrot, plan=plan)
+                            plan=plan)
     for rows, target in ((o_rows, o_target), (l_rows, l_target)):
         if target is not None:
             target.copy_(rows.view(target.shape))

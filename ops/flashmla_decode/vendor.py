@@ -26,7 +26,6 @@ import triton.language as tl
 from sparse_mla.ops.common import dispatch, formats
 from sparse_mla.ops.common.checks import unit_stride
 from sparse_mla.ops.attention.plan import sm90_enabled
-from sparse_mla.ops.attention.qrot import rotate_reference
 from sparse_mla.ops.common.vendor_heads import pad_heads
 
 
@@ -126,7 +125,7 @@ def _paged_4d(cache: torch.Tensor, bs: int, bytes_per_token: int) -> torch.Tenso
 
 def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-                 qrot=None, q_scale=None):
+                 q_scale=None):
     if q.dtype != torch.bfloat16:
         return "FlashMLA's sparse decode takes a bf16 q (its SM90 kernels read no e4m3 q)"
     if kv_format not in ("v4", "v32") or (extra_k_cache is not None
@@ -148,9 +147,7 @@ def decode_check(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extr
 
 def decode(q, k_cache, indices, out, lse, topk_length, extra_k_cache, extra_indices,
            extra_topk_length, attn_sink, scale, kv_format, bs, extra_bs, extra_fmt=None,
-           qrot=None, q_scale=None):
-    if qrot is not None:    # FlashMLA takes q normed and rotated: the unfused reference first
-        q = rotate_reference(q, qrot)
+           q_scale=None):
     flash_mla, _ = _flash_mla()
     h = q.shape[2]
     qp, sink = pad_for_flash_mla(q, attn_sink, head_dim=2)

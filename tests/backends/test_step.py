@@ -45,16 +45,6 @@ def test_mixed_steps_match_oracle(device, backend, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_folded_steps_match_oracle(device, kind):
-    """The q fold (off by default) through whole steps: decode rows' raw q to the decode op,
-    kv rows through the kv-only insert; the same oracle as the unfused steps."""
-    h = Harness("flashmla", config(kind), device, seed=stable_seed("fold", kind.name))
-    h.backend.QFOLD = True
-    run_script(h)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 def test_swa_block_256(device, backend, kind):
@@ -99,20 +89,17 @@ def test_padded_decode_requests(device):
     assert torch.count_nonzero(out[4:]) == 0
 
 
-@pytest.mark.parametrize("fold", [True, False])
-def test_explain_names_the_ops_of_the_last_step(fold):
-    """A decode step writes its kv rows alone where the decode op folds q's norm and RoPE
-    (``QFOLD``, off by default), the fused q + kv insert where it does not."""
+def test_explain_names_the_ops_of_the_last_step():
+    """explain() names the ops of the last step only: a prefill step's, then a decode
+    step's (its q and kv through the fused insert)."""
     h = Harness("flashmla", config(LayerKind.C4A), "cpu")
-    h.backend.QFOLD = fold
     h.step([], [(0, 20)])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
     assert ran["flashmla_sparse_prefill"] == "reference"
     assert "flashmla_sparse_decode" not in ran and "global_topk_indices_and_lens" not in ran
     h.step([(0, 1)], [])
     ran = {op: c.impl for op, c in h.backend.explain().items()}
-    insert = "rope_insert_v4" if fold else "fused_qnorm_rope_insert_v4"
-    assert set(ran) == {insert, "quantize_insert_v4", "swa_indices_and_lens",
+    assert set(ran) == {"fused_qnorm_rope_insert_v4", "quantize_insert_v4", "swa_indices_and_lens",
                         "global_topk_indices_and_lens", "flashmla_sparse_decode"}
     assert set(ran.values()) == {"reference"}
 

@@ -169,10 +169,10 @@ def test_product_reads_are_declared():
 
 
 def test_getenv_gives_the_declared_default(monkeypatch):
-    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
-    assert env.getenv("SPARSE_MLA_GLUON") == env.BY_NAME["SPARSE_MLA_GLUON"].default == "1"
-    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
-    assert env.getenv("SPARSE_MLA_GLUON") == "0"
+    monkeypatch.delenv("SPARSE_MLA_SM90", raising=False)
+    assert env.getenv("SPARSE_MLA_SM90") == env.BY_NAME["SPARSE_MLA_SM90"].default == "1"
+    monkeypatch.setenv("SPARSE_MLA_SM90", "0")
+    assert env.getenv("SPARSE_MLA_SM90") == "0"
     with pytest.raises(KeyError):
         env.getenv("SPARSE_MLA_" + "NOT_DECLARED")     # built: the scan must not count it
 

@@ -51,9 +51,6 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "split_plain_fp8_f16": 8192, "split_v32": 10240, "split_v4": 12288,
                "tiny_v4_fp8_q": 2048, "gather_dequant_v32": 64,
                "split_v41": 14000, "split_v41_v41fp4": 4300, "tiny_v41_v41fp4": 1700,
-               # the q fold (its q, computed in the kernel, is a register dot operand, as an
-               # e4m3 q decoded in the kernel is: ops/attention/launch.py)
-               "split_v4_qfold": 8000, "tiny_v4_qfold": 11600, "split_v41_rope_qfold": 14300,
                # the indexer's scores kernels (prefill: 4 warps, the H200 sweep's fastest, spills
                # more than 8 did and ran 1.7x faster: lab/perf-log.md, "Session 37: the
                # indexer's launch shapes")
@@ -132,8 +129,7 @@ def _attention_variants(arch):
            "part_o": "*bf16", "part_ml": "*fp32", "scale_ptr": "*fp32"}
     out = {}
 
-    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False, fmt1=None,
-              qrot=0):
+    def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False, fmt1=None):
         g = cfg
         code = launch.FMT_CODES[fmt]
         if fmt == "plain_bf16" and g["tiled_bf16"]:
@@ -145,9 +141,6 @@ def _attention_variants(arch):
                   DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"],
                   FMT1=-1 if fmt1 is None else launch.FMT_CODES[fmt1])
         pointers = dict(ptr, q_ptr=q, c0_ptr=cache, c1_ptr=cache)
-        if qrot:    # the q fold (ops/attention/qrot.py)
-            cx.update(QROT=qrot, QEPS=float(torch.tensor(1e-6, dtype=torch.float32)))
-            pointers.update(qpos_ptr="*i64", qcs_ptr="*fp32", q_max_pos="i32")
         stages = g["num_stages_v32"] if fmt == "v32" else g["num_stages"]
         out[name] = (PORTABLE, "_split_kernel", cx, pointers, {"scale2"},
                      dict(num_warps=g["num_warps"] // g["dv"], num_stages=stages))
@@ -162,10 +155,6 @@ def _attention_variants(arch):
           f16=launch.FP16_FOR_E4M3)
     # V4.1 records (docs/semantics.md §12): 528 B rows, and 528 B main + 288 B extra rows
     split("split_v41", "v41", gen, p["hb"])
-    # the q fold: raw q normed and rotated as it is loaded (V4 rows; V4.1's RoPE only)
-    split("split_v4_qfold", "v4", gen, p["hb"], qrot=2)
-    split("tiny_v4_qfold", "v4", tiny, p["hb_tiny"], qrot=2)
-    split("split_v41_rope_qfold", "v41", gen, p["hb"], qrot=1)
     split("split_v41_v41fp4", "v41", plan.record_config(gen, ("v41", "v41_fp4"), p["shared"]),
           p["hb"], fmt1="v41_fp4")
     split("tiny_v41_v41fp4", "v41", plan.record_config(tiny, ("v41", "v41_fp4"), p["shared"]),
@@ -386,8 +375,8 @@ def compile_variant(spec, arch):
                 if not p.has_default:
                     raise TypeError(f"no value for constexpr {p.name}")
                 cx[p.name] = p.default
-            # run-time parameters defaulting to None (the q fold's): constexpr None where the
-            # variant leaves them out, as the JIT makes them
+            # run-time parameters defaulting to None: constexpr None where the variant leaves
+            # them out, as the JIT makes them
             if not p.is_constexpr and p.has_default and p.default is None \
                     and p.name not in pointers:
                 cx[p.name] = None

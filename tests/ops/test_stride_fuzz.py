@@ -54,13 +54,6 @@ def _tokens(device, n=6):
     return positions, slots
 
 
-def _drive_rope_insert_v4(device):
-    positions, slots = _tokens(device)
-    kv = torch.randn(len(slots), 512, dtype=torch.bfloat16, device=device)
-    cache = formats.alloc_paged_cache("v4", 2, 64, device=device, fill=0xFF)
-    torch.ops.sparse_mla.rope_insert_v4(kv, cache, slots, positions, _rope_table(device))
-
-
 def _drive_fused_rope_insert_v41(device):
     positions, slots = _tokens(device)
     n = len(slots)
@@ -134,7 +127,6 @@ def _drive_indexer_topk_prefill(device):
 # ops that no family's small bench case calls, or calls at sizes too slow to interpret
 DRIVERS = {
     "indexer_topk_prefill": _drive_indexer_topk_prefill,
-    "rope_insert_v4": _drive_rope_insert_v4,
     "fused_rope_insert_v41": _drive_fused_rope_insert_v41,
     "compressed_insert_v41": _drive_compressed_insert_v41,
     "insert_plain": _drive_insert_plain,
@@ -373,15 +365,15 @@ def test_fuzz_catches_a_kernel_that_reads_a_view_as_packed(monkeypatch):
     that reads ``positions`` as packed memory from its base pointer (what the Triton inserts
     did) gives other cache bytes for a strided view, and the fuzz says so."""
     monkeypatch.setattr(opdef, "in_row_form", lambda t: True)
-    d = dispatch.dispatcher("rope_insert_v4")
+    d = dispatch.dispatcher("fused_rope_insert_v41")
     real = d._impls["reference"]
 
-    def packed(kv, k_cache, slot_mapping, positions, *rest):
+    def packed(q, kv, k_cache, slot_mapping, positions, *rest):
         as_packed = positions.as_strided(positions.shape, (1,))
-        return real[0](kv, k_cache, slot_mapping, as_packed, *rest)
+        return real[0](q, kv, k_cache, slot_mapping, as_packed, *rest)
     monkeypatch.setitem(d._impls, "reference", (packed, *real[1:]))
-    with pytest.raises(AssertionError, match="k_cache differs"):
-        fuzz_op("rope_insert_v4", "cpu", "reference", only=("positions",))
+    with pytest.raises(AssertionError, match="differs"):
+        fuzz_op("fused_rope_insert_v41", "cpu", "reference", only=("positions",))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the sm_90 route's gate)")
@@ -389,7 +381,7 @@ def test_plain_rows_off_16_elements_run_the_portable_kernel():
     """A prefill kv whose rows are 520 elements apart (16-byte aligned, but not 16-element
     strided) failed to compile in the sm_90 kernel's cp.async copy; it runs the portable
     kernel, says so, and agrees with the contiguous call within the op's tolerance."""
-    from sparse_mla.tests.helpers import hopper_with_gluon
+    from sparse_mla.tests.helpers import hopper_with_sm90
     overload, args, kwargs = recorded_calls("cuda")["flashmla_sparse_prefill"]
     names = _schema_names(overload)
     base = _fresh(args)
@@ -403,7 +395,7 @@ def test_plain_rows_off_16_elements_run_the_portable_kernel():
     trial[names.index("kv")] = view
     _call(overload, trial, kwargs, "triton")
     plan = dispatch.last_choice("flashmla_sparse_prefill").plan
-    if hopper_with_gluon():
+    if hopper_with_sm90():
         assert plan.route in ("portable", "tiny") and "16-element strided" in plan.reason
     out = names.index("out")
     torch.testing.assert_close(trial[out].float(), base[out].float(), atol=1e-2, rtol=2 / 128)

@@ -48,59 +48,6 @@ def _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8: gl.constex
 
 
 @gluon.jit
-def _mul_rn(a, b):
-    """fp32 ``a * b`` rounded on its own (PTX ``mul.rn``: never contracted into an fma)."""
-    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
-                                     dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _load_q_smem_rotated(q_ptr, q_s0, q_s1, q_smem, t, h0, H, qpos_ptr, qcs_ptr, q_max_pos,
-                         QROT: gl.constexpr, QEPS: gl.constexpr):
-    """``_load_q_smem`` for a raw bf16 q (the q fold, ``QROT`` 1 RoPE / 2 RMS-norm and
-    RoPE): each row normed and its dims 448..511 rotated as it is loaded, rounded to bf16
-    exactly as the unfused path's q_out (ops/attention/qrot_kernels.py says how), in
-    [64, 64] pieces to bound registers."""
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    hq = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
-    live = (hq < H)[:, None]
-    row = q_ptr + t.to(gl.int64) * q_s0 + hq[:, None] * q_s1
-    pos = gl.load(qpos_ptr + t).to(gl.int64)
-    pos = gl.minimum(gl.maximum(pos, 0), q_max_pos - 1)   # a kernel cannot raise
-    if QROT == 2:
-        # another thread mapping than the pass below: loads of the same addresses in the
-        # same threads were kept live from this pass to that one (hundreds of bytes spilled)
-        SL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        hs = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, SL))
-        row_s = q_ptr + t.to(gl.int64) * q_s0 + hs[:, None] * q_s1
-        ds = gl.arange(0, 64, layout=gl.SliceLayout(0, SL))
-        ss = gl.zeros([HEADS], gl.float64, gl.SliceLayout(1, SL))
-        for j in gl.static_range(8):
-            x = gl.load(row_s + (64 * j + ds[None, :]), mask=(hs < H)[:, None], other=0.0)
-            x = x.to(gl.float32).to(gl.float64)
-            ss += gl.sum(x * x, axis=1)
-        r = (1.0 / gl.sqrt(ss / 512.0 + QEPS)).to(gl.float32)
-        r = gl.convert_layout(r, gl.SliceLayout(1, QL))
-    else:
-        r = gl.full([HEADS], 1.0, gl.float32, gl.SliceLayout(1, QL))
-    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    for j in gl.static_range(8):
-        d = 64 * j + d64[None, :]
-        x = gl.load(row + d, mask=live, other=0.0).to(gl.float32) * r[:, None]
-        if j == 7:      # dims 448..511, the RoPE dims: pairs (2i, 2i + 1) at pos
-            p = gl.load(row + (d ^ 1), mask=live, other=0.0).to(gl.float32) * r[:, None]
-            k = d64[None, :] // 2
-            c = gl.load(qcs_ptr + pos * 64 + k)
-            sn = gl.load(qcs_ptr + pos * 64 + 32 + k)
-            sn = gl.where((d64[None, :] & 1) == 0, -sn, sn)
-            c, sn = gl.broadcast(c, x)[0], gl.broadcast(sn, x)[0]
-            x = _mul_rn(x, c) + _mul_rn(p, sn)
-        q_smem.slice(64 * j, 64, dim=1).store(x.to(q_smem.dtype))
-    fence_async_shared()    # generic stores -> this warpgroup's wgmma reads
-    barrier()
-
-
-@gluon.jit
 def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready,
           empty, p_full, p_free, done, n_tiles, scale2, part_o, part_ml, t, tp, h0, H, sp,
           n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1,
@@ -108,8 +55,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
           TRACK_MAX: gl.constexpr, FINAL: gl.constexpr,
           HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
           Q_FP8: gl.constexpr, D576: gl.constexpr, CLUSTER: gl.constexpr,
-          P_IN_KR: gl.constexpr, qpos_ptr, qcs_ptr, q_max_pos, QROT: gl.constexpr,
-          QEPS: gl.constexpr, rows_free, PERSIST: gl.constexpr, tok_tab, n_mine, t0, tp_step):
+          P_IN_KR: gl.constexpr, rows_free, PERSIST: gl.constexpr, tok_tab, n_mine, t0, tp_step):
     # The scoring warpgroup: all of q·kᵀ ([64, BN], one wgmma reading q once: the two-way
     # column split read it twice), the softmax inside one warpgroup (no cross-warpgroup
     # reductions), then p into shared memory for _follow and p·v for output dims [0, 256)
@@ -136,11 +82,7 @@ def _lead(q_ptr, q_s0, q_s1, q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem
                         rows_free, True)
             g0 += n_k
     else:
-        if QROT == 0:
-            _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
-        else:
-            _load_q_smem_rotated(q_ptr, q_s0, q_s1, q_smem, t, h0, H, qpos_ptr, qcs_ptr,
-                                 q_max_pos, QROT, QEPS)
+        _load_q_smem(q_ptr, q_s0, q_s1, q_smem, qr_smem, t, h0, H, Q_FP8, D576)
         if CLUSTER:
             _cluster_sync(tid, _CLUSTER_WAIT)
         _lead_token(q_smem, qr_smem, k_bufs, kr_bufs, bias_bufs, p_smem, rows, ready, empty,

@@ -2,7 +2,7 @@
 
 Triton has one process-wide stages-inspection hook (``knobs.runtime.add_stages_inspection_hook``).
 ``install`` chains ours in front of whatever was there before (``kernel`` calls it on import);
-it edits only the Gluon kernel's own builds (``_ws_kernel``; the cluster placeholders appear
+it edits only the Gluon kernel's own builds (``sm90_kernel``; the cluster placeholders appear
 in no other module), so every other kernel compiles exactly as it would without it. From
 Triton 3.7 the hook is also called with no arguments and must return a ``(key, hash)`` pair
 that joins the compile-cache key: ours is a digest of this file, so a changed hook never
@@ -19,7 +19,7 @@ from triton.backends.compiler import Language
 from sparse_mla.ops.attention.sm90 import cluster_ptx, compat
 from sparse_mla.ops.common.triton_utils import launch_compiled
 
-KERNEL_NAME = "_ws_kernel"
+KERNEL_NAME = "sm90_kernel"
 _OFFSET_NAMES = dict(cluster_ptx.OFFSET_NAMES)
 
 
@@ -28,7 +28,7 @@ def _digest() -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-_KEY = f"sparse_mla_gluon_hooks_{_digest()}"
+_KEY = f"sparse_mla_sm90_hooks_{_digest()}"
 
 
 class _Hook:
@@ -59,7 +59,7 @@ def install():
 
 
 def _edit_stages(backend, stages, options, language, capability):
-    """Two edits of ``_ws_kernel`` builds:
+    """Two edits of ``sm90_kernel`` builds:
 
     * its cluster variant's ``SMLA_OFF_*`` placeholders become the allocator's shared-memory
       offsets (``_shared_offsets``), in the LLVM IR;
@@ -123,7 +123,7 @@ def _shared_offsets(text, context, options, backend, capability):
 
 
 def cluster_launchable(kernel):
-    """Make every launch of ``kernel`` (a compiled ``_ws_kernel`` with ``CLUSTER``) one of
+    """Make every launch of ``kernel`` (a compiled ``sm90_kernel`` with ``CLUSTER``) one of
     2-CTA clusters along x: Triton's launcher reads the cluster size from the packed launch
     metadata, adds the cluster-dimension attribute and multiplies grid x by it, so callers
     pass half the grid and program ids are unchanged (a cluster is one token's two head
@@ -136,7 +136,7 @@ def cluster_launchable(kernel):
 
 
 def launch_clusters(fn, grid, args, kwargs):
-    """Launch ``fn`` (``_ws_kernel`` with ``CLUSTER``) over ``grid`` as 2-CTA clusters, with
+    """Launch ``fn`` (``sm90_kernel`` with ``CLUSTER``) over ``grid`` as 2-CTA clusters, with
     one pass through Triton's argument binding: ``warmup`` finds (or compiles) the kernel,
     which is made cluster-launchable before its first launch and then launched directly with
     every parameter in signature order (constexprs included, as the launcher takes them).

@@ -1,5 +1,5 @@
 """Warp-specialized Hopper (sm_90) split kernel of the attention core, written in Gluon: the
-entry kernel ``_ws_kernel`` (shared-memory plan, barriers, the three partitions).
+entry kernel ``sm90_kernel`` (shared-memory plan, barriers, the three partitions).
 
 Same contract as ``portable._split_kernel`` (one program per token × 64-head block × split of
 the token's virtual key list; partial out / lse2 / max written for the combine kernel) for
@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from sparse_mla.ops.attention.fmt_codes import PLAIN_FP8, V32, V4, V41_FIRST
 from sparse_mla.ops.attention.portable import key_run
 from sparse_mla.ops.attention.sm90 import hooks, persist
 from sparse_mla.ops.attention.sm90.cluster import PAIR_SUB, V32_STAGED_PANELS
@@ -59,7 +60,7 @@ from sparse_mla.ops.common.triton_utils import grid_launch_dependents, grid_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
-# Installed on import, on purpose: every build of ``_ws_kernel`` needs the hook (its cluster
+# Installed on import, on purpose: every build of ``sm90_kernel`` needs the hook (its cluster
 # variant's shared-memory offsets and the ``.maxnreg`` edit), and whatever compiles the kernel
 # (the launcher, ``variants``, tests, tools/dev) imports this module first. The hook leaves
 # every other kernel's build as it was (``hooks``), and ``install`` is idempotent.
@@ -67,7 +68,7 @@ hooks.install()
 
 
 @gluon.jit
-def _ws_kernel(
+def sm90_kernel(
         q_ptr, q_s0, q_s1, H,
         c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
         c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
@@ -81,23 +82,19 @@ def _ws_kernel(
         HAS_SINK: gl.constexpr, HAS_LSE: gl.constexpr, OUT_SCALE_T: gl.constexpr,
         F_REGS: gl.constexpr, PDL: gl.constexpr, D576: gl.constexpr, F16: gl.constexpr,
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
-        num_warps: gl.constexpr, qpos_ptr=None, qcs_ptr=None, q_max_pos=None,
-        QROT: gl.constexpr = 0, QEPS: gl.constexpr = 0.0, RANK_VIEWS: gl.constexpr = False,
+        num_warps: gl.constexpr, RANK_VIEWS: gl.constexpr = False,
         n_tok=None, PERSIST: gl.constexpr = 0):
-    # QROT (the q fold, qrot.QRot): q is raw bf16, normed / rotated by _lead as it loads it;
-    # its arguments default to None, so launches without it build the kernel as before.
     # RANK_VIEWS: the V4 cluster producer's stores indexed by rank at run time (compat, 3.7)
     # PERSIST (``persist``): each program (cluster) runs tokens tp, tp + G, ... < n_tok of
     # the launch (G programs a head block; at most PERSIST tokens each), one split each, its
     # ring running on across them
     gl.static_assert(num_warps == 4)    # the lead warpgroup; _follow and the producer add 8
-    gl.static_assert(not F16 or (FMT == 3 and Q_FP8))     # fp16 only where it is exact
-    gl.static_assert(not STAGED or FMT == 0 or FMT >= 5)   # V4 or V4.1 rows
-    gl.static_assert(QROT == 0 or not (Q_FP8 or D576))
-    gl.static_assert(not CLUSTER or ((STAGED or FMT == 1) and N_UNITS == 2))  # rank: head block
+    gl.static_assert(not F16 or (FMT == PLAIN_FP8 and Q_FP8))     # fp16 only where it is exact
+    gl.static_assert(not STAGED or FMT == V4 or FMT >= V41_FIRST)   # V4 or V4.1 rows
+    gl.static_assert(not CLUSTER or ((STAGED or FMT == V32) and N_UNITS == 2))  # rank: head block
     # persistent: V4 rows staged, V4.1 and V3.2 rows in a cluster
-    gl.static_assert(not PERSIST or (FINAL and QROT == 0 and not Q_FP8 and (
-        (STAGED and FMT == 0) or (CLUSTER and (FMT == 1 or FMT >= 5)))))
+    gl.static_assert(not PERSIST or (FINAL and not Q_FP8 and (
+        (STAGED and FMT == V4) or (CLUSTER and (FMT == V32 or FMT >= V41_FIRST)))))
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()
@@ -109,8 +106,8 @@ def _ws_kernel(
     if SCALE_T:
         scale2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     EARLY: gl.constexpr = (EARLY_SLOTS and not CLUSTER and not PERSIST
-                           and (FMT == 0 or FMT == 3 or FMT >= 5))
-    V32_STAGED: gl.constexpr = CLUSTER and FMT == 1
+                           and (FMT == V4 or FMT == PLAIN_FP8 or FMT >= V41_FIRST))
+    V32_STAGED: gl.constexpr = CLUSTER and FMT == V32
     if EARLY:           # in flight while key_run waits for the lengths
         e0, e1 = _load_early(i0_ptr, i0_s0, K0, i1_ptr, i1_s0, K1 if HAS_SRC1 else 0, t,
                              2 * BN, num_warps)
@@ -209,8 +206,7 @@ def _ws_kernel(
                  H, sp, n_splits, out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr,
                  mx_s0, mx_s1, sink_ptr, out_scale, out_scale_ptr, BN, STAGES, TRACK_MAX,
                  FINAL, HAS_SINK, HAS_LSE, OUT_SCALE_T, Q_FP8, D576, CLUSTER, V32_STAGED,
-                 qpos_ptr, qcs_ptr, q_max_pos, QROT, QEPS, rows_free, PERSIST, tok_tab,
-                 n_mine, t0, tp_step)),
+                 rows_free, PERSIST, tok_tab, n_mine, t0, tp_step)),
         (_follow, (k_bufs, kr_bufs, p_smem, rows, ready, empty, p_full, p_free, done, n_tiles,
                    part_o, t, tp, h0, H, sp, n_splits, out_ptr, out_s0, out_s1, out_scale,
                    out_scale_ptr, STAGES, FINAL, HAS_SINK, OUT_SCALE_T, CLUSTER,

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
                                                               mbarrier)
 
+from sparse_mla.ops.attention.fmt_codes import PLAIN_BF16, V32, V4, V41_FIRST
 from sparse_mla.ops.attention.portable import tile_source
 from sparse_mla.ops.attention.sm90 import persist
 from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAIT, _SEND_V4,
@@ -60,13 +61,13 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
         for k in range(n_mine):
             lok, hik, n0pk, n0k, n1k, n_k = persist.run(tok_tab, k, P_WARPS)
             tk = t0 + tp + k * tp_step
-            if FMT == 1:
+            if FMT == V32:
                 _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready,
                                   empty, peer_free, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr,
                                   c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0,
                                   c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, STAGES, P_WARPS,
                                   rank, g0, False)
-            elif FMT >= 5:
+            elif FMT >= V41_FIRST:
                 _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                                   peer_free, tk, lok, hik, n_k, n0pk, n0k, n1k, c0_ptr, c0_s0,
                                   c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1,
@@ -81,18 +82,18 @@ def _produce(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
             g0 += n_k
         if CLUSTER:
             _pair_drain(empty, peer_free, g0, rank, tid, STAGES)
-    elif CLUSTER and FMT == 1:
+    elif CLUSTER and FMT == V32:
         _produce_v32_pair(k_bufs, kr_bufs, stage_raw, stage_rope, bias_bufs, ready, empty,
                           peer_free, t, lo, hi,
                           n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr,
                           i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank, 0, True)
-    elif STAGED and FMT >= 5 and CLUSTER:
+    elif STAGED and FMT >= V41_FIRST and CLUSTER:
         _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, peer_free, t,
                           lo, hi, n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap,
                           i0_ptr, i0_s0, c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN,
                           STAGES, P_WARPS, rank, FMT, 0, True)
-    elif STAGED and FMT >= 5:
+    elif STAGED and FMT >= V41_FIRST:
         _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, t, lo, hi,
                      n_tiles, n0p, n0, n1, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0,
                      c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, BN, SUB, STAGES,
@@ -117,7 +118,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0,
                    FMT: gl.constexpr, D576: gl.constexpr, BN: gl.constexpr,
                    STAGES: gl.constexpr, P_WARPS: gl.constexpr, EARLY: gl.constexpr):
-    if FMT == 2:
+    if FMT == PLAIN_BF16:
         # plain bf16 rows, [BN, 64] slices: 16 bytes per thread, 8 threads a 128-byte line.
         # At 32 bytes per thread (the byte tiles' layout below) each 16-byte cp.async
         # covered half of every sector it touched, so every sector was asked for twice
@@ -153,11 +154,11 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
                                              c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap)
         valid = _usable(idx, cap)
         kb = k_bufs.index(st)
-        if FMT == 0:
+        if FMT == V4:
             x0, x1, x2, x3, x4, x5, x6, rope, sc = _gather_v4(cache, s0, bs, idx, valid, cb)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_v4(kb, 0, BN, x0, x1, x2, x3, x4, x5, x6, rope, sc)
-        elif FMT == 1:
+        elif FMT == V32:
             # V3.2 records: 512 e4m3 bytes, four fp32 scales (one per 128 dims), 64 bf16 RoPE
             # dims. The RoPE dims need no decoding: copied asynchronously into their own stage
             # while the 512 latent dims are dequantized (and 16 registers lighter than a load)
@@ -166,7 +167,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             _store_v32_rows(kb, kr_bufs.index(st), rec, valid, LR, x0, x1, x2, x3, x4, x5, x6,
                             x7, sa, sb, sc, sd)
-        elif FMT == 2:
+        elif FMT == PLAIN_BF16:
             # bf16 rows need no decoding: copied asynchronously straight into the stage, and
             # the producer moves on without waiting for them (see the cp.async note below)
             row = _record(cache, s0, bs, idx, s1)
@@ -214,7 +215,7 @@ def _produce_tiles(k_bufs, kr_bufs, bias_bufs, ready, empty, early, t, lo, hi, n
             idx1 = idx_next
         else:
             idx = idx_next
-    if FMT == 2:
+    if FMT == PLAIN_BF16:
         async_copy.wait_group(0)    # nothing left in flight when the partition ends
 
 

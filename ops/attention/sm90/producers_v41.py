@@ -23,6 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
                                                               mbarrier)
 
+from sparse_mla.ops.attention.fmt_codes import V4, V41, V41_FP4, V41_WITH_FP4
 from sparse_mla.ops.attention.portable import tile_source
 from sparse_mla.ops.attention.sm90.cluster import (_CLUSTER_ARRIVE, _CLUSTER_WAIT, _SEND_V41,
                                                    PAIR_SUB, V41_PANELS, _cluster_sync,
@@ -43,7 +44,7 @@ def _issue(stage_raw, stage_rope, idx, c, n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_c
     rows)."""
     source = tile_source(c < n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, c1_ptr, c1_s0, c1_s1,
                          c1_bs, c1_cap)
-    if EXTRA == 5:
+    if EXTRA == V41:
         v, s0, s1 = _issue_v41(stage_raw, idx, source, cb, SUB)
         s2 = s0
         s3 = s0
@@ -52,7 +53,7 @@ def _issue(stage_raw, stage_rope, idx, c, n0p, c0_ptr, c0_s0, c0_s1, c0_bs, c0_c
             v, s0, s1 = _issue_v41(stage_raw, idx, source, cb, SUB)
             s2 = s0 * 0
             s3 = s2
-        elif EXTRA == 6:
+        elif EXTRA == V41_FP4:
             v, s0, s1, s2, s3 = _issue_fp4(stage_raw, idx, source, cb, SUB)
         else:
             v, s0, v_o = _issue_v4(stage_raw, stage_rope, idx, idx, source, cb, SUB, False)
@@ -70,7 +71,7 @@ def _produce_v41(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, early, 
                  EARLY: gl.constexpr, FMT: gl.constexpr):
     """The producer outside clusters (kernel ``FMT`` 5, 7 or 8: 528 B main rows with 528 B,
     288 B or 584 B extra rows)."""
-    EXTRA: gl.constexpr = 5 if FMT == 5 else (6 if FMT == 7 else 0)     # launch.FMT_CODES
+    EXTRA: gl.constexpr = V41 if FMT == V41 else (V41_FP4 if FMT == V41_WITH_FP4 else V4)
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -122,7 +123,7 @@ def _produce_v41_pair(k_bufs, stage_raw, stage_rope, bias_bufs, ready, empty, pe
     (one chunk a tile, staged a tile ahead), stored here and copied, all eight panels, into
     the peer's stage (584 B rows' RoPE dims too); the bias of the peer's half is written here
     from its slot ids. ``g0`` / ``ALONE``: as ``producers._produce_v4``'s."""
-    EXTRA: gl.constexpr = 5 if FMT == 5 else (6 if FMT == 7 else 0)     # launch.FMT_CODES
+    EXTRA: gl.constexpr = V41 if FMT == V41 else (V41_FP4 if FMT == V41_WITH_FP4 else V4)
     LB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [P_WARPS, 1], [1, 0])
     rows_b: gl.constexpr = gl.SliceLayout(1, LB)
     cb = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
@@ -197,7 +198,7 @@ def _staged(stage_raw, SUB: gl.constexpr, LB: gl.constexpr):
 def _rope(stage_rope, like, SUB: gl.constexpr, LB: gl.constexpr, EXTRA: gl.constexpr):
     """The staged chunk's RoPE dims where extra rows may be 584 B ones (stage_rope; read with
     the chunk's bytes, before the next gather overwrites it), else ``like`` (never used)."""
-    if EXTRA == 0:
+    if EXTRA == V4:
         rope = stage_rope.slice(0, SUB).load(LB)
     else:
         rope = like
@@ -209,8 +210,8 @@ def _store_chunk(kb, r0: gl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, rope, s0,
                  upper, extra, SUB: gl.constexpr, P_WARPS: gl.constexpr, EXTRA: gl.constexpr):
     """A staged chunk decoded into rows [r0, r0 + SUB) of stage ``kb``: in the extra rows'
     record ``EXTRA`` where the chunk is ``extra`` (source 1's), else as 528 B rows."""
-    if EXTRA != 5 and extra:
-        if EXTRA == 6:
+    if EXTRA != V41 and extra:
+        if EXTRA == V41_FP4:
             _store_fp4(kb, r0, SUB, x0, x1, x2, x3, s0, s1, s2, s3, P_WARPS)
         else:
             _store_v4(kb, r0, SUB, x0, x1, x2, x3, x4, x5, x6, rope, s0)

@@ -22,15 +22,14 @@ EARLY_SLOTS = gl.constexpr(True)
 
 def launch_constexprs(fmt, *, has_l0, has_l1, has_src1, track_max, n_units, scale_t, q_fp8,
                       final, has_sink, has_lse, out_scale_t, pdl, d576, f16, staged, cluster,
-                      qrot=0, qeps=0.0, persist=False, shape: Sm90 = DEFAULT.sm90):
-    """``_ws_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
-    ``fmt`` is the cache format's code (``launch.FMT_CODES``); ``qrot`` / ``qeps`` the q fold's
-    (``qrot.QRot.code`` / ``eps32``); ``shape`` the policy's ``Sm90``. Shared by the launch and
-    by the compile-only check (``variants``), so both build the same kernel. ``RANK_VIEWS`` is
-    ``compat.RANK_VIEWS`` (V4 clusters only, per Triton version). ``persist``: programs loop
-    over tokens, ``shape.persist_tokens`` at most (``persist``)."""
+                      persist=False, shape: Sm90 = DEFAULT.sm90):
+    """``sm90_kernel``'s compile-time parameters (and ``num_warps``) for one launch variant:
+    ``fmt`` is the cache format's code (``fmt_codes``); ``shape`` the policy's ``Sm90``. Shared
+    by the launch and by the compile-only check (``variants``), so both build the same kernel.
+    ``RANK_VIEWS`` is ``compat.RANK_VIEWS`` (V4 clusters only, per Triton version).
+    ``persist``: programs loop over tokens, ``shape.persist_tokens`` at most."""
     from sparse_mla.ops.attention.sm90 import compat
-    return dict(QROT=qrot, QEPS=qeps, PERSIST=shape.persist_tokens if persist else 0,
+    return dict(PERSIST=shape.persist_tokens if persist else 0,
         RANK_VIEWS=bool(compat.RANK_VIEWS and cluster and staged and fmt == 0),
         FMT=fmt, HAS_L0=has_l0, HAS_L1=has_l1, HAS_SRC1=has_src1, BN=shape.block_n,
         STAGES=shape.stages, TRACK_MAX=track_max, N_UNITS=n_units, SCALE_T=scale_t,

@@ -1,6 +1,6 @@
-"""Every launch variant of the sm_90 Gluon kernel, compiled for sm_90a without a GPU.
+"""Every launch variant of the sm_90 kernel, compiled for sm_90a without a GPU.
 
-A Triton upgrade that breaks the Gluon kernel would otherwise only show on a Hopper GPU,
+A Triton upgrade that breaks the sm_90 kernel would otherwise only show on a Hopper GPU,
 and there only as the portable kernel running instead (the version gate falls back). This
 compiles each variant the launcher (ops/attention/launch.py) can pick with the installed
 Triton and its own ptxas, and reports registers and spills per thread
@@ -22,45 +22,39 @@ import subprocess
 import sys
 import tempfile
 
-# (fmt code, q fp8, d576, staged, cluster, f16, final): the variants run() can pick
-#   fmt: 0 V4, 1 V3.2, 2 plain bf16, 3 plain e4m3, 5 V4.1 528 B (launch.FMT_CODES); 7 / 8 528 B
-#   main rows with 288 B / 584 B extra rows (launch.FMT_V41_EXTRA)
+from sparse_mla.ops.attention import fmt_codes as fc
+
+# (fmt code (ops/attention/fmt_codes.py), q fp8, d576, staged, cluster, f16, final): the
+# variants run() can pick
 VARIANTS = {
-    "v4_staged": dict(fmt=0, staged=True),
-    "v4_staged_final": dict(fmt=0, staged=True, final=True),
-    "v4_unstaged": dict(fmt=0),
-    "v4_cluster": dict(fmt=0, staged=True, cluster=True),
-    "v41_staged": dict(fmt=5, staged=True),
-    "v41_staged_final": dict(fmt=5, staged=True, final=True),
-    "v41_fp4_staged": dict(fmt=7, staged=True),
-    "v41_cluster": dict(fmt=5, staged=True, cluster=True),
-    "v41_fp4_cluster": dict(fmt=7, staged=True, cluster=True),
-    "v41_v4_staged": dict(fmt=8, staged=True),
-    "v41_v4_cluster": dict(fmt=8, staged=True, cluster=True),
-    "v32": dict(fmt=1, d576=True),
-    "v32_cluster": dict(fmt=1, d576=True, cluster=True),
-    "bf16_512": dict(fmt=2),
-    "bf16_576": dict(fmt=2, d576=True),
-    "fp8_512": dict(fmt=3),
-    "fp8_512_f16": dict(fmt=3, q_fp8=True, f16=True),
-    "fp8_576_f16": dict(fmt=3, d576=True, q_fp8=True, f16=True),
-    # the q fold (raw q normed and rotated as it is loaded: ops/attention/qrot.py)
-    "v4_staged_qfold": dict(fmt=0, staged=True, qrot=2),
-    "v4_staged_final_qfold": dict(fmt=0, staged=True, final=True, qrot=2),
-    "v4_cluster_qfold": dict(fmt=0, staged=True, cluster=True, qrot=2),
-    "v4_unstaged_rope_qfold": dict(fmt=0, qrot=1),
+    "v4_staged": dict(fmt=fc.V4.value, staged=True),
+    "v4_staged_final": dict(fmt=fc.V4.value, staged=True, final=True),
+    "v4_unstaged": dict(fmt=fc.V4.value),
+    "v4_cluster": dict(fmt=fc.V4.value, staged=True, cluster=True),
+    "v41_staged": dict(fmt=fc.V41.value, staged=True),
+    "v41_staged_final": dict(fmt=fc.V41.value, staged=True, final=True),
+    "v41_fp4_staged": dict(fmt=fc.V41_WITH_FP4.value, staged=True),
+    "v41_cluster": dict(fmt=fc.V41.value, staged=True, cluster=True),
+    "v41_fp4_cluster": dict(fmt=fc.V41_WITH_FP4.value, staged=True, cluster=True),
+    "v41_v4_staged": dict(fmt=fc.V41_WITH_V4.value, staged=True),
+    "v41_v4_cluster": dict(fmt=fc.V41_WITH_V4.value, staged=True, cluster=True),
+    "v32": dict(fmt=fc.V32.value, d576=True),
+    "v32_cluster": dict(fmt=fc.V32.value, d576=True, cluster=True),
+    "bf16_512": dict(fmt=fc.PLAIN_BF16.value),
+    "bf16_576": dict(fmt=fc.PLAIN_BF16.value, d576=True),
+    "fp8_512": dict(fmt=fc.PLAIN_FP8.value),
+    "fp8_512_f16": dict(fmt=fc.PLAIN_FP8.value, q_fp8=True, f16=True),
+    "fp8_576_f16": dict(fmt=fc.PLAIN_FP8.value, d576=True, q_fp8=True, f16=True),
     # persistent programs (sm90/persist.py)
-    "v4_staged_final_persist": dict(fmt=0, staged=True, final=True, persist=True),
-    "v4_cluster_final_persist": dict(fmt=0, staged=True, cluster=True, final=True,
+    "v4_staged_final_persist": dict(fmt=fc.V4.value, staged=True, final=True, persist=True),
+    "v4_cluster_final_persist": dict(fmt=fc.V4.value, staged=True, cluster=True, final=True,
                                      persist=True),
     # (V4.1 and V3.2 ones: clusters only, tuning.PERSIST_V41 / PERSIST_V32)
-    "v41_cluster_final_persist": dict(fmt=5, staged=True, cluster=True, final=True,
+    "v41_cluster_final_persist": dict(fmt=fc.V41.value, staged=True, cluster=True, final=True,
                                       persist=True),
-    "v32_cluster_final_persist": dict(fmt=1, d576=True, cluster=True, final=True,
+    "v32_cluster_final_persist": dict(fmt=fc.V32.value, d576=True, cluster=True, final=True,
                                       persist=True),
 }
-# the q fold's run-time arguments, where a variant has it (else constexpr None: absent)
-_QROT_ARGS = {"qpos_ptr": "*i64", "qcs_ptr": "*fp32", "q_max_pos": "i32"}
 
 _FLOATS = {"scale2", "out_scale"}
 _DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs", "i0_s0",
@@ -68,14 +62,13 @@ _DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_b
 
 
 def _pointer_types(v):
-    cache = "*bf16" if v.get("fmt") == 2 else "*u8"
+    cache = "*bf16" if v.get("fmt") == fc.PLAIN_BF16.value else "*u8"
     final = v.get("final", False)
     return {"q_ptr": "*u8" if v.get("q_fp8") else "*bf16", "c0_ptr": cache, "c1_ptr": cache,
             "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32",
             "scale_ptr": "*fp32", "part_o": "*fp32" if final else "*bf16",
             "part_ml": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "mx_ptr": "*fp32",
-            "sink_ptr": "*fp32", "out_scale_ptr": "*fp32",
-            **(_QROT_ARGS if v.get("qrot") else {})}
+            "sink_ptr": "*fp32", "out_scale_ptr": "*fp32"}
 
 
 def constexprs(name):
@@ -89,18 +82,17 @@ def constexprs(name):
         n_units=2 if cluster else 1, scale_t=False, q_fp8=v.get("q_fp8", False),
         final=v.get("final", False), has_sink=True, has_lse=True, out_scale_t=False, pdl=True,
         d576=v.get("d576", False), f16=v.get("f16", False), staged=v.get("staged", False),
-        cluster=cluster, qrot=v.get("qrot", 0), qeps=1e-6 if v.get("qrot") == 2 else 0.0,
-        persist=v.get("persist", False))
+        cluster=cluster, persist=v.get("persist", False))
 
 
 def compile_variant(name):
-    """``_ws_kernel`` compiled for sm_90a (the CompiledKernel: ``asm["ptx"]``, metadata)."""
+    """``sm90_kernel`` compiled for sm_90a (the CompiledKernel: ``asm["ptx"]``, metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sparse_mla.ops.attention.sm90 import kernel
-    fn = kernel._ws_kernel
+    fn = kernel.sm90_kernel
     names = list(inspect.signature(fn.fn).parameters)
     cx = constexprs(name)
     num_warps = cx.pop("num_warps")
@@ -108,14 +100,14 @@ def compile_variant(name):
     unknown = [n for n in cx if n not in names]
     if unknown:
         raise ValueError(f"{name}: launch_constexprs gives parameters {unknown} that "
-                         "_ws_kernel does not have")
+                         "sm90_kernel does not have")
     unset = [p.name for p in fn.params if p.is_constexpr and p.name not in cx
              and p.name != "num_warps"]
     if unset:
-        raise ValueError(f"{name}: no value for _ws_kernel's constexpr parameters {unset}")
+        raise ValueError(f"{name}: no value for sm90_kernel's constexpr parameters {unset}")
     cx["num_warps"] = num_warps
-    # run-time parameters defaulting to None (the q fold's) are constexpr None where unused,
-    # as the JIT makes them: the variants without the fold build exactly as before it
+    # run-time parameters defaulting to None (n_tok without PERSIST) are constexpr None where
+    # unused, as the JIT makes them
     for p in fn.params:
         if not p.is_constexpr and p.has_default and p.default is None \
                 and p.name not in pointers and not (p.name == "n_tok" and cx["PERSIST"]):
@@ -172,7 +164,7 @@ def ptxas_report(name, kernel, arch="sm_90a"):
 def main(argv=None):
     import triton
     names = argv or list(VARIANTS)
-    print(f"triton {triton.__version__}, _ws_kernel for sm_90a")
+    print(f"triton {triton.__version__}, sm90_kernel for sm_90a")
     for name in names:
         print(ptxas_report(name, compile_variant(name)), flush=True)
 

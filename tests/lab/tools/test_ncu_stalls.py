@@ -6,7 +6,7 @@ from sparse_mla.lab.tools import ncu_stalls
 COLUMNS = ",".join(f'"{c}"' for c in (
     "Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
     "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"))
-EXPORT = f'''"Kernel Name","_ws_kernel",
+EXPORT = f'''"Kernel Name","sm90_kernel",
 {COLUMNS}
 "0x10","      LDG.E.128 R4, desc[UR4][R2.64]","10","100","0","10","0"
 "0x20","      @!P2  SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R17+URZ+0x31210], RZ","30","100","25","5","25"

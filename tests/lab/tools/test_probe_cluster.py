@@ -4,7 +4,7 @@ gets its peer's half."""
 import pytest
 
 from sparse_mla.ops.attention.plan import sm90_triton_supported
-from sparse_mla.tests.helpers import hopper_with_gluon
+from sparse_mla.tests.helpers import hopper_with_sm90
 
 pytestmark = pytest.mark.skipif(not sm90_triton_supported(),
                                 reason="the Triton release is outside the tested Gluon range")
@@ -15,7 +15,7 @@ def test_compiles_for_sm90a():
     assert probe_cluster.compile_only() == 0
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="needs an sm_90 GPU")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("graph", [False, True])
 def test_every_cta_gets_its_peers_half(graph, capsys):
     from sparse_mla.lab.tools import probe_cluster

@@ -21,7 +21,7 @@ from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.common import formats
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd
 from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, fake_device,
-                                      force_tiny_launches, hopper_with_gluon, last_plan,
+                                      force_tiny_launches, hopper_with_sm90, last_plan,
                                       record_results, split_kernel_name, use_policy)
 from sparse_mla.tests.ops.flashmla_decode.cases import decode_case, prefill_case
 from sparse_mla.tests.ops.flashmla_decode.test_triton import (DEVICES, _run_decode,
@@ -52,7 +52,7 @@ def test_forced_launch_shapes_match_reference(device, fmt, n_splits, block_n, dv
 def test_last_choice_names_the_kernel_file(device, gluon, monkeypatch, request):
     """After a call, ``last_choice``'s route names the file of the kernel that ran (README ->
     op -> route -> kernel file), and that file is there and holds that kernel."""
-    monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
+    monkeypatch.setenv("SPARSE_MLA_SM90", gluon)
     force_tiny_launches(request, False)
     a = decode_case(device, b=2, s_q=1, h=8, bs=64, topk=32, extra=True, extra_topk=16,
                     extra_bs=64, seed=5)
@@ -60,10 +60,10 @@ def test_last_choice_names_the_kernel_file(device, gluon, monkeypatch, request):
     choice = last_choice("flashmla_sparse_decode")
     path = choice.plan.kernel_file
     assert path in str(choice)
-    sm90 = gluon == "1" and hopper_with_gluon()
+    sm90 = gluon == "1" and hopper_with_sm90()
     assert path == ("ops/attention/sm90/kernel.py" if sm90 else "ops/attention/portable.py")
     with open(os.path.join(os.path.dirname(os.path.abspath(sparse_mla.__file__)), path)) as f:
-        kernel = "_ws_kernel" if sm90 else "_split_kernel"
+        kernel = "sm90_kernel" if sm90 else "_split_kernel"
         assert f"def {kernel}(" in f.read()
     if device != "cpu":     # (the interpreter compiles nothing)
         assert split_kernel_name() == kernel
@@ -86,7 +86,7 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned, monkey
     check_decode(ref, got)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("b,s_q,h,bs,topk,etopk,n_splits,fmt", [
     (3, 2, 24, 53, 150, 70, 1, "v4"), (3, 2, 24, 53, 150, 70, 3, "v4"),
     (2, 1, 128, 61, 256, 512, 7, "v4"), (5, 3, 1, 2, 64, 0, 2, "v4"),
@@ -94,7 +94,7 @@ def test_padded_block_strides_match_reference(device, pad_bytes, aligned, monkey
     (3, 2, 24, 53, 150, 70, 1, "v32"), (3, 2, 24, 53, 150, 70, 3, "v32"),
     (2, 1, 128, 61, 256, 512, 7, "v32"), (5, 3, 1, 2, 64, 0, 2, "v32"),
     (4, 2, 128, 64, 2048, 0, None, "v32")])
-def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits, fmt,
+def test_sm90_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n_splits, fmt,
                                                    monkeypatch, request):
     """The sm_90 Gluon kernel (V4 and V3.2 caches) on poisoned caches, ragged lengths, ±inf
     sinks, forced and modelled split counts (some splits empty), every head count class, one
@@ -107,17 +107,17 @@ def test_warp_specialized_kernel_matches_reference(b, s_q, h, bs, topk, etopk, n
                     extra_topk=etopk or 64, extra_bs=64, seed=b + h, noncontig_q=h == 24)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel"
+    assert split_kernel_name() == "sm90_kernel"
     if n_splits is not None:    # one split: the kernel's own epilogue, no combine launch
         assert last_plan().combined == (n_splits > 1)
     check_decode(ref, got)
-    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     portable = _run_decode(a, "triton")
     assert split_kernel_name() == "_split_kernel"
     check_decode(ref, portable)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("n_splits", [1, 3, 7])
 @pytest.mark.parametrize("fmt", ["v4", "v32"])
@@ -132,7 +132,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
                     extra_topk=512, seed=h + n_splits)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel"
+    assert split_kernel_name() == "sm90_kernel"
     assert last_plan().kernel.packed_metadata[1] == 2       # launched as clusters of two
     check_decode(ref, got)
     use_policy(request, clusters=False)
@@ -141,7 +141,7 @@ def test_cluster_kernel_matches_one_cta_per_head_block(h, n_splits, fmt, monkeyp
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch, request):
     """V4 rows at 65-128 heads over 3 key tiles a token (window 128 + 64 compressed rows, the
@@ -159,7 +159,7 @@ def test_one_wave_of_short_v4_lists_runs_without_clusters(h, monkeypatch, reques
     assert torch.equal(got[0], pair[0]) and torch.equal(got[1], pair[1])
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [64, 128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("graph", [False, True])
@@ -177,7 +177,7 @@ def test_persistent_programs_match_one_program_a_token(h, programs, graph, monke
     _check_persistent(a, h, programs, graph, monkeypatch, request)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("efmt", ["v41", "v41_fp4", "v4"])
@@ -189,7 +189,7 @@ def test_persistent_programs_over_v41_rows(h, programs, efmt, monkeypatch, reque
     _check_persistent(a, h, programs, False, monkeypatch, request)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h", [128, 72])
 @pytest.mark.parametrize("programs", ["few", "over"])
 @pytest.mark.parametrize("graph", [False, True])
@@ -241,7 +241,7 @@ def _replayed(a):
     return out, lse
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("h,cluster,fmt", [(128, True, "v4"), (128, False, "v4"),
                                            (64, False, "v4"), (128, True, "v32")])
 def test_two_launch_plan_matches_reference(h, cluster, fmt, request):
@@ -254,12 +254,12 @@ def test_two_launch_plan_matches_reference(h, cluster, fmt, request):
                     extra_topk=512, seed=h)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel" and last_plan().combined
+    assert split_kernel_name() == "sm90_kernel" and last_plan().combined
     check_decode(ref, got)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("pad_bytes,kernel", [(0, "_ws_kernel"), (16, "_ws_kernel"),
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("pad_bytes,kernel", [(0, "sm90_kernel"), (16, "sm90_kernel"),
                                               (4, "_split_kernel"), (8, "_split_kernel")])
 def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch, request):
     """The sm_90 kernel copies V3.2's RoPE dims with 16-byte cp.async, so it serves only caches
@@ -274,7 +274,7 @@ def test_v32_block_alignment_routes_the_kernel(pad_bytes, kernel, monkeypatch, r
     check_decode(ref, got)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("bs,pad_bytes,extra_pad_bytes,staged", [
     (64, 0, 0, True), (53, 0, 0, True), (64, 16, 16, True), (64, 8, 8, False),
     (53, 8, 8, False), (64, 0, 8, False)])
@@ -290,7 +290,7 @@ def test_v4_block_alignment_picks_the_producer(bs, pad_bytes, extra_pad_bytes, s
                     seed=bs + pad_bytes, pad_bytes=pad_bytes, extra_pad_bytes=extra_pad_bytes)
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
-    assert split_kernel_name() == "_ws_kernel"
+    assert split_kernel_name() == "sm90_kernel"
     assert ("cp.async" in last_plan().kernel.asm["ptx"]) == staged
     check_decode(ref, got)
 
@@ -315,16 +315,16 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch, r
     dequantization: the sm_90 kernel's staged and register producers (bf16x2 multiply) and
     the portable kernel (fp32 multiply)."""
     ws = route.startswith("ws")
-    if ws and not hopper_with_gluon():
+    if ws and not hopper_with_sm90():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if ws:
         force_tiny_launches(request, False)
     else:
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+        monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     b, s_q, h, bs, topk = 2, 3, 64, 16, 64
     a = decode_case(device, b=b, s_q=s_q, h=h, bs=bs, topk=topk, extra=False,
                     use_lengths=False, sink="none", seed=7,
-                    pad_bytes=8 if route == "ws_registers" else 0)
+                    pad_bytes=8 if route == "sm90_registers" else 0)
     a["q"].zero_()
     tokens = b * s_q
     rows = torch.arange(5, 5 + 3 * tokens, 3, dtype=torch.int32)      # one row per token
@@ -349,8 +349,8 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch, r
     ref = _run_decode(a, "reference")
     got = _run_decode(a, "triton")
     if ws:
-        assert split_kernel_name() == "_ws_kernel"
-        assert ("cp.async" in last_plan().kernel.asm["ptx"]) == (route == "ws_staged")
+        assert split_kernel_name() == "sm90_kernel"
+        assert ("cp.async" in last_plan().kernel.asm["ptx"]) == (route == "sm90_staged")
     elif device == "cuda":
         assert split_kernel_name() == "_split_kernel"
     (ro, rl), (o, l) = ref, got
@@ -384,12 +384,12 @@ def test_one_tile_form_matches_the_loop(device, fmt, n_splits, one_tile, monkeyp
     check_decode(ref, got)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("b,s_q,h,extra_topk,kernel", [
-    (2, 2, 128, 512, "_ws_kernel"), (1, 1, 72, 512, "_ws_kernel"),
-    (1, 2, 64, 512, "_split_kernel"), (2, 2, 64, 512, "_ws_kernel"),
-    (1, 2, 64, 896, "_split_kernel"), (1, 1, 64, 960, "_ws_kernel"),
-    (1, 1, 64, 1024, "_ws_kernel")])
+    (2, 2, 128, 512, "sm90_kernel"), (1, 1, 72, 512, "sm90_kernel"),
+    (1, 2, 64, 512, "_split_kernel"), (2, 2, 64, 512, "sm90_kernel"),
+    (1, 2, 64, 896, "_split_kernel"), (1, 1, 64, 960, "sm90_kernel"),
+    (1, 1, 64, 1024, "sm90_kernel")])
 def test_tiny_launches_route_by_head_blocks(b, s_q, h, extra_topk, kernel):
     """Batch-1/2-sized launches: two head blocks go to the sm_90 kernel, one head block keeps
     the portable output-dim split only up to ``Policy.sm90_tiny_units`` / ``_tiles`` (2 units
@@ -464,11 +464,11 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch, re
     the two differ by at most the extra bf16 rounding of each partial."""
     from sparse_mla.ops.attention import launch as core
     if route == "ws":
-        if not hopper_with_gluon():
+        if not hopper_with_sm90():
             pytest.skip("the warp-specialized kernel is sm_90 only")
         force_tiny_launches(request, False)
     else:
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+        monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     use_policy(request, splits=n_splits)
     made = record_results(monkeypatch, core, "_partials")
     a = decode_case(device, b=2, s_q=2, h=16, bs=53, topk=150, extra=True, extra_topk=70,
@@ -480,7 +480,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch, re
         made.clear()
         outs[dtype] = _run_decode(a, "triton")
         if device == "cuda":
-            assert split_kernel_name() == ("_ws_kernel" if route == "ws" else "_split_kernel")
+            assert split_kernel_name() == ("sm90_kernel" if route == "ws" else "_split_kernel")
         assert last_plan().combined == (route == "portable" or n_splits > 1)
         if last_plan().combined:
             assert made[-1][0].dtype == (dtype if n_splits > 1 else torch.float32)
@@ -493,7 +493,7 @@ def test_split_partials_bf16_by_default(device, route, n_splits, monkeypatch, re
     torch.testing.assert_close(outs[torch.bfloat16][1], outs[torch.float32][1], atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("n_splits", [1, 2, "two launches"])
 def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatch, request):
     """Prefill through the sm_90 kernel with one split (it writes out, lse and max logits
@@ -511,7 +511,7 @@ def test_warp_specialized_prefill_epilogues_match_reference(n_splits, monkeypatc
     a["attn_sink"][:2] = torch.tensor([float("inf"), float("-inf")])
     ro, rm, rl = flash_mla_sparse_fwd(impl="reference", **a)
     o, m, l = flash_mla_sparse_fwd(impl="triton", **a)
-    assert split_kernel_name() == "_ws_kernel" and last_plan().combined == (n_splits > 1)
+    assert split_kernel_name() == "sm90_kernel" and last_plan().combined == (n_splits > 1)
     check_prefill((ro, rm, rl), (o, m, l))
 
 

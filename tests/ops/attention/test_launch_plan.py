@@ -34,7 +34,7 @@ def test_every_route_names_its_kernel_file(route):
     with open(path) as f:
         source = f.read()
     # the file holds the split kernel the route launches
-    kernel = "_ws_kernel" if route.startswith("sm90") else "_split_kernel"
+    kernel = "sm90_kernel" if route.startswith("sm90") else "_split_kernel"
     assert f"def {kernel}(" in source
 
 

@@ -8,7 +8,7 @@ import torch
 
 from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain, gather_dequant,
                                          insert_plain, qnorm_rope_kv_insert_v4, quantize_insert_v32,
-                                         quantize_insert_v4, rope_insert_v4)
+                                         quantize_insert_v4)
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, seeded, storage_bytes,
                                       triton_params)
@@ -80,33 +80,6 @@ def test_fused_v4_matches_reference(device, heads, padded, apply_q_norm):
         res.append((q_out.cpu(), storage_bytes(cache).cpu()))
     assert torch.equal(res[0][0].view(torch.int16), res[1][0].view(torch.int16))
     assert torch.equal(res[0][1], res[1][1])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bs", [61, 64])
-def test_rope_insert_v4_is_the_fused_inserts_kv_half(device, bs):
-    """The kv-only insert (a step whose decode kernel folds q's norm and RoPE) writes the
-    fused insert's cache bytes, on both implementations; graph-padding tokens past the slot
-    mapping and -1 slots write nothing."""
-    g = seeded(bs)
-    n = _n_tokens(device, 1500)
-    nb = n // bs + 2
-    q = _rand((n, 2, 512), g, 0.5)
-    kv = _rand((n, 1024), g)[:, :512]                   # row stride 1024
-    pos = torch.randint(0, 9000, (n,), generator=g)
-    cs = _cos_sin(9000, g)
-    slots = _slots(max(1, n - 2), nb * bs, g)
-    caches = []
-    for impl in ("reference", "triton", "fused"):
-        cache = formats.alloc_paged_cache("v4", nb, bs, fill=POISON, device=device)
-        args = (kv.to(device), cache, slots.to(device), pos.to(device), cs.to(device))
-        if impl == "fused":
-            qnorm_rope_kv_insert_v4(q.to(device), *args, block_size=bs, impl="reference")
-        else:
-            rope_insert_v4(*args, bs, impl)
-        caches.append(storage_bytes(cache).cpu())
-    assert (caches[0] != POISON).any()
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[2])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,8 +4,7 @@ import torch
 
 from sparse_mla.ops.cache_insert import (fused_qnorm_rope_insert_plain,
                                          fused_qnorm_rope_insert_v4, gather_dequant,
-                                         insert_plain, quantize_insert_v32, quantize_insert_v4,
-                                         rope_insert_v4)
+                                         insert_plain, quantize_insert_v32, quantize_insert_v4)
 from sparse_mla.ops.common import formats
 from sparse_mla.tests.helpers import storage_bytes
 
@@ -110,21 +109,6 @@ def test_fused_v4_rejects_bad_input_and_writes_nothing(what, over, exc, msg):
     assert torch.equal(a["q_out"].view(torch.int16), before[1].view(torch.int16))
 
 
-# (its kv sets the token count: the fused op's "kv rows" case is its positions' shape here)
-ROPE_BAD = [b for b in FUSED_BAD if not b[0].startswith(("q", "kv rows"))]
-
-
-@pytest.mark.parametrize("what,over,exc,msg", ROPE_BAD, ids=[b[0] for b in ROPE_BAD])
-def test_rope_insert_v4_rejects_bad_input_and_writes_nothing(what, over, exc, msg):
-    """The kv-only insert checks its arguments as the fused insert does (its kv ones)."""
-    a = _fused_args(**over)
-    before = storage_bytes(a["k_cache"])
-    with pytest.raises(exc, match=msg):
-        rope_insert_v4(a["kv"], a["k_cache"], a["slot_mapping"], a["positions"],
-                       a["cos_sin_cache"])
-    assert torch.equal(storage_bytes(a["k_cache"]), before)
-
-
 PLAIN_CACHE_SHAPE = r"k_cache must have shape \[num_blocks, block_size, 512\]"
 
 
@@ -220,8 +204,6 @@ def test_opcheck_every_op():
     _opcheck(fused_qnorm_rope_insert_v4, (a["q"], a["kv"], a["k_cache"], a["slot_mapping"],
                                           a["positions"], a["cos_sin_cache"], a["q_out"]))
     c32 = formats.alloc_paged_cache("v32", 2, 4, fill=POISON)
-    _opcheck(rope_insert_v4, (a["kv"], a["k_cache"], a["slot_mapping"], a["positions"],
-                              a["cos_sin_cache"]))
     _opcheck(quantize_insert_v32, (k, k[:, :64].contiguous(), c32, torch.tensor([1, 2, 3])))
     c16 = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
     _opcheck(fused_qnorm_rope_insert_plain,

@@ -11,7 +11,7 @@ from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.common.triton_utils import soft_fp8_reason
 from sparse_mla.ops.flashmla_decode import flash_mla_sparse_fwd, flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_gluon,
+from sparse_mla.tests.helpers import (force_tiny_launches, gapped, hopper_with_sm90,
                                       last_plan, naming, requires_cuda, split_kernel_name,
                                       triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import (V32_PREFILL_CLASSES, cache_view,
@@ -69,7 +69,7 @@ GPU_GRID = [  # (b, s_q, h, block sizes main/extra, topk, extra_topk, fmt)
     (4, 2, 128, 64, None, 256, 0, "v32"), (2, 1, 64, 53, 2, 128, 64, "v32"),
     (5, 2, 16, 256, None, 192, 0, "v32")]
 # On sm_90 these GPU_GRID shapes are tiny launches that stay on the portable kernel (one head
-# block, at most WS_TINY's units and tiles); every other one runs the sm_90 kernel
+# block, at most SM90_TINY's units and tiles); every other one runs the sm_90 kernel
 SM90_PORTABLE_CASES = {0, 7}
 CPU_GRID = [(2, 2, 3, 61, 2, 64, 32, "v4"), (1, 1, 16, 2, 53, 32, 0, "v4"),
             (2, 1, 5, 53, 2, 32, 16, "v32")]
@@ -84,14 +84,14 @@ def _grid(device):
 @pytest.mark.parametrize("case", range(len(GPU_GRID)))
 def test_decode_matches_reference(device, route, case, monkeypatch):
     """Every grid shape through the automatic route and, on a GPU, through the portable
-    kernel alone (``SPARSE_MLA_GLUON=0``), asserting which split kernel ran."""
+    kernel alone (``SPARSE_MLA_SM90=0``), asserting which split kernel ran."""
     grid = _grid(device)
     if case >= len(grid):
         pytest.skip(f"the {device} grid has {len(grid)} shapes")
     if route == "portable":
         if device == "cpu":
             pytest.skip("the interpreter runs the portable kernel on the automatic route")
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+        monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     b, s_q, h, bs, ebs, topk, etopk, fmt = grid[case]
     a = decode_case(device, b=b, s_q=s_q, h=h, fmt=fmt, bs=bs, topk=topk, extra=bool(etopk),
                     extra_bs=ebs or 2, extra_topk=etopk or 64, seed=case,
@@ -100,8 +100,8 @@ def test_decode_matches_reference(device, route, case, monkeypatch):
     got = _run_decode(a, "triton")
     assert last_choice("flashmla_sparse_decode").impl == "triton"
     if device == "cuda":
-        sm90 = route == "auto" and hopper_with_gluon() and case not in SM90_PORTABLE_CASES
-        assert split_kernel_name() == ("_ws_kernel" if sm90 else "_split_kernel")
+        sm90 = route == "auto" and hopper_with_sm90() and case not in SM90_PORTABLE_CASES
+        assert split_kernel_name() == ("sm90_kernel" if sm90 else "_split_kernel")
     check_decode(ref, got)
 
 
@@ -111,7 +111,7 @@ def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch, reques
     """After a call, ``last_choice`` says which kernel route ran and why (the launch plan the
     core returned): the sm_90 routes only where the Gluon kernel runs, with the reason for
     the portable kernel otherwise; the plan's kernel is the one that ran."""
-    monkeypatch.setenv("SPARSE_MLA_GLUON", gluon)
+    monkeypatch.setenv("SPARSE_MLA_SM90", gluon)
     force_tiny_launches(request, False)
     cuda = device == "cuda"
     a = decode_case(device, b=3 if cuda else 2, s_q=2 if cuda else 1, h=128 if cuda else 8,
@@ -130,15 +130,15 @@ def test_last_choice_reports_the_kernel_route(device, gluon, monkeypatch, reques
     assert p.soft_e4m3 == (soft or "")
     assert p.label == (f"{p.route}, software e4m3 ({soft})" if soft else p.route)
     assert p.phases and len(p.kernels) == len(p.phases)
-    sm90 = gluon == "1" and hopper_with_gluon()
+    sm90 = gluon == "1" and hopper_with_sm90()
     assert (p.route in ("sm90", "sm90_cluster")) == sm90
     if sm90:    # V4 rows at 128 heads, 12 units of 5 tiles: the 2-CTA cluster
-        assert p.route == "sm90_cluster" and split_kernel_name() == "_ws_kernel"
+        assert p.route == "sm90_cluster" and split_kernel_name() == "sm90_kernel"
     else:
         assert p.route == "portable"
         if cuda:    # (the interpreter compiles nothing)
             assert split_kernel_name() == "_split_kernel"
-        assert ("SPARSE_MLA_GLUON=0" in p.reason) == (gluon == "0")
+        assert ("SPARSE_MLA_SM90=0" in p.reason) == (gluon == "0")
         if device == "cpu":
             assert gluon == "0" or "interpreter" in p.reason
     check_decode(ref, got)
@@ -408,11 +408,11 @@ def test_decode_replays_under_cuda_graph(route, monkeypatch):
     default tiny launch (batch 2); a split launch with its combine (batch 4, h128: the sm_90
     kernel where it runs); the portable kernel forced."""
     if route == "portable":
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+        monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     new, got = captured_replay(*((2, 64) if route == "default" else (4, 128)), "triton")
     if route == "split":    # what the captured launch ran
         assert last_plan().combined
-        assert split_kernel_name() == ("_ws_kernel" if hopper_with_gluon() else "_split_kernel")
+        assert split_kernel_name() == ("sm90_kernel" if hopper_with_sm90() else "_split_kernel")
     elif route == "portable":
         assert split_kernel_name() == "_split_kernel"
     check_decode(_run_decode(new, "reference"), got)

@@ -18,7 +18,7 @@ from sparse_mla.ops.attention import KeySource, sparse_attention_reference
 from sparse_mla.ops.common import checks, formats, quant
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.ops.flashmla_decode import flash_mla_with_kvcache
-from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_gluon,
+from sparse_mla.tests.helpers import (force_tiny_launches, hopper_with_sm90,
                                       split_kernel_name, triton_params)
 from sparse_mla.tests.ops.flashmla_decode.cases import (decode_case, out_of_cache_ids,
                                                         plant)
@@ -125,9 +125,9 @@ def test_triton_matches_reference(device, case, shape, monkeypatch, request):
     got = _run(a, "triton")
     choice = last_choice("flashmla_sparse_decode")
     assert choice.impl == "triton"
-    if device != "cpu" and hopper_with_gluon():
+    if device != "cpu" and hopper_with_sm90():
         if _sm90_decodes(fmt, efmt, pad) and choice.plan.route != "tiny":
-            assert split_kernel_name() == "_ws_kernel"
+            assert split_kernel_name() == "sm90_kernel"
             if h > 64 and b * s_q > 4:      # more than plan.CLUSTER_MIN_UNITS units
                 assert choice.plan.route == "sm90_cluster"
                 assert "2-CTA cluster" in choice.plan.reason
@@ -173,7 +173,7 @@ def test_sm90_decodes_v41_rows_exactly(b, s_q, h, etopk, seed, efmt, monkeypatch
     reference does), with -1 / out-of-cache ids, ids past the lengths, empty rows and ±inf
     sinks. Small launches of the plain rows are kept off the tiny shape, as V4.1 ones are."""
     from sparse_mla.ops.attention import sparse_attention_triton
-    if not hopper_with_gluon():
+    if not hopper_with_sm90():
         pytest.skip("needs the sm_90 Gluon kernel (an H100 / H200 with a Triton it supports)")
     force_tiny_launches(request, False)
     a = decode_case("cuda", b=b, s_q=s_q, h=h, fmt="v41", bs=32, topk=128, extra_bs=64,

@@ -153,7 +153,7 @@ def test_vendor_decode_replays_under_cuda_graph(b, h):
 def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monkeypatch):
     """Decode: FlashMLA, planned on every call, was slower than our kernel on every measured
     shape (lab/perf-log.md, "Vendor decode route"), so the automatic choice takes Triton there and
-    says why; without the sm_90 kernel (``SPARSE_MLA_GLUON=0``) FlashMLA is chosen again. Prefill
+    says why; without the sm_90 kernel (``SPARSE_MLA_SM90=0``) FlashMLA is chosen again. Prefill
     stays FlashMLA's (faster than ours)."""
     from sparse_mla.ops.attention.plan import sm90_enabled
     monkeypatch.delenv("SPARSE_MLA_IMPL", raising=False)
@@ -164,7 +164,7 @@ def test_automatic_decode_passes_flash_mla_over_where_the_sm90_kernel_runs(monke
     assert choice.impl == "triton" and choice.forced_by is None
     assert choice.rejected["vendor"].startswith("passed over automatically")
     assert _explain_decode(a, "vendor").impl == "vendor"
-    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     assert _explain_decode(a).impl == "vendor"
     p = prefill_case("cuda", s_q=4, h=64, s_kv=200, topk=128, seed=0)
     assert explain("flashmla_sparse_prefill", p["q"], p["kv"], p["indices"], None, None, None,

@@ -13,7 +13,7 @@ from sparse_mla.ops.trtllm_decode import reference
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import (INTERPRETING, cuda_params, fake_device,
-                                      force_tiny_launches, gapped, hopper_with_gluon, last_plan,
+                                      force_tiny_launches, gapped, hopper_with_sm90, last_plan,
                                       naming, record_results, seeded, split_kernel_name,
                                       triton_params, use_policy)
 from sparse_mla.tests.ops.trtllm_decode.cases import I32, fill, poisoned_pool
@@ -95,8 +95,8 @@ def test_dsv4_triton_matches_reference(device, H, dtype, tiny, monkeypatch, requ
     x = _batch(H, H, dtype)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, device, "triton")
-    if device == "cuda" and not tiny and hopper_with_gluon():
-        assert split_kernel_name() == "_ws_kernel"
+    if device == "cuda" and not tiny and hopper_with_sm90():
+        assert split_kernel_name() == "sm90_kernel"
     assert torch.isfinite(ref.float()).all()
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
@@ -196,7 +196,7 @@ def test_v32_triton_matches_reference(device, gap):
     torch.testing.assert_close(tri, ref, **TOL)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("H", [16, 64, 128])
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
 def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch, request):
@@ -207,7 +207,7 @@ def test_v32_warp_specialized_kernel_matches_reference(H, dtype, monkeypatch, re
     ran = []
     ref, tri = _v32_outputs("cuda", H, dtype, T=9, K=200, pages=16,
                             check=lambda: ran.append(split_kernel_name()))
-    assert ran == ["_ws_kernel"]
+    assert ran == ["sm90_kernel"]
     torch.testing.assert_close(tri, ref, **TOL)
 
 
@@ -243,22 +243,22 @@ def test_dsv4_fp8_dot_operand_type(launch, monkeypatch, request):
     fp16 too, and converts in one instruction per two bytes; the tiny launch decodes q in the
     kernel, the others before it); the compiled kernel must be that one, and agree with the
     reference."""
-    if launch == "warp-specialized" and not hopper_with_gluon():
+    if launch == "warp-specialized" and not hopper_with_sm90():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if launch != "warp-specialized":
-        monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+        monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     force_tiny_launches(request, launch == "portable-tiny")
     x = _batch(31, 128, E4M3)
     ref = _run(x, "cpu", "reference")
     tri = _run(x, "cuda", "triton")
-    assert split_kernel_name() == ("_ws_kernel" if launch == "warp-specialized"
+    assert split_kernel_name() == ("sm90_kernel" if launch == "warp-specialized"
                                    else "_split_kernel")
     ptx = last_plan().kernel.asm["ptx"]
     assert "f32.f16.f16" in ptx and "f32.bf16.bf16" not in ptx
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
-@pytest.mark.skipif(not hopper_with_gluon(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.skipif(not hopper_with_sm90(), reason="the warp-specialized kernel is sm_90 only")
 @pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
 def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch, request):
     """One split per token: the sm_90 kernel applies the sink and bmm2 scale (a device
@@ -269,7 +269,7 @@ def test_dsv4_single_split_epilogue_matches_reference(dtype, monkeypatch, reques
     t1, t2 = torch.tensor([0.03]), torch.tensor([0.6])
     ref = _run_scales(x, "cpu", "reference", t1, t2)
     tri = _run_scales(x, "cuda", "triton", t1.cuda(), t2.cuda()).cpu()
-    assert split_kernel_name() == "_ws_kernel" and last_plan().combined is False
+    assert split_kernel_name() == "sm90_kernel" and last_plan().combined is False
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
@@ -365,7 +365,7 @@ def test_low_shared_memory_launch_matches_reference(device, dtype, monkeypatch, 
     stage and plain bf16 rows loaded 64 dims at a time (``Policy.low_shared``); the
     same inputs give the reference's outputs through that shape too (512- and 576-wide
     rows)."""
-    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    monkeypatch.setenv("SPARSE_MLA_SM90", "0")
     fake_device(monkeypatch, shared=99 * 1024)
     force_tiny_launches(request, False)
     test_dsv4_triton_matches_reference(device, 16, dtype, False, monkeypatch, request)

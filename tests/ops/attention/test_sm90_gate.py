@@ -50,6 +50,21 @@ def test_cpu_tensors_are_not_routed_to_the_sm90_kernel(monkeypatch):
     facts = plan.DeviceFacts(capability=(9, 0), triton="3.6.0")
     ok, why = plan.sm90_route(torch.zeros(1, 1, 512), "v4", [], facts=facts)
     assert not ok and "cpu" in why
+@pytest.mark.parametrize("new,old,want", [(None, "0", "SPARSE_MLA_GLUON=0"),
+                                          (None, "1", None), ("1", "0", None),
+                                          ("0", "1", "SPARSE_MLA_SM90=0")])
+def test_the_old_switch_name_is_read_where_the_new_one_is_unset(new, old, want, monkeypatch):
+    """``SPARSE_MLA_GLUON`` (the switch's old name) still turns the kernel off, unless
+    ``SPARSE_MLA_SM90`` is set: then that one decides."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("SPARSE_MLA_SOFT_FP8", raising=False)
+    monkeypatch.setattr(plan, "sm90_triton_supported", lambda *a: True)
+    if new is None:
+        monkeypatch.delenv("SPARSE_MLA_SM90", raising=False)
+    else:
+        monkeypatch.setenv("SPARSE_MLA_SM90", new)
+    monkeypatch.setenv("SPARSE_MLA_GLUON", old)
+    assert plan.sm90_disabled_reason() == want
 
 
 def _sm90():

@@ -1,6 +1,8 @@
 """The Gluon kernel's process-wide compile hook: importing the kernel module must leave every
 other Triton compile in the process working and unchanged, on every tested release (3.7+
 call the hook with no arguments for a cache key; 3.6 never does)."""
+import re
+
 import pytest
 import triton
 import triton.language as tl
@@ -27,8 +29,10 @@ def _compile_plain():
 
 
 def _ptx_body(kernel):
-    return "\n".join(line for line in kernel.asm["ptx"].splitlines()
-                     if not line.startswith("//"))
+    # without comments and file names: a build taken from Triton's cache may name the test file
+    # under an earlier name (the cache key is the source, not its path)
+    lines = (re.sub(r"\s*//.*", "", line) for line in kernel.asm["ptx"].splitlines())
+    return "\n".join(line for line in lines if line and not line.lstrip().startswith(".file"))
 
 
 def test_the_hook_answers_the_cache_key_call():
@@ -63,7 +67,7 @@ def test_install_chains_a_hook_found_before_and_only_once(monkeypatch):
 
 def test_other_kernels_compile_unchanged_after_the_import(monkeypatch):
     """A plain Triton kernel compiled for sm_90a with the hook installed has the same PTX as
-    without any hook (the hook edits ``_ws_kernel`` builds only)."""
+    without any hook (the hook edits ``sm90_kernel`` builds only)."""
     from triton import knobs
 
     from sparse_mla.ops.attention.sm90 import kernel  # noqa: F401
