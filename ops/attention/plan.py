@@ -297,7 +297,7 @@ def cluster_pays(fmt, units, tiles, sms, policy: Policy = DEFAULT):
     every tile for both): not in tiny launches (slower there: "Two-launch schedule and 2-CTA
     clusters"), nor for V4 rows in one wave of fewer than ``cluster_v4_min_tiles`` tiles a
     token."""
-    if not policy.clusters or units <= policy.small_units:
+    if not policy.clusters or units <= policy.cluster_min_units:
         return False
     return not (fmt == "v4" and units <= sms and tiles < policy.cluster_v4_min_tiles)
 

@@ -90,6 +90,8 @@ class Policy:
     fewer tiles a token run one CTA a head block, not clusters (C128A's 192 keys at batch 64:
     1.024 / 1.038x faster on H200 / H100, lab/perf-history.md "Issue 55").
 
+    ``cluster_min_units``: launches of at most this many units run one CTA a head block
+    (clusters were slower there: "Two-launch schedule and 2-CTA clusters").
     ``clusters`` / ``persistent``: whether the sm_90 kernel may run a token's two head blocks
     as a 2-CTA cluster (V4, V3.2 and V4.1 rows at 65-128 heads) and persistent programs (V4
     rows staged; V4.1 and V3.2 rows in clusters). Both won everywhere they apply (1.03-1.06x,
@@ -113,6 +115,7 @@ class Policy:
                         tiny=True)
     low_shared: Shape = Shape(num_stages=1, num_stages_v32=1, tiled_bf16=True)
     small_units: int = 8
+    cluster_min_units: int = 8
     sm90: Sm90 = Sm90()
     sm90_split_overhead: int = 5
     sm90_tiny_units: int = 2

@@ -113,14 +113,15 @@ def planned(arch):
     (launch configs as ``plan.launch_config`` gives them, head blocks at 128 and 8 heads)."""
     with _on_arch(arch) as dev:
         q = types.SimpleNamespace(device=dev, dtype=torch.bfloat16)
-        shared = plan.shared_budget(dev)
+        shared = plan.SHARED_PER_BLOCK[_cap(arch)]
+        facts = plan.DeviceFacts(capability=_cap(arch), shared=shared)
         return dict(
             soft=triton_utils.soft_fp8(dev), soft_route=plan.soft_e4m3(q, "v4"),
             pdl=triton_utils.pdl_supported(dev), shared=shared,
             general=plan.launch_config(64, 2, 64, shared=shared),
             tiny=plan.launch_config(1, 1, 2, shared=shared),
-            hb=plan.head_block(128, False, dev, "v4"),
-            hb_tiny=plan.head_block(8, True, dev, "v4"))
+            hb=plan.head_block(128, False, facts, "v4"),
+            hb_tiny=plan.head_block(8, True, facts, "v4"))
 
 
 def _attention_variants(arch):
@@ -132,18 +133,17 @@ def _attention_variants(arch):
     def split(name, fmt, cfg, hb, q="*bf16", q_fp8=False, f16=False, d576=False, fmt1=None):
         g = cfg
         code = launch.FMT_CODES[fmt]
-        if fmt == "plain_bf16" and g["tiled_bf16"]:
+        if fmt == "plain_bf16" and g.tiled_bf16:
             code = launch.FMT_PLAIN_BF16_TILED
         cache = "*bf16" if fmt == "plain_bf16" else "*u8"
         cx = dict(FMT=code, HAS_L0=True, HAS_L1=True, HAS_SRC1=True, Q_FP8=q_fp8, HB=hb,
-                  BN=g["block_n"], D576=d576, TRACK_MAX=True, PREFETCH=g["prefetch"],
-                  DV=g["dv"], N_UNITS=2 * g["dv"], SCALE64=fmt == "v4", SCALE_T=False,
-                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g["tiny"], SOFT=p["soft"],
+                  BN=g.block_n, D576=d576, TRACK_MAX=True, PREFETCH=True,
+                  DV=g.dv, N_UNITS=2 * g.dv, SCALE64=fmt == "v4", SCALE_T=False,
+                  DOT_F32=False, PDL=p["pdl"], F16=f16, ONE_TILE=g.tiny, SOFT=p["soft"],
                   FMT1=-1 if fmt1 is None else launch.FMT_CODES[fmt1])
         pointers = dict(ptr, q_ptr=q, c0_ptr=cache, c1_ptr=cache)
-        stages = g["num_stages_v32"] if fmt == "v32" else g["num_stages"]
         out[name] = (PORTABLE, "_split_kernel", cx, pointers, {"scale2"},
-                     dict(num_warps=g["num_warps"] // g["dv"], num_stages=stages))
+                     dict(num_warps=g.num_warps // g.dv, num_stages=g.stages(fmt)))
 
     gen, tiny = p["general"], p["tiny"]
     split("split_v4", "v4", gen, p["hb"])
@@ -152,7 +152,7 @@ def _attention_variants(arch):
     split("split_plain_fp8_576", "plain_fp8", gen, p["hb"], d576=True)
     # e4m3 q over plain e4m3 rows: converted to fp16 by the launcher, fp16 dots
     split("split_plain_fp8_f16", "plain_fp8", gen, p["hb"], q="*fp16",
-          f16=launch.FP16_FOR_E4M3)
+          f16=True)
     # V4.1 records (docs/semantics.md §12): 528 B rows, and 528 B main + 288 B extra rows
     split("split_v41", "v41", gen, p["hb"])
     split("split_v41_v41fp4", "v41", plan.record_config(gen, ("v41", "v41_fp4"), p["shared"]),

@@ -304,7 +304,7 @@ EXTREME_SCALES = [0, 1, 2, 3, 6, 7, 8, 9, 10, 100, 117, 118, 119, 120, 126, 127,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("route", ["ws_staged", "ws_registers", "portable"])
+@pytest.mark.parametrize("route", ["sm90_staged", "sm90_registers", "portable"])
 def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch, request):
     """With q = 0 and one usable key, the output is that key's dequantized row bit for bit
     (p = 1), so every finite e4m3 value times every scale 2^(s - 127) must round to bf16
@@ -314,7 +314,7 @@ def test_v4_extreme_scale_bytes_dequantize_exactly(device, route, monkeypatch, r
     a finite mean of the token's two rows). Each route's own
     dequantization: the sm_90 kernel's staged and register producers (bf16x2 multiply) and
     the portable kernel (fp32 multiply)."""
-    ws = route.startswith("ws")
+    ws = route.startswith("sm90")
     if ws and not hopper_with_sm90():
         pytest.skip("the warp-specialized kernel is sm_90 only")
     if ws:
