@@ -117,6 +117,30 @@ def soft_columns(case, a, tp, to, ours):
             f"{float((soft[0].float() - ours[0].float()).abs().max()):.2e}")
 
 
+E4M3_COLUMNS = ("e4m3-q µs", "e4m3/bf16", "max |e4m3-bf16|")
+
+
+def e4m3_q_inputs(a):
+    """``a`` with q as e4m3 and one fp32 scale for the tensor (amax / 448), as an fp8 q
+    projection hands it over."""
+    q = a["q"].float()
+    scale = (q.abs().amax() / 448).clamp(min=2 ** -20).reshape(1)
+    return dict(a, q=(q / scale).to(torch.float8_e4m3fn), q_scale=scale)
+
+
+def e4m3_columns(case, a, to, ours):
+    """``--q-e4m3``'s cells for ``case``: ours with the same q as e4m3 (half the q bytes),
+    its time over the bf16-q time ``to`` and its largest difference from the bf16-q outputs
+    ``ours`` (the q quantization's); "n/a*" for prefill (bf16 q only)."""
+    if "prefill" in case.op:
+        return ("n/a*",) * len(E4M3_COLUMNS)
+    a8 = e4m3_q_inputs(a)
+    t8, _ = _time(lambda: case.run(a8, "triton"))
+    out = case.run(a8, "triton")
+    return (f"{t8 * 1e6:.1f}", f"{t8 / to:.2f}",
+            f"{float((out[0].float() - ours[0].float()).abs().max()):.2e}")
+
+
 def _time(fn):
     t = harness.time_graph(fn)
     return (t, "graph") if t is not None else (harness.time_fn(fn, "cuda"), "eager")
@@ -141,6 +165,8 @@ def main(argv=None):
     p.add_argument("--decode", action="store_true", help="decode rows only (no prefill)")
     p.add_argument("--soft", action="store_true",
                    help="also time the software e4m3 route (SPARSE_MLA_SOFT_FP8=1)")
+    p.add_argument("--q-e4m3", action="store_true",
+                   help="also time decode with the same q as e4m3 (per-tensor scale)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -156,6 +182,8 @@ def main(argv=None):
             "ours TFLOP/s", "ours GB/s", "% mm", "% copy", "max |diff|")
     if args.soft:
         head += SOFT_COLUMNS
+    if args.q_e4m3:
+        head += E4M3_COLUMNS
     rows, soft_skipped = [], {}
     for case in bench.cases("cuda", False):
         if args.quick and ("prefill" in case.op or not any(f"b={b} " in case.shape
@@ -202,6 +230,10 @@ def main(argv=None):
             rows[-1] += soft_columns(case, a, tp, to, ours)
             if soft_skip_reason(case) is not None:
                 soft_skipped[case.op] = soft_skip_reason(case)
+        if args.q_e4m3:
+            rows[-1] += e4m3_columns(case, a, to, ours)
+            if "prefill" in case.op:
+                soft_skipped[case.op] = "the prefill op takes a bf16 q"
         print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:

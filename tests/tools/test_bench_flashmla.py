@@ -88,3 +88,32 @@ def test_the_footnote_names_why_prefill_soft_is_na(monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "n/a*" in table
     assert "* n/a (flashmla_sparse_prefill): prefill reads a bf16 kv" in table
+
+
+def test_e4m3_q_inputs_stand_for_the_same_q():
+    """--q-e4m3 hands the op an e4m3 q whose values times its scale are the bf16 q's within
+    e4m3's rounding (3 mantissa bits)."""
+    import torch
+    q = torch.randn(2, 1, 8, 512).to(torch.bfloat16)
+    a8 = bench_flashmla.e4m3_q_inputs({"q": q, "k_cache": None})
+    assert a8["q"].dtype == torch.float8_e4m3fn and a8["q_scale"].shape == (1,)
+    back = a8["q"].float() * a8["q_scale"]
+    torch.testing.assert_close(back, q.float(), rtol=2 ** -3, atol=a8["q_scale"].item() * 2 ** -9)
+    assert a8["k_cache"] is None                  # the rest of the inputs as they were
+
+
+def test_e4m3_columns_are_na_on_prefill_rows():
+    case = _Case("flashmla_sparse_prefill", run=lambda a, impl: pytest.fail("ran prefill e4m3"))
+    assert bench_flashmla.e4m3_columns(case, {}, 1.0, None) == ("n/a*",) * 3
+
+
+def test_e4m3_columns_time_and_compare_decode_rows(monkeypatch):
+    import torch
+    monkeypatch.setattr(bench_flashmla, "_time", lambda fn: (fn() and 2e-6, "graph"))
+    seen = []
+    case = _Case("flashmla_sparse_decode",
+                 run=lambda a, impl: seen.append(a["q"].dtype) or (a["q"].float()[..., :4],))
+    q = torch.ones(1, 1, 2, 8, dtype=torch.bfloat16)
+    cells = bench_flashmla.e4m3_columns(case, {"q": q}, 1e-6, (torch.zeros(1, 1, 2, 4),))
+    assert seen and set(seen) == {torch.float8_e4m3fn}
+    assert cells[0] == "2.0" and cells[1] == "2.00" and float(cells[2]) > 0
