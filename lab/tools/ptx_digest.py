@@ -98,13 +98,20 @@ def _compile(fn, constexprs, pointers, floats, arch, options, source_cls=None):
         if not p.is_constexpr and p.has_default and p.default is None \
                 and p.name not in pointers:
             constexprs[p.name] = None
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats
-                                                                else "i32")
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in pointers or n in DIVISIBLE}
-    src = (source_cls or ASTSource)(
-        fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    try:    # a tree with argument records (ops/attention/records.py)
+        from sparse_mla.ops.attention import records
+    except ModuleNotFoundError:
+        records = None
+    if records is not None:
+        sig, by_path, attrs = records.signature(fn, constexprs, pointers, floats, DIVISIBLE)
+    else:   # an older tree: loose arguments only
+        sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats
+                                                                    else "i32")
+               for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n in pointers or n in DIVISIBLE}
+        by_path = {(names.index(k),): v for k, v in constexprs.items()}
+    src = (source_cls or ASTSource)(fn, sig, constexprs=by_path, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 

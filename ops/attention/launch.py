@@ -31,6 +31,7 @@ import triton
 from sparse_mla.ops.attention import plan
 from sparse_mla.ops.attention import fmt_codes
 from sparse_mla.ops.attention import portable as kernels_mod
+from sparse_mla.ops.attention import records
 from sparse_mla.ops.attention.policy import DEFAULT
 from sparse_mla.ops.attention.reference import head_dims
 from sparse_mla.ops.common import formats
@@ -65,17 +66,12 @@ def _launch_sm90(g, grid, q, args0, src0, i0, k0, len0, args1, src1, i1, k1, len
     ``n_tok``: the launch's tokens where its programs are persistent
     (``plan.persist_programs``: the grid then has fewer programs than units), else None."""
     from sparse_mla.ops.attention.sm90 import tuning
-    lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (part_ml, 0, 0)
-    mx_args = ((max_logits, max_logits.stride(0), max_logits.stride(1))
-               if max_logits is not None else (part_ml, 0, 0))
     args = (
-        q, q.stride(0), q.stride(1), q.shape[1],
-        *args0, src0.block_size, src0.capacity, i0, i0.stride(0), k0, *len0,
-        *args1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-        i1.stride(0), k1, *len1,
-        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits, t0,
-        out, out.stride(0), out.stride(1), *lse_args, *mx_args,
-        sink if sink is not None else part_ml, *_scalar_arg(out_scale, 1.0, part_ml))
+        records.query(q, q.shape[1]), records.source(args0, src0, i0, k0, len0),
+        records.source(args1, src1, i1, k1, len1), _scalar_arg(scale, LOG2E, part_ml),
+        (part_o, part_ml), n_splits, t0, records.rows(out, part_ml),
+        records.rows(lse, part_ml), records.rows(max_logits, part_ml),
+        sink if sink is not None else part_ml, _scalar_arg(out_scale, 1.0, part_ml))
     fmt = FMT_CODES[src0.fmt]
     if src0.fmt == "v41" and src1 is not None and src1.fmt != src0.fmt:
         fmt = FMT_V41_EXTRA[src1.fmt]
@@ -219,12 +215,10 @@ def execute(p, q, sources, sink, scale, out, lse=None, out_scale=1.0, max_logits
         q, q_fp8 = q.to(p.q_cast), False
     qq = q.view(torch.uint8) if q_fp8 else q
     kernels.append(kernels_mod._split_kernel[(T * n_hb * dvs, n_splits)](
-        qq, q.stride(0), q.stride(1), H,
-        c0, c0s0, c0s1, src0.block_size, src0.capacity, i0, i0.stride(0), k0,
-        *_length_args(src0, dummy),
-        c1, c1s0, c1s1, src1.block_size if src1 else 1, src1.capacity if src1 else 0, i1,
-        i1.stride(0), k1, *_length_args(src1, dummy),
-        *_scalar_arg(scale, LOG2E, part_ml), part_o, part_ml, n_splits,
+        records.query(qq, H), records.source((c0, c0s0, c0s1), src0, i0, k0,
+                                             _length_args(src0, dummy)),
+        records.source((c1, c1s0, c1s1), src1, i1, k1, _length_args(src1, dummy)),
+        _scalar_arg(scale, LOG2E, part_ml), (part_o, part_ml), n_splits,
         FMT=(FMT_PLAIN_BF16_TILED if src0.fmt == "plain_bf16" and cfg.tiled_bf16
              else FMT_CODES[src0.fmt]), FMT1=fmt1,
         HAS_L0=src0.lengths is not None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparse_mla.ops.attention import records
 from sparse_mla.ops.attention.fmt_codes import (PLAIN_BF16, PLAIN_FP8, SAME_AS_FMT, V4, V32, V41,
                                                 V41_FP4, V41_FP4_INLINE, V41_INLINE)
 from sparse_mla.ops.common.triton_utils import (e2m1_value, e4m3_decode, grid_launch_dependents,
@@ -375,18 +376,22 @@ def _mixed_step(first, cache, s0, s1, bs, cap, idx, q_lo, q_hi, q_rope, dv, scal
                         DOT_F32, F16, SOFT)
 
 
+@records.takes_records
 @triton.jit
 def _split_kernel(
-        q_ptr, q_s0, q_s1, H,
-        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
-        scale2, scale_ptr, part_o, part_ml, n_splits,
+        q, src0, src1, scale, part, n_splits,
         FMT: tl.constexpr, HAS_L0: tl.constexpr, HAS_L1: tl.constexpr,
         HAS_SRC1: tl.constexpr, Q_FP8: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
         D576: tl.constexpr, TRACK_MAX: tl.constexpr, PREFETCH: tl.constexpr,
         DV: tl.constexpr, N_UNITS: tl.constexpr, SCALE64: tl.constexpr,
         SCALE_T: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr,
         ONE_TILE: tl.constexpr, SOFT: tl.constexpr = False, FMT1: tl.constexpr = -1):
+    # the records (ops/attention/records.py: RECORDS names their fields)
+    q_ptr, q_s0, q_s1, H = q
+    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag = src0
+    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag = src1
+    scale2, scale_ptr = scale
+    part_o, part_ml = part
     if PDL:     # launched early: wait for the kernel before (it wrote q / lengths / indices);
         grid_wait()     # the combine kernel may then be launched, it waits for this grid
         grid_launch_dependents()

@@ -33,7 +33,7 @@ import pytest
 import torch
 import triton
 
-from sparse_mla.ops.attention import launch, plan
+from sparse_mla.ops.attention import launch, plan, records
 from sparse_mla.ops.common import formats, triton_utils
 
 # Shared memory one block may use, by arch (the CUDA programming guide's opt-in maxima)
@@ -380,14 +380,13 @@ def compile_variant(spec, arch):
             if not p.is_constexpr and p.has_default and p.default is None \
                     and p.name not in pointers:
                 cx[p.name] = None
-        sig = {n: "constexpr" if n in cx else pointers.get(
-            n, "*i32" if n.endswith("_ptr") else "fp32" if n in floats else "i32")
-               for n in names}
-        # pointers 16-byte aligned, as torch allocates them and Triton specializes for
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if sig[n].startswith("*")}
-        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cx.items()},
-                        attrs=attrs)
+        # record parameters (ops/attention/records.py) are typed field by field; pointers
+        # 16-byte aligned, as torch allocates them and Triton specializes for
+        fields = [f for n in names if n not in cx for f in getattr(fn, "records", {}).get(n, (n,))]
+        ptrs = {f: pointers.get(f, "*i32") for f in fields
+                if f in pointers or f.endswith("_ptr")}
+        sig, by_path, attrs = records.signature(fn, cx, ptrs, floats)
+        src = ASTSource(fn, sig, constexprs=by_path, attrs=attrs)
         compiled, log = _compile_with_ptxas_log(src, arch, options)
         return compiled.metadata.shared, spill_bytes(log), None
     except Exception as exc:   # reported per variant by the test

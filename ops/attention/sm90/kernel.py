@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from sparse_mla.ops.attention import records
 from sparse_mla.ops.attention.fmt_codes import PLAIN_FP8, V32, V4, V41_FIRST
 from sparse_mla.ops.attention.portable import key_run
 from sparse_mla.ops.attention.sm90 import hooks, persist
@@ -67,14 +68,11 @@ LOG2E = gl.constexpr(1.4426950408889634)
 hooks.install()
 
 
+@records.takes_records
 @gluon.jit
 def sm90_kernel(
-        q_ptr, q_s0, q_s1, H,
-        c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag,
-        c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag,
-        scale2, scale_ptr, part_o, part_ml, n_splits, t0,
-        out_ptr, out_s0, out_s1, lse_ptr, lse_s0, lse_s1, mx_ptr, mx_s0, mx_s1, sink_ptr,
-        out_scale, out_scale_ptr, FMT: gl.constexpr,
+        q, src0, src1, scale, part, n_splits, t0, out, lse, mx, sink_ptr, out_scale,
+        FMT: gl.constexpr,
         HAS_L0: gl.constexpr, HAS_L1: gl.constexpr, HAS_SRC1: gl.constexpr,
         BN: gl.constexpr, STAGES: gl.constexpr, TRACK_MAX: gl.constexpr,
         N_UNITS: gl.constexpr, SCALE_T: gl.constexpr, P_WARPS: gl.constexpr,
@@ -84,6 +82,16 @@ def sm90_kernel(
         SUB: gl.constexpr, STAGED: gl.constexpr, CLUSTER: gl.constexpr,
         num_warps: gl.constexpr, RANK_VIEWS: gl.constexpr = False,
         n_tok=None, PERSIST: gl.constexpr = 0):
+    # the records (ops/attention/records.py: RECORDS names their fields)
+    q_ptr, q_s0, q_s1, H = q
+    c0_ptr, c0_s0, c0_s1, c0_bs, c0_cap, i0_ptr, i0_s0, K0, l0_ptr, l0_div, l0_off, l0_lag = src0
+    c1_ptr, c1_s0, c1_s1, c1_bs, c1_cap, i1_ptr, i1_s0, K1, l1_ptr, l1_div, l1_off, l1_lag = src1
+    scale2, scale_ptr = scale
+    part_o, part_ml = part
+    out_ptr, out_s0, out_s1 = out
+    lse_ptr, lse_s0, lse_s1 = lse
+    mx_ptr, mx_s0, mx_s1 = mx
+    out_scale, out_scale_ptr = out_scale
     # RANK_VIEWS: the V4 cluster producer's stores indexed by rank at run time (compat, 3.7)
     # PERSIST (``persist``): each program (cluster) runs tokens tp, tp + G, ... < n_tok of
     # the launch (G programs a head block; at most PERSIST tokens each), one split each, its

@@ -10,7 +10,7 @@ digests their PTX).
 
 The constexprs come from ``tuning.launch_constexprs``, the function the launch itself uses;
 pointer and stride arguments are marked 16-byte divisible as the JIT marks the production
-ones.
+ones; records (``ops/attention/records.py``) are typed field by field.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 from sparse_mla.ops.attention import fmt_codes as fc
+from sparse_mla.ops.attention import records
 
 # (fmt code (ops/attention/fmt_codes.py), q fp8, d576, staged, cluster, f16, final): the
 # variants run() can pick
@@ -112,12 +113,8 @@ def compile_variant(name):
         if not p.is_constexpr and p.has_default and p.default is None \
                 and p.name not in pointers and not (p.name == "n_tok" and cx["PERSIST"]):
             cx[p.name] = None
-    sig = {n: "constexpr" if n in cx else pointers.get(n, "fp32" if n in _FLOATS else "i32")
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in pointers or n in _DIVISIBLE}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): val for k, val in cx.items()},
-                         attrs=attrs)
+    sig, by_path, attrs = records.signature(fn, cx, pointers, _FLOATS, _DIVISIBLE)
+    src = GluonASTSource(fn, sig, constexprs=by_path, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_ctas": 1})
 
