@@ -20,7 +20,6 @@ planner class (``CONFIG``, ``PLANNER``): ``backends/v4/base.py``, ``backends/v32
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -110,7 +109,7 @@ class Backend:
         """The step's shared index lists (token → request, and the model's own). Call once per
         step for all layers sharing this planner, then ``forward(..., planned=True)`` per
         layer; ``forward`` / ``attend`` without ``planned`` plan by themselves."""
-        with _ops_run(self.OPS) as ran:
+        with dispatch.recording(self.OPS) as ran:
             self.planner.plan(batch, num_tokens)
         self.planner.choices = ran
 
@@ -151,7 +150,7 @@ class Backend:
 
     # -- the step runner --------------------------------------------------------------------
     def _run_write(self, q, kv, caches, batch, cos_sin_cache, compressed_kv) -> Tensor:
-        with _ops_run(self.OPS) as ran:
+        with dispatch.recording(self.OPS) as ran:
             q_att = self._write(q, kv, caches, batch, cos_sin_cache, compressed_kv)
         self._choices = ran
         return q_att
@@ -159,7 +158,7 @@ class Backend:
     def _run_attention(self, q, caches, batch, attn_sink, out, planned) -> None:
         if not planned:
             self.plan(batch, q.shape[0])
-        with _ops_run(self.OPS) as ran:
+        with dispatch.recording(self.OPS) as ran:
             self._attend(q, caches, batch, attn_sink, out)
         # Rows past the real tokens (graph padding) come out as zeros, never stale data.
         if out.shape[0] > batch.num_tokens:
@@ -192,18 +191,3 @@ class Backend:
 
     def _attend(self, q, caches, batch, attn_sink, out) -> None:
         raise NotImplementedError
-
-
-@contextlib.contextmanager
-def _ops_run(ops):
-    """Collects the ``dispatch.Choice`` of every op in ``ops`` that ran inside the block (a
-    call records a new Choice object, so one that is not the object seen before ran)."""
-    before = {op: dispatch.last_choice(op) for op in ops}
-    ran: Dict[str, dispatch.Choice] = {}
-    try:
-        yield ran
-    finally:
-        for op in ops:
-            c = dispatch.last_choice(op)
-            if c is not None and c is not before[op]:
-                ran[op] = c

@@ -68,6 +68,8 @@ class StepPlanner:
         # row ids of q, and request ids of a chunk (V3.2's workspace starts)
         self.token_ids = torch.arange(max(T, R), dtype=I32, device=device)
         self.token_to_req = torch.zeros(T, dtype=I32, device=device)
+        # this step's op plans (``flashmla_decode.decode_with_plans``), emptied by ``plan``
+        self.op_plans: dict = {}
 
     @classmethod
     def plan_key(cls, cfg) -> tuple:
@@ -80,6 +82,7 @@ class StepPlanner:
 
     def plan(self, batch: BatchDescription, T: int) -> None:
         """Everything a step's layers share; ``T``: rows of q (padding included)."""
+        self.op_plans.clear()
         self.token_requests(batch, T)
 
     def token_requests(self, batch: BatchDescription, T: int) -> None:

@@ -91,8 +91,9 @@ class V32FlashMLABackend(V32Backend):
 
     def _decode(self, q, caches, t0, t1, out):
         cfg = self.config
-        fd.flashmla_sparse_decode(
-            q[t0:t1].unsqueeze(1), caches["kv"], self.planner.slots[t0:t1].unsqueeze(1),
+        fd.decode_with_plans(
+            self.planner.op_plans, q[t0:t1].unsqueeze(1), caches["kv"],
+            self.planner.slots[t0:t1].unsqueeze(1),
             out[t0:t1].unsqueeze(1), self.lse[t0:t1], softmax_scale=cfg.softmax_scale,
             kv_format="v32", block_size=cfg.block_size, impl=self.attention_impl)
 

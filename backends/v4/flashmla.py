@@ -1,6 +1,7 @@
 """DeepSeek-V4 attention over caches in FlashMLA's 584 B layout (docs/semantics.md §2.2, §5.4).
 
-Decode rows: one ``flashmla_sparse_decode`` — the SWA window as the main list, the compressed
+Decode rows: one ``flashmla_sparse_decode`` (planned by a step's first layer, run by the
+others: ``decode_with_plans``) — the SWA window as the main list, the compressed
 list (C4A: the indexer's top-k as global slots; C128A: every completed entry) as the extra
 list; every decode token (MTP included) is its own batch row, as vLLM runs it. Prefill rows:
 requests in chunks that fit a bounded bf16 workspace; per chunk, ``gather_dequant`` of the
@@ -89,8 +90,8 @@ class FlashMLABackend(V4Backend):
                          extra_topk_length=p.compressed_lens[:Td],
                          extra_block_size=cfg.compressed_block_size,
                          extra_kv_format=self.records["compressed"].name)
-        fd.flashmla_sparse_decode(
-            q_rot[:Td].unsqueeze(1), caches["swa"], p.swa_indices[:Td].unsqueeze(1),
+        fd.decode_with_plans(
+            p.op_plans, q_rot[:Td].unsqueeze(1), caches["swa"], p.swa_indices[:Td].unsqueeze(1),
             out[:Td].unsqueeze(1), self.decode_lse[:Td], topk_length=p.swa_lens[:Td],
             attn_sink=attn_sink, softmax_scale=cfg.softmax_scale,
             kv_format=self.records["swa"].name, block_size=cfg.swa_block_size,

@@ -20,9 +20,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from sparse_mla.backends.common.base import Backend, _ops_run
+from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.ops.common import checks
+from sparse_mla.ops.common import checks, dispatch
 from sparse_mla.ops.common.dispatch import canonical_device
 from sparse_mla.ops.indexer import format as fmt
 from sparse_mla.ops.indexer import indexer_k_insert, indexer_topk_decode, indexer_topk_prefill
@@ -141,7 +141,7 @@ class IndexerStep:
         """Insert this step's keys, then every row's top-k: a view ``[rows, topk]`` of the
         persistent buffer (decode tokens, prefill tokens, then -1 rows for graph padding)."""
         out = self.topk[:rows]
-        with _ops_run(self.OPS) as ran:
+        with dispatch.recording(self.OPS) as ran:
             if ix.k is not None:
                 indexer_k_insert(ix.k, ix.k_cache, slots, self.block_size, impl=self.impl)
             out[batch.num_tokens:].fill_(-1)

@@ -53,6 +53,7 @@ class IndexPlanner(StepPlanner):
     def plan(self, batch: BatchDescription, T: int) -> None:
         """Everything a step's layers of this kind share; ``T``: rows of q (padding included)."""
         Td, Tp = batch.num_decode_tokens, batch.num_prefill_tokens
+        self.op_plans.clear()
         self.token_requests(batch, T)
         torch.ge(batch.swa_slot_mapping, 0, out=self.is_valid[:T])
         if Td:

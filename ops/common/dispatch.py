@@ -34,6 +34,7 @@ canary.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -308,7 +309,7 @@ class Dispatcher:
         _LAST.plan = None
         result = _call_on(cuda_device_of(args, kwargs), fn, args, kwargs)
         if _LAST.plan is not None:
-            _LAST.choices[self.op] = dataclasses.replace(choice, plan=_LAST.plan)
+            record_choice(dataclasses.replace(choice, plan=_LAST.plan))
         return result
 
 
@@ -435,6 +436,24 @@ def record_choice(choice: Choice) -> None:
     if not hasattr(_LAST, "choices"):
         _LAST.choices = {}
     _LAST.choices[choice.op] = choice
+    for ops, ran in getattr(_LAST, "recorders", ()):
+        if choice.op in ops:
+            ran[choice.op] = choice
+
+
+@contextlib.contextmanager
+def recording(ops):
+    """Collects, into the dict it yields, the ``Choice`` of every op in ``ops`` called on this
+    thread inside the block (the last call's where an op runs several times): what a backend
+    step ran, layer by layer, even where every layer runs the same planned choice."""
+    ran: dict = {}
+    if not hasattr(_LAST, "recorders"):
+        _LAST.recorders = []
+    _LAST.recorders.append((frozenset(_op_name(op) for op in ops), ran))
+    try:
+        yield ran
+    finally:
+        _LAST.recorders.pop()     # blocks nest: this block's is the last
 
 
 def record_plan(plan) -> None:

@@ -9,6 +9,7 @@ from sparse_mla.ops.flashmla_decode.ops import (  # noqa: F401
 from sparse_mla.ops.flashmla_decode.planned import (  # noqa: F401
     DecodePlan,
     PrefillPlan,
+    decode_with_plans,
     plan_decode,
     plan_prefill,
     run_decode,

@@ -98,6 +98,37 @@ def run_decode(plan: DecodePlan, q, k_cache, indices, *, topk_length=None, attn_
     return out, lse
 
 
+def decode_with_plans(plans: dict, q, k_cache, indices, out, lse, *, topk_length=None,
+                      extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+                      attn_sink=None, softmax_scale=None, kv_format="v4", block_size=None,
+                      extra_block_size=None, extra_kv_format=None, q_scale=None, impl="auto"):
+    """``flashmla_sparse_decode`` (its arguments) by a plan kept in ``plans``: made by the
+    first call of its kind, reused by every later one. A model step keeps one dict for the
+    layers that share its index lists (the backends' ``StepPlanner.op_plans``, emptied each
+    step), so only its first layer validates and chooses. Under torch.compile: the op."""
+    if torch.compiler.is_compiling():
+        ops.flashmla_sparse_decode(
+            q, k_cache, indices, out, lse, topk_length=topk_length, extra_k_cache=extra_k_cache,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+            attn_sink=attn_sink, softmax_scale=softmax_scale, kv_format=kv_format,
+            block_size=block_size, extra_block_size=extra_block_size,
+            extra_kv_format=extra_kv_format, q_scale=q_scale, impl=impl)
+        return
+    key = (_meta(q), tuple(k_cache.shape[1:]), k_cache.dtype, _meta(indices), kv_format,
+           extra_kv_format, _meta(extra_indices), attn_sink is None, softmax_scale, impl)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = plan_decode(
+            q, k_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
+            extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+            extra_topk_length=extra_topk_length, softmax_scale=softmax_scale,
+            kv_format=kv_format, block_size=block_size, extra_block_size=extra_block_size,
+            extra_kv_format=extra_kv_format, q_scale=q_scale, impl=impl)
+    run_decode(plan, q, k_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
+               extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+               extra_topk_length=extra_topk_length, q_scale=q_scale, out=out, lse=lse)
+
+
 _DECODE_NAMES = ("q", "k_cache (its blocks)", "k_cache dtype", "indices", "topk_length",
                  "attn_sink", "extra_k_cache (its blocks)", "extra_indices_in_kvcache",
                  "extra_topk_length", "q_scale")

@@ -137,3 +137,31 @@ def test_layers_share_one_step_plan(device, kind):
     with pytest.raises(ValueError, match="cannot be shared"):
         Harness("flashmla", config(kind, swa_block_size=256), device,
                 planner=first.backend.planner)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_run_one_decode_plan_per_step(device, monkeypatch):
+    """Layers sharing a planner run the decode op by one plan a step (``decode_with_plans``):
+    the step's first layer plans it, the second reuses it, every step plans anew, and each
+    layer's explain() still names the decode op it ran."""
+    from sparse_mla.ops.flashmla_decode import planned
+    made = []
+    real = planned.plan_decode
+    monkeypatch.setattr(planned, "plan_decode", lambda *a, **k: made.append(a[0].shape)
+                        or real(*a, **k))
+    cfg = config(LayerKind.C4A)
+    first = Harness("flashmla", cfg, device, seed=5)
+    second = Harness("flashmla", cfg, device, seed=5, planner=first.backend.planner)
+    decode_steps = 0
+    for kw in SCRIPT:
+        a, b = first.sim.step(**kw), second.sim.step(**kw)
+        first.backend.plan(a.batch, a.q.shape[0])
+        first.check(first.run(a, planned=True), a, "first layer")
+        second.check(second.run(b, batch=a.batch, planned=True), b, "second layer")
+        if a.batch.num_decode_tokens:
+            decode_steps += 1
+            assert len(made) == decode_steps, "the second layer planned the decode again"
+            assert made[-1][0] == a.batch.num_decode_tokens
+            for h in (first, second):
+                assert "flashmla_sparse_decode" in h.backend.explain()
+    assert decode_steps >= 2
