@@ -20,7 +20,7 @@ if [ $smoke = 0 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$out/gpu.txt"
-  OMP_NUM_THREADS=2 python3 -m pytest -q -rs -p no:cacheprovider tests/backends/test_indexer_step.py \
+  OMP_NUM_THREADS=2 python3 -m pytest -q -rs -p no:cacheprovider tests/backends/v4/test_indexer_step.py \
     2>&1 | tee "$out/pytest.log" | tail -15
   rc_tests=${PIPESTATUS[0]}
 fi

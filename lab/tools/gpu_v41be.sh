@@ -39,7 +39,7 @@ else
   sel+=("$T/test_cuda_graph.py::test_reader_layer_graph_replays[C1A-528+288]"
         "$T/test_step.py::test_layer_reads_a_source_layers_compressed_cache[C1A-528+288-cuda]"
         "$T/test_step.py::test_odd_blocks_in_padded_pages[C2A-528+288-cuda]"
-        "tests/backends/test_step.py::test_mixed_steps_match_oracle[C4A-flashmla-cuda]")
+        "tests/backends/v4/test_step.py::test_mixed_steps_match_oracle[C4A-flashmla-cuda]")
 fi
 start=$SECONDS
 timeout "$test_s" python3 -m pytest -q -rs -p no:cacheprovider "${sel[@]}" \

@@ -7,7 +7,7 @@ import pytest
 
 from sparse_mla.backends.common.base import Backend
 from sparse_mla.backends.v41 import V41FlashMLABackend
-from sparse_mla.tests.backends.test_contract import CONTRACT
+from sparse_mla.tests.backends.v4.test_contract import CONTRACT
 
 
 @pytest.mark.parametrize("method", CONTRACT + ("cache_specs", "read_specs"))

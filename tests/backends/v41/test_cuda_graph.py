@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparse_mla.backends.v41 import V41Kind
-from sparse_mla.tests.backends.test_cuda_graph import _copy_in
+from sparse_mla.tests.backends.v4.test_cuda_graph import _copy_in
 from sparse_mla.tests.backends.v41.cases import KINDS, RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import requires_cuda
 

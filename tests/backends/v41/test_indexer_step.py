@@ -20,7 +20,7 @@ from sparse_mla.backends.v41.indexer_config import V41IndexerConfig, indexer_rol
 from sparse_mla.backends.v41.indexer_step import V41IndexerState, V41IndexerStep
 from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.cases import check_rows
-from sparse_mla.tests.backends.test_indexer_step import DIM, IDX_HEADS, IndexerHarness, stored
+from sparse_mla.tests.backends.v4.test_indexer_step import DIM, IDX_HEADS, IndexerHarness, stored
 from sparse_mla.tests.backends.v41.cases import Harness, config
 from sparse_mla.tests.helpers import CUDA, requires_cuda, storage_bytes
 

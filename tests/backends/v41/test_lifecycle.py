@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sparse_mla.backends.v41 import V41Kind
-from sparse_mla.tests.backends.test_lifecycle import schedule
+from sparse_mla.tests.backends.v4.test_lifecycle import schedule
 from sparse_mla.tests.backends.v41.cases import RECORDS, Harness, config, record_ids
 from sparse_mla.tests.helpers import CUDA
 

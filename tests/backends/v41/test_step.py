@@ -17,7 +17,7 @@ from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind
 from sparse_mla.tests.backends import cases as v4_cases
 from sparse_mla.tests.backends import oracle
 from sparse_mla.tests.backends.sim import Simulator
-from sparse_mla.tests.backends.test_step import SCRIPT, stable_seed
+from sparse_mla.tests.backends.v4.test_step import SCRIPT, stable_seed
 from sparse_mla.tests.backends.v41.cases import (COMP_SEED, KINDS, RECORDS, THETA, Harness,
                                                  config, record_ids)
 from sparse_mla.tests.helpers import CUDA, storage_bytes

@@ -25,7 +25,7 @@ from sparse_mla.backends.v41 import V41FlashMLABackend, V41Kind
 from sparse_mla.integration.vllm import mapping, plugin, v41
 from sparse_mla.ops import cache_insert as ci
 from sparse_mla.tests.backends.cases import check_rows
-from sparse_mla.tests.backends.test_step import SCRIPT
+from sparse_mla.tests.backends.v4.test_step import SCRIPT
 from sparse_mla.tests.backends.v41.cases import FORMAT, RECORDS, Harness, record_ids
 
 H, TOPK, MAX_TOKENS, MAX_SEQS, MAX_LEN, VLLM_BS = 8, 64, 640, 8, 1024, 64

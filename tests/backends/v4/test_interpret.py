@@ -9,11 +9,11 @@ import pytest
 from sparse_mla.backends.v4 import LayerKind
 from sparse_mla.backends.v4.indexer_step import IndexerStep
 from sparse_mla.tests.backends.cases import Harness, config
-from sparse_mla.tests.backends.test_indexer_step import IndexerHarness
+from sparse_mla.tests.backends.v4.test_indexer_step import IndexerHarness
 from sparse_mla.tests.helpers import INTERPRETING
 
 pytestmark = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1 only "
-                                "(the backends_interpret_test target)")
+                                "(the v4_backends_interpret_test target)")
 
 
 @pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))

@@ -10,7 +10,7 @@ import torch
 
 from sparse_mla.backends.v4.indexer_step import IndexerInputs
 from sparse_mla.tests.backends.cases import KINDS, Harness, config
-from sparse_mla.tests.backends.test_indexer_step import IndexerHarness
+from sparse_mla.tests.backends.v4.test_indexer_step import IndexerHarness
 from sparse_mla.tests.helpers import requires_cuda
 
 FIELDS = ("query_start_loc", "seq_lens", "positions", "swa_block_table", "swa_slot_mapping",
