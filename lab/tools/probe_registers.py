@@ -14,7 +14,6 @@ register-resident dot operands show). lab/perf-log.md has the history of these n
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import re
 import subprocess
@@ -28,6 +27,7 @@ from triton.compiler import ASTSource
 from sparse_mla.ops.attention import launch as core
 from sparse_mla.ops.attention.policy import DEFAULT
 from sparse_mla.ops.attention import portable as kernels
+from sparse_mla.ops.attention import records
 
 POINTERS = {"q_ptr": "*bf16", "c0_ptr": "*u8", "c1_ptr": "*u8", "i0_ptr": "*i32",
             "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32", "part_o": "*fp32",
@@ -40,7 +40,6 @@ DIVISIBLE = {"q_s0", "q_s1", "c0_s0", "c1_s0", "c0_s1", "c1_s1", "c0_bs", "c1_bs
 def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64,
                          one_tile=False):
     fn = kernels._split_kernel
-    names = list(inspect.signature(fn.fn).parameters)
     constexprs = dict(FMT=core.FMT_CODES[fmt], HAS_L0=True, HAS_L1=True, HAS_SRC1=True,
                       Q_FP8=False, HB=heads, BN=block_n, D576=fmt == "v32", TRACK_MAX=False,
                       PREFETCH=True, DV=dv, N_UNITS=2 * dv, SCALE64=fmt == "v4", SCALE_T=False,
@@ -50,17 +49,11 @@ def compile_split_kernel(fmt="v4", block_n=64, stages=2, warps=8, dv=1, heads=64
     # passes them
     constexprs.update({p.name: None for p in fn.params
                        if not p.is_constexpr and p.has_default and p.default is None})
-    missing = set(names) - set(constexprs) - set(POINTERS) - set(FLOATS)
-    unset = [p.name for p in fn.params if p.is_constexpr and p.name in missing]
+    unset = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if unset:   # compiled as runtime i32s they would not prune their branches
         raise ValueError(f"compile_split_kernel: no value for constexpr parameters {unset}")
-    sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, FLOATS.get(n, "i32"))
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in POINTERS or n in DIVISIBLE}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    assert all(sig[n] == "i32" for n in missing)
+    sig, by_path, attrs = records.signature(fn, constexprs, POINTERS, set(FLOATS), DIVISIBLE)
+    src = ASTSource(fn, sig, constexprs=by_path, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
