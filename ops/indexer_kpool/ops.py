@@ -50,8 +50,8 @@ def _check_out(out, n, kpool):
 
 _INSERT = implementations("kpool_k_insert", vendor=vendor.ROUTE, triton=triton_impl.k_insert,
                           reference=reference.k_insert)
-# the insert kernel is not written: reject the route with a reason (triton_impl)
-_INSERT.register("triton", triton_impl.k_insert, triton_impl.insert_unavailable)
+# a strided tail ring: the reference (triton_impl)
+_INSERT.register("triton", triton_impl.k_insert, triton_impl.insert_check)
 
 
 def _validate_insert(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache,

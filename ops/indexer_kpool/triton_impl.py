@@ -6,24 +6,69 @@ ops/indexer's select kernels keep the same order (larger score first, equal scor
 id, -1 after). So both top-k ops run ops/indexer's Triton scores + select for topk // kpool
 pools, software e4m3 included (``SPARSE_MLA_SOFT_FP8``), then expand on the device (no host
 sync). ``ue8m0`` scales are not read by those kernels: that case takes the reference.
-Insert: not written yet; its check rejects the route with a reason.
+Insert: triton_kernels.py, pools then ring writes (a pool reads the ring as it was before the
+call). Its pooling exp is Triton's, so a pooled row may differ from the reference's by one
+bf16 rounding (rarely); from the bf16 row on, the bytes are the reference's.
 """
 from __future__ import annotations
 
 import torch
 
+from sparse_mla.ops.common import checks
 from sparse_mla.ops.common.dispatch import triton_check_args
+from sparse_mla.ops.common.triton_utils import soft_fp8
 from sparse_mla.ops.indexer import triton_impl as indexer_triton
-
-INSERT_REASON = "the kpool insert's Triton kernel is not written yet (reference route only)"
-
-
-def insert_unavailable(*args, **kwargs):
-    return INSERT_REASON
+from sparse_mla.ops.indexer_kpool import format as fmt
+from sparse_mla.ops.indexer_kpool import triton_kernels as tk
 
 
-def k_insert(*args, **kwargs):
-    raise NotImplementedError(INSERT_REASON)
+def insert_check(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache, tail_cache,
+                 kpool, block_size, scale_fmt):
+    if tail_cache.stride(3) != 1 or tail_cache.stride(2) != fmt.DIM:
+        return "tail_cache rows are not contiguous [ring, 128] (the kernel's addressing)"
+    return triton_check_args(k, gate, ape, positions, slot_mapping, tail_slot_mapping,
+                             k_cache, tail_cache)
+
+
+def plan(positions, tail_slot_mapping, kpool, ring):
+    """On the device, no sync: per row its tail block (-1: none), its pool's members (batch
+    row or -1: the ring; reference.pool_plan) and whether it writes the ring
+    (reference.ring_writers)."""
+    n = positions.shape[0]
+    dev = positions.device
+    pos = positions.long()
+    ts = tail_slot_mapping.long()
+    blk = torch.where(ts >= 0, torch.div(ts, ring, rounding_mode="floor"), -1)
+    back = torch.arange(kpool - 1, -1, -1, device=dev)
+    cand = torch.arange(n, device=dev).unsqueeze(1) - back
+    safe = cand.clamp(0, max(n - 1, 0))
+    same = (cand >= 0) & (pos[safe] == pos.unsqueeze(1) - back) & (blk[safe] == blk.unsqueeze(1))
+    members = torch.where(same, cand, -1).to(torch.int32).contiguous()
+    ahead = torch.full_like(blk, -1)
+    if n > kpool:
+        ahead[:n - kpool] = blk[kpool:]
+    write = ((ts >= 0) & ~((ahead >= 0) & (ahead == blk))).to(torch.int8)
+    return blk.contiguous(), members, write
+
+
+def k_insert(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache, tail_cache,
+             kpool, block_size, scale_fmt):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    ring = tail_cache.shape[2]
+    blk, members, write = plan(positions[:n], tail_slot_mapping[:n], kpool, ring)
+    kc = k[:n].contiguous()
+    gc = gate[:n].contiguous()
+    cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
+    soft = soft_fp8(k.device)
+    tk.pool_insert_kernel[(n,)](
+        kc, gc, ape.contiguous(), positions, slot_mapping, blk, members, tail_cache,
+        tail_cache.stride(0), tail_cache.stride(1), cache,
+        checks.block_stride(k_cache, fmt.FP8, block_size), block_size, KPOOL=kpool, RING=ring,
+        UE8M0=scale_fmt == "ue8m0", SOFT=soft)
+    tk.ring_write_kernel[(n,)](kc, gc, tail_slot_mapping, write, tail_cache,
+                               tail_cache.stride(0), tail_cache.stride(1), RING=ring)
 
 
 def decode_check(q, weights, k_cache, seq_lens, block_table, kpool, next_n, out, block_size,
