@@ -60,14 +60,17 @@ def k_insert(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache, 
     blk, members, write = plan(positions[:n], tail_slot_mapping[:n], kpool, ring)
     kc = k[:n].contiguous()
     gc = gate[:n].contiguous()
+    # the kernels index these by row: any stride the op accepts becomes unit stride here
+    pos, slots, tslots = (t[:n].contiguous() for t in (positions, slot_mapping,
+                                                       tail_slot_mapping))
     cache = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
     soft = soft_fp8(k.device)
     tk.pool_insert_kernel[(n,)](
-        kc, gc, ape.contiguous(), positions, slot_mapping, blk, members, tail_cache,
+        kc, gc, ape.contiguous(), pos, slots, blk, members, tail_cache,
         tail_cache.stride(0), tail_cache.stride(1), cache,
         checks.block_stride(k_cache, fmt.FP8, block_size), block_size, KPOOL=kpool, RING=ring,
         UE8M0=scale_fmt == "ue8m0", SOFT=soft)
-    tk.ring_write_kernel[(n,)](kc, gc, tail_slot_mapping, write, tail_cache,
+    tk.ring_write_kernel[(n,)](kc, gc, tslots, write, tail_cache,
                                tail_cache.stride(0), tail_cache.stride(1), RING=ring)
 
 
