@@ -4,7 +4,7 @@ import triton.language as tl
 
 from sparse_mla.ops.common.triton_utils import ceil_log2, e4m3_sat, exp2_int, to_bf16
 
-D: tl.constexpr = 128
+D = tl.constexpr(128)
 
 
 @triton.jit
