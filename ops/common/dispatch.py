@@ -62,6 +62,7 @@ OPS_BY_FAMILY = {
     "flashmla_decode": ("flashmla_sparse_decode", "flashmla_sparse_prefill"),
     "trtllm_decode": ("trtllm_decode_dsv4", "trtllm_decode_v32"),
     "indexer": ("indexer_k_insert", "indexer_topk_prefill", "indexer_topk_decode"),
+    "indexer_kpool": ("kpool_k_insert", "kpool_topk_prefill", "kpool_topk_decode"),
     "indexer_v41": ("indexer_v41_candidates_decode", "indexer_v41_topk_in_candidates_decode",
                     "indexer_v41_candidates_prefill", "indexer_v41_topk_in_candidates_prefill"),
 }
