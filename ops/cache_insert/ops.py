@@ -152,7 +152,7 @@ def quantize_insert_v32_nope(kv_c: Tensor, kv_cache: Tensor, slot_mapping: Tenso
                              block_size: Optional[int] = None, scale_format: str = "fp32",
                              impl: str = "auto") -> None:
     """GLM-5.3 (no-RoPE MLA): the V3.2 ``fp8_ds_mla`` record from ``kv_c`` alone, RoPE bytes
-    +0.0 (docs/semantics.md §13.4)."""
+    +0.0 (docs/semantics.md §13.5)."""
     bs = _validate_v32_nope_insert(kv_c, kv_cache, slot_mapping, block_size, scale_format)
     _V32_NOPE_INSERT(kv_c, kv_cache, slot_mapping, bs, scale_format, impl=impl)
 

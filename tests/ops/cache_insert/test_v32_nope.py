@@ -1,4 +1,4 @@
-"""GLM-5.3's no-RoPE insert (docs/semantics.md §13.4): the V3.2 record from kv_c alone.
+"""GLM-5.3's no-RoPE insert (docs/semantics.md §13.5): the V3.2 record from kv_c alone.
 
 The oracle is independent of the op's own code path: the V3.2 insert fed an explicit zero
 k_pe (what vLLM's zero-padded kv_a_proj produces), checked byte for byte over the whole
