@@ -125,7 +125,7 @@ def test_mixed_steps_with_mtp_match_oracle(device, mode):
 
 def test_defaults_and_bad_input():
     cfg = Glm5Config(num_heads=H, max_num_tokens=8, max_num_reqs=1, max_model_len=64)
-    assert cfg.topk == 2048 + 4 - 1 and cfg.softmax_scale == 256 ** -0.5
+    assert cfg.topk == 2176 and cfg.softmax_scale == 256 ** -0.5
     with pytest.raises(ValueError, match="cache_dtype"):
         Glm5FlashMLABackend(cfg, cache_dtype="bfloat16")
     be, cache = _backend("cpu")
