@@ -2,7 +2,8 @@
 
 The attention reads the indexer's expanded output (docs/semantics.md §13.4): ``index_topk``
 pooled tokens plus the ``kpool - 1`` always-selected tail, -1 padded to vLLM's buffer width
-``round_up(index_topk + kpool - 1, 128)`` (glm5next model.py:112): 2176. The softmax scale is (qk_nope + qk_rope)^-0.5 with qk_rope 0 (§13.5).
+``round_up(index_topk + kpool - 1, 128)`` (glm5next model.py:112): 2176. The softmax scale is
+(qk_nope + qk_rope)^-0.5 with qk_rope 0 (§13.5).
 """
 from __future__ import annotations
 
