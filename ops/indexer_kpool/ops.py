@@ -50,8 +50,8 @@ def _check_out(out, n, kpool):
 
 _INSERT = implementations("kpool_k_insert", vendor=vendor.ROUTE, triton=triton_impl.k_insert,
                           reference=reference.k_insert)
-# the Triton kernels are not written: reject the route with a reason (triton_impl)
-_INSERT.register("triton", triton_impl.k_insert, triton_impl.unavailable)
+# a strided tail ring: the reference (triton_impl)
+_INSERT.register("triton", triton_impl.k_insert, triton_impl.insert_check)
 
 
 def _validate_insert(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache,
@@ -128,8 +128,6 @@ def _(k, gate, ape, positions, slot_mapping, tail_slot_mapping, k_cache, tail_ca
 
 _PREFILL = implementations("kpool_topk_prefill", vendor=vendor.ROUTE,
                            triton=triton_impl.topk_prefill, reference=reference.topk_prefill)
-# the Triton kernels are not written: reject the route with a reason (triton_impl)
-_PREFILL.register("triton", triton_impl.topk_prefill, triton_impl.unavailable)
 
 
 def _validate_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, out,
@@ -173,8 +171,8 @@ def _(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, out, kpool=
 
 _DECODE = implementations("kpool_topk_decode", vendor=vendor.ROUTE,
                           triton=triton_impl.topk_decode, reference=reference.topk_decode)
-# the Triton kernels are not written: reject the route with a reason (triton_impl)
-_DECODE.register("triton", triton_impl.topk_decode, triton_impl.unavailable)
+# ue8m0 scales: the reference (triton_impl)
+_DECODE.register("triton", triton_impl.topk_decode, triton_impl.decode_check)
 
 
 def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, kpool, next_n,

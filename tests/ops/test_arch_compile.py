@@ -185,7 +185,16 @@ def _family_variants(arch):
     soft, fuse = p["soft"], dict(enable_fp_fusion=False)
     tpp, iw = insert.CONFIG["tokens_per_program"], insert.CONFIG["insert_warps"]
     slots = {"slot_ptr": "*i64"}
+    kpool = "sparse_mla.ops.indexer_kpool.triton_kernels"
+    rows = dict(k_ptr="*bf16", g_ptr="*bf16", ring_ptr="*bf16")
     out = {
+        "kpool_pool_insert": (kpool, "pool_insert_kernel",
+                              dict(KPOOL=4, RING=8, UE8M0=False, SOFT=soft),
+                              dict(rows, ape_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
+                                   blk_ptr="*i64", mem_ptr="*i32", cache_ptr="*u8"), set(),
+                              dict(fuse)),
+        "kpool_ring_write": (kpool, "ring_write_kernel", dict(RING=8),
+                             dict(rows, tslot_ptr="*i64", write_ptr="*i8"), set(), dict(fuse)),
         "v4_insert": (INSERT, "v4_insert_kernel", dict(TPP=tpp, SOFT=soft),
                       dict(slots, k_ptr="*bf16", cache_ptr="*u8"), set(),
                       dict(num_warps=iw, **fuse)),

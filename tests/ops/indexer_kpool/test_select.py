@@ -1,5 +1,7 @@
 """kpool_topk_decode / kpool_topk_prefill against a brute-force Python oracle (§13.3-13.4):
 ties, poisoned pages, -1 / out-of-range blocks, zero lengths, every tail length, MTP rows."""
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,16 @@ from sparse_mla.ops.indexer_kpool.format import DIM
 KP = 4
 BS = 3                                           # odd block size
 TOPK = 8                                         # two pools
+
+# the Triton route on CPU only under the interpreter (the BUILD's interpret target)
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton needs CUDA or TRITON_INTERPRET=1"))
+IMPLS = ["reference", TRITON]
+
+
+def dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def oracle(q, w, keys, ok, p, topk=TOPK):
@@ -41,9 +53,10 @@ def fill_cache(n_blocks, seed, ties=False):
     return cache, vals.view(torch.float8_e4m3fn).double() * scales.double().unsqueeze(1)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("next_n", [1, 3])
 @pytest.mark.parametrize("ties", [False, True])
-def test_decode_matches_oracle(next_n, ties):
+def test_decode_matches_oracle(next_n, ties, impl):
     gen = torch.Generator().manual_seed(11 + next_n)
     nb, heads = 8, 3
     cache, dense = fill_cache(nb, 1, ties)
@@ -61,7 +74,11 @@ def test_decode_matches_oracle(next_n, ties):
         q[:] = q[0]
         w[:] = w[0]
     out = torch.full((b * next_n, TOPK + KP - 1), 77, dtype=torch.int32)
-    kpool_topk_decode(q, w, cache, seq, table, out, KP, next_n)
+    d = dev() if impl == "triton" else "cpu"
+    res = out.to(d)
+    kpool_topk_decode(q.to(d), w.to(d), cache.to(d), seq.to(d), table.to(d), res, KP, next_n,
+                      impl=impl)
+    out = res.cpu()
     for r in range(b):
         ids = table[r].long()
         n = ids.shape[0] * BS
@@ -92,7 +109,8 @@ def test_decode_nan_pool_never_candidate_when_future():
     assert out[0, TOPK:].tolist() == [8, 9, 10]
 
 
-def test_prefill_matches_oracle_and_decode():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_matches_oracle(impl):
     gen = torch.Generator().manual_seed(21)
     heads, lens = 2, [13, 1, 7]
     pools = [max(0, n // KP) for n in lens]
@@ -107,7 +125,11 @@ def test_prefill_matches_oracle_and_decode():
     q = torch.randn(t, heads, DIM, generator=gen).to(torch.bfloat16)
     w = torch.rand(t, heads, generator=gen)
     out = torch.empty(t, TOPK + KP - 1, dtype=torch.int32)
-    kpool_topk_prefill(q, w, vals, scales, cu_q, cu_k, pos, out, KP, chunk=3)
+    d = dev() if impl == "triton" else "cpu"
+    res = out.to(d)
+    kpool_topk_prefill(q.to(d), w.to(d), vals.to(d), scales.to(d), cu_q.to(d), cu_k.to(d),
+                       pos.to(d), res, KP, chunk=3, impl=impl)
+    out = res.cpu()
     for r in range(len(lens)):
         keys = dense[int(cu_k[r]):int(cu_k[r + 1])]
         for i in range(int(cu_q[r]), int(cu_q[r + 1])):
