@@ -13,7 +13,7 @@ import torch
 
 from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.backends.glm5 import Glm5Config, Glm5FlashMLABackend
-from sparse_mla.tests.helpers import CUDA, requires_cuda, seeded
+from sparse_mla.tests.helpers import CUDA, INTERPRETING, requires_cuda, seeded
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 BS, NB, H, TOPK = 16, 24, 8, 11
@@ -23,8 +23,8 @@ POISON = 0xFF
 class Sim:
     """Requests with shuffled block tables; each step names (req, n_new) decodes and prefills."""
 
-    def __init__(self, device, seed, max_tokens=96):
-        self.g, self.dev, self.max_tokens = seeded(seed), device, max_tokens
+    def __init__(self, device, seed, heads=H):
+        self.g, self.dev, self.heads = seeded(seed), device, heads
         perm = torch.randperm(NB, generator=self.g)
         self.tables = perm.view(4, NB // 4).int()
         self.lens = [0, 0, 0, 0]
@@ -47,7 +47,7 @@ class Sim:
                 k = min(TOPK, p + 1)            # the newest token included, a full row
             sel = torch.randperm(p + 1, generator=g)[:k]
             topk[i, :k] = sel.int()
-        q = (torch.randn(T, H, 512, generator=g) * 0.5).bfloat16()
+        q = (torch.randn(T, self.heads, 512, generator=g) * 0.5).bfloat16()
         kv = torch.randn(T, 512, generator=g).bfloat16()
         d = self.dev
         b = BatchDescription(
@@ -71,7 +71,7 @@ def _decode_records(cache):
 
 def oracle(q, cache, b, rows, reqs, sim, scale):
     kvf, _ = _decode_records(cache)
-    out = torch.zeros(q.shape[0], H, 512, dtype=torch.float64)
+    out = torch.zeros(q.shape[0], q.shape[1], 512, dtype=torch.float64)
     for i, (r, _p) in enumerate(rows):
         ids = b.topk_indices[i].cpu().long()
         ids = ids[ids >= 0]
@@ -86,7 +86,8 @@ def oracle(q, cache, b, rows, reqs, sim, scale):
 
 def _check(be, cache, sim, step, written):
     q, kv, b, rows, reqs = step
-    out = torch.full((q.shape[0], H, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
+    out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=torch.bfloat16,
+                     device=q.device)
     be.forward(q, kv, {"kv": cache}, b, out=out)
     written.update(int(s) for s in b.slot_mapping.cpu() if s >= 0)
     ref = oracle(q, cache, b, rows, reqs, sim, be.config.softmax_scale)
@@ -177,3 +178,18 @@ def test_decode_step_graph_replays(s_q):
         ref = oracle(q, cache, b, st[3], st[4], sims[0], be.config.softmax_scale)
         torch.testing.assert_close(out.cpu().double(), ref, atol=2e-2, rtol=2e-2)
         assert torch.equal(out, eager), f"replay {i} differs from the eager step"
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1 only (the "
+                    "glm5_backends_interpret_test target)")
+@pytest.mark.parametrize("mode", ["separate", "mixed"])
+def test_triton_route_matches_oracle(mode):
+    cfg = Glm5Config(num_heads=2, max_num_tokens=96, max_num_reqs=4,
+                     max_model_len=NB // 4 * BS, topk=TOPK, block_size=BS)
+    be = Glm5FlashMLABackend(cfg, device="cpu", impl="triton", attention_impl="triton",
+                             fp8_mode=mode)
+    cache = torch.full((NB, BS, 656), POISON, dtype=torch.uint8)
+    sim, written = Sim("cpu", seed=2, heads=2), set()
+    _check(be, cache, sim, sim.step([], [(0, 20), (1, 9)]), written)
+    _check(be, cache, sim, sim.step([(0, 2)], [(1, 5)], 1), written)
+    assert {c.impl for c in be.explain().values()} == {"triton"}
