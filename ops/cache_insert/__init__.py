@@ -9,6 +9,7 @@ from sparse_mla.ops.cache_insert.ops import (  # noqa: F401
     insert_plain,
     qnorm_rope_kv_insert_v4,
     quantize_insert_v32,
+    quantize_insert_v32_nope,
     quantize_insert_v4,
     rope_kv_insert_v41,
 )

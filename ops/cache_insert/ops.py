@@ -135,6 +135,33 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, block_size=None, scale_format="fp32", 
     _validate_v32_insert(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format)
 
 
+_V32_NOPE_INSERT = implementations("quantize_insert_v32_nope", vendor=vendor.ROUTE,
+                                   triton=triton_impl.quantize_insert_v32_nope,
+                                   reference=reference.quantize_insert_v32_nope)
+
+
+def _validate_v32_nope_insert(kv_c, kv_cache, slot_mapping, block_size, scale_format):
+    n = kv_c.shape[0] if kv_c.dim() == 2 else -1
+    k_pe_like = kv_c.new_empty(max(n, 0), 64) if n >= 0 else kv_c
+    return _validate_v32_insert(kv_c, k_pe_like, kv_cache, slot_mapping, block_size,
+                                scale_format)
+
+
+@custom_op("sparse_mla::quantize_insert_v32_nope", mutates_args=("kv_cache",))
+def quantize_insert_v32_nope(kv_c: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                             block_size: Optional[int] = None, scale_format: str = "fp32",
+                             impl: str = "auto") -> None:
+    """GLM-5.3 (no-RoPE MLA): the V3.2 ``fp8_ds_mla`` record from ``kv_c`` alone, RoPE bytes
+    +0.0 (docs/semantics.md §13.5)."""
+    bs = _validate_v32_nope_insert(kv_c, kv_cache, slot_mapping, block_size, scale_format)
+    _V32_NOPE_INSERT(kv_c, kv_cache, slot_mapping, bs, scale_format, impl=impl)
+
+
+@quantize_insert_v32_nope.register_fake
+def _(kv_c, kv_cache, slot_mapping, block_size=None, scale_format="fp32", impl="auto"):
+    _validate_v32_nope_insert(kv_c, kv_cache, slot_mapping, block_size, scale_format)
+
+
 # ---------------------------------------------------------------------------------------------
 # fused q-norm + RoPE + kv insert into the V4 SWA cache (docs/semantics.md §3.1)
 

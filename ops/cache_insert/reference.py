@@ -43,6 +43,13 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
     _write_rows(kv_cache, fmt, block_size, slots, [(fmt.token_data_addr, rec)])
 
 
+def quantize_insert_v32_nope(kv_c, kv_cache, slot_mapping, block_size, scale_format):
+    # GLM-5.3's k_pe is exactly zero (vLLM pads kv_a_proj with zero rows): the V3.2 record
+    # with +0.0 RoPE bytes.
+    k_pe = torch.zeros(kv_c.shape[0], 64, dtype=torch.bfloat16, device=kv_c.device)
+    quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_format)
+
+
 def rotate_q(q, positions, cos_sin_cache, eps, apply_q_norm):
     """The q path of docs/semantics.md §3.1: optional weightless RMSNorm, forward GPT-J RoPE;
     fp32 [N, H, 512]."""

@@ -66,6 +66,18 @@ def quantize_insert_v32(kv_c, k_pe, kv_cache, slot_mapping, block_size, scale_fo
         SOFT=soft_fp8(kv_c.device), num_warps=CONFIG["insert_warps"], **_LAUNCH)
 
 
+def quantize_insert_v32_nope(kv_c, kv_cache, slot_mapping, block_size, scale_format):
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    stride0 = checks.block_stride(kv_cache, formats.V32, block_size)
+    tpp = CONFIG["tokens_per_program"]
+    v32_insert_kernel[(triton.cdiv(n, tpp),)](
+        kv_c, kv_c.stride(0), kv_c, 0, _bytes(kv_cache), stride0, slot_mapping, n,
+        kv_cache.shape[0] * block_size, block_size, TPP=tpp, POW2=scale_format == "pow2",
+        SOFT=soft_fp8(kv_c.device), NOPE=True, num_warps=CONFIG["insert_warps"], **_LAUNCH)
+
+
 def _head_block(hp):
     return min(triton.next_power_of_2(max(hp, 1)), CONFIG["heads_per_program"])
 

@@ -276,7 +276,10 @@ def plain_insert_kernel(k_ptr, k_stride, cache_ptr, c_s0, c_s1, slot_ptr, n_toke
 
 @triton.jit
 def v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_ptr, n_tokens,
-                       capacity, BS, TPP: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
+                       capacity, BS, TPP: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr,
+                       NOPE: tl.constexpr = False):
+    # NOPE (GLM-5.3): vLLM zero-pads the k_pe rows of kv_a_proj, so the RoPE bytes are +0.0
+    # bf16 and there is no k_pe tensor to read (pe_ptr is then unused).
     for i in tl.static_range(TPP):
         tok = tl.program_id(0) * TPP + i
         slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
@@ -298,7 +301,10 @@ def v32_insert_kernel(kvc_ptr, kvc_s0, pe_ptr, pe_s0, cache_ptr, stride0, slot_p
             tl.store(rec + t * 128 + c, e4m3_sat(q, SOFT))
             tl.store((rec + V32_SCALES).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scale)
             r = tl.arange(0, 64)
-            pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
+            if NOPE:
+                pe = tl.zeros((64,), tl.bfloat16)
+            else:
+                pe = to_bf16(tl.load(pe_ptr + tok.to(tl.int64) * pe_s0 + r).to(tl.float32), SOFT)
             tl.store((rec + V32_ROPE).to(tl.pointer_type(tl.bfloat16)) + r, pe)
 
 

@@ -56,7 +56,7 @@ ENV_VAR = "SPARSE_MLA_IMPL"
 OPS_BY_FAMILY = {
     "cache_insert": ("quantize_insert_v4", "quantize_insert_v32", "fused_qnorm_rope_insert_v4",
                      "fused_qnorm_rope_insert_plain", "insert_plain", "gather_dequant",
-                     "fused_rope_insert_v41", "compressed_insert_v41"),
+                     "fused_rope_insert_v41", "compressed_insert_v41", "quantize_insert_v32_nope"),
     "index_combine": ("global_topk_indices_and_lens", "convert_req_index_to_global",
                       "swa_indices_and_lens", "c128a_indices_and_lens",
                       "combine_topk_swa_indices", "flashinfer_mixed_sparse_indices"),

@@ -1,0 +1,3 @@
+"""GLM-5.3-Flash DSA layers (no-RoPE MLA over the V3.2 cache record, docs/semantics.md §13)."""
+from sparse_mla.backends.glm5.config import Glm5Config  # noqa: F401
+from sparse_mla.backends.glm5.flashmla import Glm5FlashMLABackend  # noqa: F401
