@@ -284,7 +284,8 @@ def _indexer_variants(arch, soft):
                 sq = "" if next_n == 1 else f"_sq{next_n}"
                 out[f"indexer_decode_{name}{sq}"] = (
                     INDEXER, "decode_keys_kernel",
-                    dict(NEXT_N=next_n, NT=ix.decode_token_group(next_n, 64), HP=64, BN=cfg["decode_bn"],
+                    dict(NEXT_N=next_n, NT=ix.decode_token_group(next_n, 64), HP=64,
+                         BN=cfg["decode_bn"],
                          TILES=ix.decode_tiles(ix.decode_heads_n(arch, soft)),
                          HEADS_N=ix.decode_heads_n(arch, soft),
                          QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),
