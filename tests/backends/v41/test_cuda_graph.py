@@ -1,4 +1,4 @@
-"""A uniform DeepSeek-V4.1 decode step (s_q 1 and 2; every layer kind and record choice, and
+"""A uniform DeepSeek-V4.1 decode step (s_q 1, 2 and 8; every layer kind and record choice, and
 a layer reading another layer's compressed cache) captured once in a CUDA graph and replayed
 with the batch metadata updated in place: every replay equals the oracle and the same step
 run eagerly."""
@@ -25,7 +25,7 @@ def _capture(h, static, out):
 
 
 @requires_cuda
-@pytest.mark.parametrize("s_q", (1, 2))
+@pytest.mark.parametrize("s_q", (1, 2, 8))
 @pytest.mark.parametrize("heads", (8, 64))
 @pytest.mark.parametrize("records", RECORDS, ids=record_ids)
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
