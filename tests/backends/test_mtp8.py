@@ -1,7 +1,8 @@
 """Decode steps with MTP drafts of up to 8 tokens: V4 attention steps and the V4 indexer
-step against their oracles (tests/backends/v41/test_mtp8.py: the V4.1 layers) (drafts of 8, 5 and 1 in one batch, each padded to the
-step's uniform next_n inside the indexer step; a draft reaching back before position ratio;
-graph padding), and on a GPU the uniform s_q 8 step captured in a CUDA graph and replayed."""
+step against their oracles (the V4.1 layers: tests/backends/v41/test_mtp8.py): drafts of 8, 5
+and 1 in one batch, each padded to the step's uniform next_n inside the indexer step, a draft
+reaching back before position ratio, graph padding; on a GPU the uniform s_q 8 step captured
+in a CUDA graph and replayed."""
 from __future__ import annotations
 
 import pytest
