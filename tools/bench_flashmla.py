@@ -156,6 +156,35 @@ def _alternate(vendor, ours, rounds):
             statistics.median(ratios), min(ratios), max(ratios))
 
 
+MTP_SHAPES = ((64, 512), (128, 1024))     # (heads, topk) of the decode rows
+
+
+def mtp_rows(batches, sqs, time_of):
+    """``--mtp``'s rows: for each (heads, topk), batch and s_q, our decode time
+    ``time_of(b, s_q, h, topk)`` and its ratio to s_q 1 at b requests and to s_q 1 at
+    b * s_q requests (below 1: a draft token costs less than an independent request)."""
+    rows = []
+    for h, topk in MTP_SHAPES:
+        for b in batches:
+            one = time_of(b, 1, h, topk)
+            for s_q in sqs:
+                t = one if s_q == 1 else time_of(b, s_q, h, topk)
+                alone = one if s_q == 1 else time_of(b * s_q, 1, h, topk)
+                rows.append((f"v4 b={b} s_q={s_q} h={h} win=128+{topk}", f"{t * 1e6:.1f}",
+                             f"{t / one:.2f}", f"{b * s_q}", f"{t / alone:.2f}"))
+    return rows
+
+
+def _our_decode_time(b, s_q, h, topk):
+    case = bench._decode_case(b, s_q, h, topk, "cuda", check=False)
+    torch.manual_seed(0)
+    a = case.make()
+    t, _ = _time(lambda a=a: case.run(a, "triton"))
+    del a
+    torch.cuda.empty_cache()
+    return t
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="batch 2 and 64 only, no prefill")
@@ -167,11 +196,25 @@ def main(argv=None):
                    help="also time the software e4m3 route (SPARSE_MLA_SOFT_FP8=1)")
     p.add_argument("--q-e4m3", action="store_true",
                    help="also time decode with the same q as e4m3 (per-tensor scale)")
+    p.add_argument("--mtp", type=int, nargs="+", choices=range(2, 9), metavar="S_Q",
+                   help="instead of the table: our V4 decode at these s_q (2..8) and s_q 1, "
+                        "each over s_q 1 at b and at b * s_q requests")
+    p.add_argument("--mtp-batch", type=int, nargs="+", default=[2, 64], metavar="B",
+                   help="--mtp's batches (default 2 64)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if any(b < 1 for b in args.mtp_batch):
+        p.error("--mtp-batch must be positive")
     if not torch.cuda.is_available():
         raise SystemExit(NEEDS_GPU)
+    if args.mtp:
+        head = ("shape", "ours µs", "x s_q 1", "requests", "x requests of s_q 1")
+        rows = mtp_rows(args.mtp_batch, [1] + sorted(set(args.mtp)), _our_decode_time)
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        for r in [head] + rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+        return
     copy = harness.copy_bandwidth("cuda")
     mm = harness.matmul_rate("cuda")
     print(f"{harness.device_name('cuda')}: copy {copy / 1e9:,.0f} GB/s, "

@@ -321,6 +321,32 @@ def row_of(layer: Layer, ctx: int, b: int, s_q: int, res: dict, bandwidth: float
             "floor_bytes": res["floor_bytes"], "copy_GBps": bandwidth / 1e9}
 
 
+def step_shapes(batches, sqs, mtp_ratios=False):
+    """(batch, s_q) of every row, batch-major; with ``mtp_ratios`` also s_q 1 at b and at
+    b * s_q requests for each s_q above 1 (what ``mtp_summary`` divides by)."""
+    shapes = [(b, s) for b in batches for s in sqs]
+    if mtp_ratios:
+        shapes += [(m, 1) for b in batches for s in sqs if s > 1 for m in (b, b * s)]
+    return sorted(set(shapes))
+
+
+def mtp_summary(rows):
+    """``#`` lines: each MTP row's step time over the s_q 1 step of as many requests and over
+    the s_q 1 step of b * s_q requests (below 1: a draft token costs less than a request)."""
+    step = {(r["kind"], r["role"], r["ctx"], r["batch"], r["s_q"]): r["step"] for r in rows}
+    out = []
+    for (kind, role, ctx, b, s_q), t in step.items():
+        if s_q == 1 or t is None:
+            continue
+        one = step.get((kind, role, ctx, b, 1))
+        alone = step.get((kind, role, ctx, b * s_q, 1))
+        ratio = lambda d, t=t: "-" if not d else f"{t / d:.2f}"  # noqa: E731
+        out.append(f"# MTP {kind} {role} ctx {ctx} b{b} s_q{s_q}: {t:.1f} µs = "
+                   f"{ratio(one)} x s_q 1 (b{b}), "
+                   f"{ratio(alone)} x {b * s_q} requests of s_q 1")
+    return out
+
+
 def _cell(v) -> str:
     if v is None:
         return "-"
@@ -357,8 +383,12 @@ def main(argv=None):
                     help="contexts: 4k 64k 256k 1M or token counts (default 4k 64k 256k 1M; "
                          "1M where it fits)")
     ap.add_argument("--batch", type=int, nargs="+", help="requests (default 1 8 64)")
-    ap.add_argument("--sq", type=int, nargs="+", choices=(1, 2),
-                    help="new tokens per request, 2 = MTP (default 1 2)")
+    ap.add_argument("--sq", type=int, nargs="+", choices=range(1, 9), metavar="S_Q",
+                    help="new tokens per request 1..8, above 1 = MTP (default 1 2)")
+    ap.add_argument("--mtp-ratios", action="store_true",
+                    help="also run s_q 1 at b and at b * s_q requests for every s_q above 1, "
+                         "and print each MTP step's time over both (a draft token against an "
+                         "independent request)")
     ap.add_argument("--heads", type=int, default=64, help="attention heads (default 64)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 4k and 64k, batch 8, s_q 1")
@@ -395,27 +425,29 @@ def main(argv=None):
                 print(f"# skipped every {layer.name} {layer.role} row: {e}", flush=True)
                 continue
         for ctx in contexts:
-            for b in batches:
-                for s_q in sqs:
-                    name = f"{layer.name} {layer.role} ctx {context_name(ctx)} b{b} s_q{s_q}"
-                    need, free = cache_bytes(layer, args.heads, ctx, b, s_q), free_bytes(dev)
-                    if need > 0.8 * free:
-                        print(f"# skipped {name}: needs ~{need / 2**30:.1f} GiB, "
-                              f"{free / 2**30:.1f} GiB free", flush=True)
-                        continue
-                    try:
-                        res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
-                    except torch.cuda.OutOfMemoryError:
-                        # the estimate counts the caches, not the ops' own workspaces
-                        torch.cuda.empty_cache()
-                        print(f"# skipped {name}: out of device memory (the caches fit: "
-                              f"~{need / 2**30:.1f} GiB)", flush=True)
-                        continue
-                    rows.append(row_of(layer, ctx, b, s_q, res, bandwidth))
-                    print_row(rows[-1], header=len(rows) == 1)
-                    ran = ran or res["ran"]
-                    if dev == "cuda":
-                        torch.cuda.empty_cache()
+            for b, s_q in step_shapes(batches, sqs, args.mtp_ratios):
+                name = f"{layer.name} {layer.role} ctx {context_name(ctx)} b{b} s_q{s_q}"
+                need, free = cache_bytes(layer, args.heads, ctx, b, s_q), free_bytes(dev)
+                if need > 0.8 * free:
+                    print(f"# skipped {name}: needs ~{need / 2**30:.1f} GiB, "
+                          f"{free / 2**30:.1f} GiB free", flush=True)
+                    continue
+                try:
+                    res = run_case(layer, args.heads, ctx, b, s_q, dev, args.impl)
+                except torch.cuda.OutOfMemoryError:
+                    # the estimate counts the caches, not the ops' own workspaces
+                    torch.cuda.empty_cache()
+                    print(f"# skipped {name}: out of device memory (the caches fit: "
+                          f"~{need / 2**30:.1f} GiB)", flush=True)
+                    continue
+                rows.append(row_of(layer, ctx, b, s_q, res, bandwidth))
+                print_row(rows[-1], header=len(rows) == 1)
+                ran = ran or res["ran"]
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+    if args.mtp_ratios:
+        for line in mtp_summary(rows):
+            print(line)
     if ran:
         print("# ops ran (first row): " + ", ".join(f"{op}={c.impl}" for op, c in ran.items()
                                                     if c))

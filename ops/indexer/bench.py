@@ -2,7 +2,8 @@
 comparison ``python3 -m sparse_mla.ops.indexer.bench`` (lab/tools/gpu_indexer.sh runs it).
 
 Shapes (small=False): DeepSeek-V4's indexer, 64 heads of 128, top-512, ratio 4, fp8 cache in
-64-entry blocks. Decode: batch 64, s_q 1 and 2, 16,384 candidates each (64k context).
+64-entry blocks. Decode: batch 64, s_q 1 and 2 (``--next-n``: up to 8), 16,384 candidates
+each (64k context).
 Prefill: one 8,192-token chunk at positions 57,344..65,535 over 16,384 keys (each token sees
 14,336..16,384 of them). ``bytes``: the cache / key bytes a perfect kernel reads plus q,
 weights and the top-k written; ``flops``: 2 * 128 * heads per (token, candidate) pair.
@@ -276,7 +277,37 @@ def _stage_rows(shape, stages, rate):
     return rows
 
 
-def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
+def _graph_time(device, batch, next_n, cand):
+    """CUDA-graph replay seconds of the decode op over ``batch`` requests of ``next_n``."""
+    x = decode_inputs(device, batch, next_n, cand)
+
+    def whole(x=x):
+        ops.indexer_topk_decode(x["q"], x["weights"], x["k_cache"], x["seq_lens"],
+                                x["block_table"], x["out"], RATIO, x["next_n"])
+    t = time_graph(whole)
+    del x
+    torch.cuda.empty_cache()
+    return t
+
+
+def mtp_rows(device, batch, cand, next_ns, time_of=_graph_time):
+    """MTP rows: for each s_q, the op's graph time over ``batch`` requests, its ratio to s_q 1
+    (the same requests, one token each) and to ``batch * s_q`` independent s_q 1 requests (a
+    draft token costs less than a request where the key reads are shared: ratio < 1)."""
+    one = time_of(device, batch, 1, cand)
+    rows = []
+    for n in next_ns:
+        t = one if n == 1 else time_of(device, batch, n, cand)
+        alone = one if n == 1 else time_of(device, batch * n, 1, cand)
+        ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
+        rows.append((f"decode MTP B={batch} s_q={n} C={cand}",
+                     f"graph; x s_q 1: {ratio(t, one)}; x {batch * n} requests of s_q 1: "
+                     f"{ratio(t, alone)}", t, "-", "-"))
+    return rows
+
+
+def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True, next_ns=(1, 2),
+            prefill=True):
     from sparse_mla.ops.indexer import triton_impl, triton_select
     rows = []
     copy_bw, mm = _roofline(device)
@@ -284,7 +315,7 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
           f"{mm / 1e12:,.0f} TFLOP/s", flush=True)
     host = host_costs(device)
 
-    for next_n in (1, 2):
+    for next_n in next_ns:
         x = decode_inputs(device, batch, next_n, cand)
         width = fmt.decode_width(x["block_table"], BLOCK, None)
         moved = decode_bytes(x, cand)
@@ -335,8 +366,10 @@ def compare(device="cuda", tokens=8192, cand=16384, batch=64, hf=True):
             del dense
         del x, keys, lim
         torch.cuda.empty_cache()
+    if any(n > 1 for n in next_ns):
+        rows += mtp_rows(device, batch, cand, next_ns)
 
-    for fp8 in (True, False):
+    for fp8 in ((True, False) if prefill else ()):
         x = prefill_inputs(device, tokens, cand, fp8=fp8)
         flops = pairs(x) * HEADS * fmt.DIM * 2
         keys = torch.empty(tokens, cand, dtype=torch.int64, device=device)
@@ -408,10 +441,16 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--no-hf", action="store_true",
                    help="leave out HF's eager indexer math (its prefill takes 66 GB)")
+    p.add_argument("--next-n", type=int, nargs="+", default=[1, 2], choices=range(1, 9),
+                   metavar="N", help="decode s_q (MTP next_n) rows, 1..8 (default 1 2); "
+                   "with any above 1, also each one's graph time against s_q 1 and against "
+                   "B * s_q independent requests")
+    p.add_argument("--decode-only", action="store_true", help="leave out the prefill rows")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the comparison needs a CUDA GPU")
-    compare("cuda", a.tokens, a.candidates, a.batch, hf=not a.no_hf)
+    compare("cuda", a.tokens, a.candidates, a.batch, hf=not a.no_hf, next_ns=a.next_n,
+            prefill=not a.decode_only)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ _LAUNCH = dict(enable_fp_fusion=False)
 CONFIG = {"prefill_bt": 64, "prefill_bn": 128, "prefill_warps": 4, "prefill_stages": 2,
           "prefill_chunk_bytes": 1 << 30,
           "decode_bn": 64, "decode_tiles": 4, "decode_warps": 4, "decode_heads_n": None,
+          "decode_token_cols": 128,
           "decode_heads_n_archs": (90,),
           "insert_tokens": 4, "insert_warps": 1}
 # the interpreter: small tiles keep it quick
@@ -65,6 +66,18 @@ def decode_tiles(heads_n: bool, cfg=CONFIG) -> int:
     """Tiles per decode program: ``cfg["decode_tiles"]`` with the heads on N; one with the
     heads on M, where four unrolled tiles spilled 2.8 KB of registers at sm_80 (Triton 3.9)."""
     return cfg["decode_tiles"] if heads_n else 1
+
+
+def decode_token_group(next_n: int, hp: int, cfg=CONFIG) -> int:
+    """Tokens of a request one decode program scores (a power of two): all ``next_n`` while
+    their q (tokens x ``hp`` padded heads) fits in ``cfg["decode_token_cols"]`` rows of the
+    dot, else as many as fit (at least one). 128 is s_q 2 at 64 heads, the launch that
+    tests/ops/test_arch_compile.py bounds on sm_80-120. All 8 tokens of a draft in one program
+    (512 rows) took 136 KB of shared memory (over sm_86 / 89 / 120's 99 KB) and spilled 20 KB
+    of registers at sm_90 (7 KB at sm_80; Triton 3.9). The groups of a request read the same
+    key tiles: a draft of 8 reads them 8 / group times, not 8."""
+    nt = triton.next_power_of_2(next_n)
+    return max(1, min(nt, cfg["decode_token_cols"] // hp))
 
 
 def _arch(device) -> int:
@@ -180,11 +193,12 @@ def decode_keys(q, weights, k_cache, seq_lens, block_table, ratio, next_n, block
     soft = soft_fp8(q.device)
     heads_n = decode_heads_n(_arch(q.device), soft)
     tiles = decode_tiles(heads_n, cfg)
-    decode_keys_kernel[(batch, triton.cdiv(width, bn * tiles))](
+    nt = decode_token_group(next_n, hp, cfg)
+    decode_keys_kernel[(batch, triton.cdiv(width, bn * tiles), triton.cdiv(next_n, nt))](
         _bytes(q), q.stride(0), q.stride(1), weights, weights.stride(0), cache, s0, s1,
         k_cache.shape[0], block_table, block_table.stride(0), block_table.shape[1], seq_lens,
         keys, keys.stride(0), lim, q.shape[1], width, ratio, block_size, NEXT_N=next_n,
-        NT=triton.next_power_of_2(next_n), HP=hp, BN=bn, TILES=tiles, HEADS_N=heads_n,
+        NT=nt, HP=hp, BN=bn, TILES=tiles, HEADS_N=heads_n,
         QFP8=q.dtype == torch.float8_e4m3fn,
         KFP8=kfp8, SOFT=soft, DOT_F32=triton_interpreting(),
         num_warps=cfg["decode_warps"], **_LAUNCH)

@@ -158,15 +158,17 @@ def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, nu
                          BN: tl.constexpr, TILES: tl.constexpr, HEADS_N: tl.constexpr,
                          QFP8: tl.constexpr, KFP8: tl.constexpr, SOFT: tl.constexpr,
                          DOT_F32: tl.constexpr):
-    """Keys of request pid0's NEXT_N tokens x ids [pid1 * TILES * BN, +TILES * BN) over the
-    paged cache, BN at a time. Token i sits at position seq - NEXT_N + i and may select ids <
-    (position + 1) // ratio whose block is in [0, num_blocks). Every token's q is loaded once
-    per program and all of them go through one dot per tile (``_tile_scores``): a key tile is
-    read once for all of a request's tokens. pid1 0 writes each token's candidate bound
-    min(width, (position + 1) // ratio) to ``lim``."""
+    """Keys of request pid0's tokens [pid2 * NT, +NT) (of its NEXT_N) x ids [pid1 * TILES * BN,
+    +TILES * BN) over the paged cache, BN at a time. Token i sits at position seq - NEXT_N + i
+    and may select ids < (position + 1) // ratio whose block is in [0, num_blocks). The NT
+    tokens' q is loaded once per program and all of them go through one dot per tile
+    (``_tile_scores``): a key tile is read once per NT tokens (a long MTP draft is split into
+    groups of NT so that NT x HP stays within the registers). pid1 0 writes each token's
+    candidate bound min(width, (position + 1) // ratio) to ``lim``."""
     b = tl.program_id(0)
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    it = tl.arange(0, NT)
+    t0 = tl.program_id(2) * NT
+    it = t0 + tl.arange(0, NT)
     pos1 = seq - NEXT_N + it + 1
     nc = tl.where(pos1 > 0, pos1 // ratio, 0)                          # [NT]
     tok = (b * NEXT_N + it).to(tl.int64)
@@ -178,7 +180,7 @@ def decode_keys_kernel(q_ptr, q_s0, q_s1, w_ptr, w_s0, cache_ptr, c_s0, c_s1, nu
     j0 = tl.program_id(1) * (TILES * BN)
     if j0 < last:
         r = tl.arange(0, NT * HP)
-        rt, rh = r // HP, r % HP
+        rt, rh = t0 + r // HP, r % HP
         qok = (rt < NEXT_N) & (rh < H)
         qt = (b * NEXT_N + rt).to(tl.int64)
         q = tl.load(q_ptr + qt[:, None] * q_s0 + rh[:, None] * q_s1 + d[None, :],

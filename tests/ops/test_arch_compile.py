@@ -63,6 +63,10 @@ SPILL_BOUND = {"split_plain_bf16_576": 3072, "split_plain_fp8_576": 11264,
                "indexer_decode_q8_k8": 330, "indexer_decode_qbf16_k8": 380,
                "indexer_decode_q8_k8_sq2": 5700, "indexer_decode_qbf16_k8_sq2": 1500,
                "indexer_decode_qbf16_kbf16_sq2": 800, "indexer_select_final_k512": 16,
+               # s_q 8 runs s_q 2's groups (decode_token_group): its bounds, within 5%
+               # of its spills at sm_80 / 90 / 120
+               "indexer_decode_q8_k8_sq8": 5700, "indexer_decode_qbf16_k8_sq8": 1500,
+               "indexer_decode_qbf16_kbf16_sq8": 800,
                "indexer_select_final_k2048": 60, "indexer_select_partial_k2048": 80}
 # The V4.1 indexer's keys kernel (8 warps: at 4 its paged variants spilled 1-20 KB) spills a
 # little on its paged bf16-cache variants under Triton 3.9 (sm_86..120: 16-136 B)
@@ -283,11 +287,14 @@ def _indexer_variants(arch, soft):
                 {"q_ptr": byte(q8), "w_ptr": "*fp32", "k_ptr": byte(k8), "ks_ptr": "*fp32",
                  "cu_k_ptr": "*i64", "key_ptr": "*i64"}, set(),
                 dict(num_warps=cfg["prefill_warps"], num_stages=cfg["prefill_stages"], **fuse))
-            for next_n in (1, 2):       # s_q 2: every token's heads in one dot (N = 128)
+            # s_q 2: every token's heads in one dot (N = 128); s_q 8: in groups of
+            # decode_token_group tokens, as launched
+            for next_n in (1, 2, 8):
                 sq = "" if next_n == 1 else f"_sq{next_n}"
                 out[f"indexer_decode_{name}{sq}"] = (
                     INDEXER, "decode_keys_kernel",
-                    dict(NEXT_N=next_n, NT=next_n, HP=64, BN=cfg["decode_bn"],
+                    dict(NEXT_N=next_n, NT=ix.decode_token_group(next_n, 64), HP=64,
+                         BN=cfg["decode_bn"],
                          TILES=ix.decode_tiles(ix.decode_heads_n(arch, soft)),
                          HEADS_N=ix.decode_heads_n(arch, soft),
                          QFP8=q8, KFP8=k8, SOFT=soft, DOT_F32=False),

@@ -117,3 +117,34 @@ def test_e4m3_columns_time_and_compare_decode_rows(monkeypatch):
     cells = bench_flashmla.e4m3_columns(case, {"q": q}, 1e-6, (torch.zeros(1, 1, 2, 4),))
     assert seen and set(seen) == {torch.float8_e4m3fn}
     assert cells[0] == "2.0" and cells[1] == "2.00" and float(cells[2]) > 0
+
+
+def test_mtp_rows_divide_by_s_q_1_and_by_independent_requests():
+    """``--mtp``: each s_q's time over s_q 1 at b requests and at b * s_q requests (a fake
+    timer: a fixed cost per request plus a cost per token)."""
+    calls = []
+
+    def fake(b, s_q, h, topk):
+        calls.append((b, s_q, h))
+        return (b * 10 + b * s_q * 2) * 1e-6
+    rows = bench_flashmla.mtp_rows([2], [1, 8], fake)
+    assert [r[0] for r in rows] == ["v4 b=2 s_q=1 h=64 win=128+512",
+                                    "v4 b=2 s_q=8 h=64 win=128+512",
+                                    "v4 b=2 s_q=1 h=128 win=128+1024",
+                                    "v4 b=2 s_q=8 h=128 win=128+1024"]
+    assert rows[0][1:] == ("24.0", "1.00", "2", "1.00")
+    assert rows[1][1:] == ("52.0", f"{52 / 24:.2f}", "16", f"{52 / 192:.2f}")
+    assert (16, 1, 64) in calls and (2, 8, 128) in calls
+
+
+def test_mtp_flags_are_checked_before_the_gpu(monkeypatch):
+    monkeypatch.setattr(bench_flashmla.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench_flashmla.main(["--mtp", "9"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        bench_flashmla.main(["--mtp", "8", "--mtp-batch", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        bench_flashmla.main(["--mtp", "4", "8", "--mtp-batch", "2"])
+    assert exc.value.code == bench_flashmla.NEEDS_GPU

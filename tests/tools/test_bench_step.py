@@ -150,3 +150,17 @@ def test_cuda_without_a_gpu_exits_naming_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
         bs.main(["--quick"])
+
+
+def test_mtp_ratios_pair_each_draft_with_its_s_q_1_steps():
+    """``--mtp-ratios`` adds s_q 1 at b and b * s_q requests (once each) and divides each
+    MTP step's time by both; a missing partner prints "-"."""
+    assert bs.step_shapes([1, 8], [1, 8], mtp_ratios=True) == \
+        [(1, 1), (1, 8), (8, 1), (8, 8), (64, 1)]
+    assert bs.step_shapes([2], [4]) == [(2, 4)]
+    row = lambda b, s, t: dict(kind="C4A", role="-", ctx="64k", batch=b, s_q=s, step=t)  # noqa: E731
+    lines = bs.mtp_summary([row(2, 1, 10.0), row(2, 4, 15.0), row(8, 1, 30.0),
+                            row(3, 8, 40.0)])
+    assert lines[0].endswith("15.0 µs = 1.50 x s_q 1 (b2), 0.50 x 8 requests of s_q 1")
+    assert lines[1].endswith("40.0 µs = - x s_q 1 (b3), - x 24 requests of s_q 1")
+    assert len(lines) == 2

@@ -86,7 +86,10 @@ TOOLS = {
         "sparse_mla.tools.bench_step",
         runs=[["--device", "cpu", "--impl", "reference", "--quick", "--kinds", "C128A",
                "--contexts", "200", "--batch", "1", "--sq", "1", "--heads", "2",
-               "--csv", "{tmp}/bench_step.csv"]]),
+               "--csv", "{tmp}/bench_step.csv"],
+              ["--device", "cpu", "--impl", "reference", "--kinds", "C128A",
+               "--contexts", "200", "--batch", "1", "--sq", "3", "--heads", "2",
+               "--mtp-ratios"]]),
     "tools/bench_flashmla.py": Tool("sparse_mla.tools.bench_flashmla", gpu_only=True),
     "tools/bench_backend.py": Tool("sparse_mla.tools.bench_backend", gpu_only=True),
     "tools/bench_trtllm.py": Tool("sparse_mla.tools.bench_trtllm", gpu_only=True),
@@ -251,3 +254,28 @@ def test_cpu_flags_run(monkeypatch, tmp_path_factory, capsys, path, index):
         assert out.startswith("export PYTHONPATH=")
         with tarfile.open(argv[1]) as tar:
             assert "triton/__init__.py" in tar.getnames()
+
+
+def test_indexer_bench_mtp_rows_and_next_n_flag(monkeypatch):
+    """ops/indexer/bench.py's MTP rows: each s_q's time over s_q 1's and over B * s_q
+    independent requests' (a fake timer: cost = key reads per request + a cost per token);
+    ``--next-n`` takes 1..8 and refuses 9 before asking for the GPU."""
+    from sparse_mla.ops.indexer import bench
+    seen = []
+
+    def fake(device, batch, next_n, cand):
+        seen.append((batch, next_n))
+        return batch * (cand + 10 * next_n) * 1e-9
+    rows = bench.mtp_rows("cpu", 4, 100, (1, 4, 8), time_of=fake)
+    assert (4, 1) in seen and (16, 1) in seen and (32, 1) in seen and (4, 8) in seen
+    t8 = 4 * (100 + 80) * 1e-9
+    assert rows[2][0] == "decode MTP B=4 s_q=8 C=100" and rows[2][2] == t8
+    assert f"x s_q 1: {t8 / (4 * 110e-9):.2f}" in rows[2][1]
+    assert f"x 32 requests of s_q 1: {t8 / (32 * 110e-9):.2f}" in rows[2][1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--next-n", "1", "8", "--decode-only"])
+    assert NEEDS_GPU in exc.value.code
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--next-n", "9"])
+    assert exc.value.code == 2

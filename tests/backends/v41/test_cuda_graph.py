@@ -1,4 +1,4 @@
-"""A uniform DeepSeek-V4.1 decode step (s_q 1 and 2; every layer kind and record choice, and
+"""A uniform DeepSeek-V4.1 decode step (s_q 1, 2 and 8; every layer kind and record choice, and
 a layer reading another layer's compressed cache) captured once in a CUDA graph and replayed
 with the batch metadata updated in place: every replay equals the oracle and the same step
 run eagerly."""
@@ -50,6 +50,14 @@ def test_decode_step_graph_replays(kind, records, heads, s_q):
         torch.cuda.synchronize()
         graphed.check(out, st, f"replay {i}")
         assert torch.equal(out, ref_out), f"replay {i} differs from the eager step"
+
+
+@requires_cuda
+@pytest.mark.parametrize("records", RECORDS, ids=record_ids)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_decode_step_graph_replays_mtp_8(kind, records):
+    """The same at MTP drafts of 8 (64 heads)."""
+    test_decode_step_graph_replays(kind, records, 64, 8)
 
 
 @requires_cuda

@@ -369,14 +369,15 @@ def _draw(m, dec, toks):
 
 
 @requires_cuda
-def test_decode_forward_graph_replays():
-    """Every layer's decode step (MTP next_n 2) captured in one CUDA graph and replayed with
+@pytest.mark.parametrize("next_n", (2, 8))
+def test_decode_forward_graph_replays(next_n):
+    """Every layer's decode step (MTP next_n 2 and 8) captured in one CUDA graph and replayed with
     the inputs updated in place: each replay gives every layer's output, the last top-k and
     the candidates of the same forward run eagerly on the same inputs (a twin model, same
     seeds), which is held to the oracle. Under capture there is no short-context rule; the
     contexts are long enough that the eager forward scores too."""
     reqs = [(0, 90), (1, 60), (2, 120)]
-    dec = [(r, 2) for r, _ in reqs]
+    dec = [(r, next_n) for r, _ in reqs]
     toks = [rid for rid, n in dec for _ in range(n)]
     graphed, eager = Model("cuda", seed=8, impl="auto"), Model("cuda", seed=8, impl="auto")
     for m in (graphed, eager):

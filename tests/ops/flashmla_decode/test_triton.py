@@ -67,12 +67,14 @@ GPU_GRID = [  # (b, s_q, h, block sizes main/extra, topk, extra_topk, fmt)
     (74, 1, 16, 53, 61, 128, 64, "v4"), (321, 3, 8, 61, 2, 64, 64, "v4"),
     (4, 3, 1, 2, 53, 64, 128, "v4"), (74, 2, 32, 64, 2, 128, 512, "v4"),
     (4, 2, 128, 64, None, 256, 0, "v32"), (2, 1, 64, 53, 2, 128, 64, "v32"),
-    (5, 2, 16, 256, None, 192, 0, "v32")]
+    (5, 2, 16, 256, None, 192, 0, "v32"),
+    # MTP drafts of 8: every token of a request reads its own rows
+    (16, 8, 128, 64, 2, 256, 512, "v4"), (6, 8, 64, 64, None, 256, 0, "v32")]
 # On sm_90 these GPU_GRID shapes are tiny launches that stay on the portable kernel (one head
 # block, at most SM90_TINY's units and tiles); every other one runs the sm_90 kernel
 SM90_PORTABLE_CASES = {0, 7}
 CPU_GRID = [(2, 2, 3, 61, 2, 64, 32, "v4"), (1, 1, 16, 2, 53, 32, 0, "v4"),
-            (2, 1, 5, 53, 2, 32, 16, "v32")]
+            (2, 1, 5, 53, 2, 32, 16, "v32"), (1, 8, 4, 16, 2, 32, 16, "v4")]
 
 
 def _grid(device):

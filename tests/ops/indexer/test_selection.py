@@ -145,6 +145,45 @@ def test_decode_over_a_poisoned_paged_cache(impl, device, fp8, q_fp8, next_n, bl
     cases.assert_selection(got, want, s, allowed, TOL[impl])
 
 
+@pytest.mark.parametrize("impl,device", ROUTES)
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("token_cols", [128, 32], ids=["one_group", "groups_of_2"])
+@pytest.mark.parametrize("heads_n", [False, True], ids=["heads_m", "heads_n"])
+def test_decode_long_mtp_drafts(impl, device, next_n, token_cols, heads_n, monkeypatch):
+    """Drafts of up to 8 tokens over a poisoned paged cache with -1 table cells: each MTP row
+    sees only its own causal prefix (a 1-entry request's first rows see none), ties between
+    duplicated keys are broken as the oracle allows. ``decode_token_cols`` 32 (16 padded
+    heads) splits a draft into programs of 2 tokens, odd drafts leaving a half-empty group;
+    both orientations of the kernel's dot."""
+    if impl == "reference" and (token_cols != 128 or heads_n):
+        pytest.skip("Triton launch options")
+    monkeypatch.setitem(triton_impl.CONFIG, "decode_token_cols", token_cols)
+    monkeypatch.setitem(triton_impl.CONFIG, "decode_heads_n", heads_n)
+    g = seeded(60 + next_n)
+    case, seq_lens = cases.decode_case(g, [1, 9, 26], next_n=next_n, fp8=next_n % 2 == 1)
+    case.k[2] = case.k[1]               # a tie: request 1's first two keys
+    case.keys[1][1] = case.keys[1][0]
+    if case.k_scale is not None:
+        case.k_scale[2] = case.k_scale[1]
+    cache, bt = cases.paged(case, g, 4)
+    got = _decode(case, seq_lens, cache, bt, impl, device, 8, next_n)
+    want, s, allowed = cases.decode_oracle(case, bt, cache.shape[0], 4, 8)
+    cases.assert_selection(got, want, s, allowed, TOL[impl])
+    assert got.shape == (3 * next_n, 8)
+    short = got[:next_n]                # request 0: one entry, rows at 7 - next_n .. 6
+    for i in range(next_n):
+        assert (short[i] >= 0).sum() == (1 if 7 - next_n + i + 1 >= 4 else 0)
+
+
+def test_decode_token_groups_fit_the_dot():
+    """A draft is split so that tokens x padded heads stays within ``decode_token_cols``: 64
+    heads take 2 tokens a program, 16 heads all 8, and no group is ever empty."""
+    cfg = dict(triton_impl.CONFIG, decode_token_cols=128)
+    assert [triton_impl.decode_token_group(n, 64, cfg) for n in (1, 2, 3, 8)] == [1, 2, 2, 2]
+    assert [triton_impl.decode_token_group(n, 16, cfg) for n in (1, 5, 8)] == [1, 8, 8]
+    assert triton_impl.decode_token_group(8, 256, cfg) == 1
+
+
 def test_decode_dot_orientation_by_arch(monkeypatch):
     """Heads on the dot's N axis where it was measured faster (sm_90), on M elsewhere (sm_120
     spills with N: test_arch_compile) and on the software e4m3 route (what sm_80 runs, also

@@ -63,8 +63,10 @@ def _decode_batch(g, k_lens, next_n, ratio, bs, *, exact, fp8=True, heads=2):
 
 
 @pytest.mark.parametrize("impl,device", ROUTES)
-@pytest.mark.parametrize("ratio,bs,cb,next_n", [(1, 3, 8, 1), (2, 5, 8, 3), (2, 4, 3, 2)],
-                         ids=["r1-bs3", "r2-bs5-mtp3", "r2-bs4-cb3-mtp2"])
+@pytest.mark.parametrize("ratio,bs,cb,next_n", [(1, 3, 8, 1), (2, 5, 8, 3), (2, 4, 3, 2),
+                                                (2, 4, 3, 8), (1, 5, 8, 7)],
+                         ids=["r1-bs3", "r2-bs5-mtp3", "r2-bs4-cb3-mtp2", "r2-bs4-cb3-mtp8",
+                              "r1-bs5-mtp7"])
 def test_decode_exact_ties(impl, device, ratio, bs, cb, next_n):
     """Three distinct key rows: logits tie exactly across and inside blocks; every MTP row has
     its own causal length (its own newest block); a request shorter than NB blocks; the

@@ -138,6 +138,23 @@ def test_dsv4_dense_batch_triton_matches_reference(device, H, dtype, tiny, monke
     torch.testing.assert_close(tri.float(), ref.float(), **TOL)
 
 
+@pytest.mark.parametrize("device", triton_params())
+@pytest.mark.parametrize("dense", [False, True], ids=["varlen", "dense"])
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "fp8"])
+def test_dsv4_mtp_8_matches_reference(device, dense, dtype):
+    """Drafts of 8 tokens: a request whose first tokens precede its window's start (seq 8),
+    one whose window slides across the draft (seq 130), one a single token among them
+    (varlen); each token's window and compressed count are its own."""
+    if dense:
+        x = _dense(_batch(31, 8, dtype, q_lens=(8, 8), seq=(8, 130)), 2, 8)
+    else:
+        x = _batch(32, 8, dtype, q_lens=(8, 1, 8), seq=(8, 200, 130))
+    ref = _run(x, "cpu", "reference")
+    tri = _run(x, device, "triton")
+    assert torch.isfinite(ref.float()).all()
+    torch.testing.assert_close(tri.float(), ref.float(), **TOL)
+
+
 # what lies between a strided argument's elements (tests/helpers.gapped)
 GAP_FILL = {"sparse_indices": 0, "sparse_topk_lens": 200, "seq_lens": 1, "sinks": float("nan"),
             "cum_seq_lens_q": 0, "block_tables": 0}
