@@ -20,7 +20,12 @@ from sparse_mla.tests.helpers import storage_bytes
 # about 1 / sqrt(keys) (7 % at 190 keys; test_step's mutation test proves the bound catches
 # it). Rows with no key must be 0.
 REL_L2 = 1 / 64
-ABS = 2e-2          # and no element far off
+# and no element far off: 0.02 plus one bf16 step of the element (2^-7 of it), FlashMLA's own
+# form (atol + rtol |ref|). Outputs are bf16, whose step from 2 to 4 is 0.016 (0.031 above):
+# at MTP 8 (512 tokens x 64 heads a step) single elements came out 0.024-0.026 off on an H200
+# with every row inside REL_L2; a flat 0.02 grows stricter with the number of elements drawn.
+ABS = 2e-2
+RTOL = 2 ** -7
 KV_SCALE, Q_SCALE = 0.5, 2.0          # non-unit fp8 scales, so a dropped scale shows
 
 BACKENDS = ("flashmla", "trtllm_bf16", "trtllm_fp8")
@@ -107,8 +112,12 @@ def check_rows(out, expected, label=""):
     assert worst is None or rel[worst] <= REL_L2, (
         f"{label}: (token, head) row {int((~empty).nonzero()[worst])} has relative L2 error "
         f"{float(rel[worst]):.4f} > {REL_L2:.4f}")
-    err = (got - ref).abs().max() if got.numel() else 0
-    assert err <= ABS, f"{label}: an element is {float(err):.4f} off (> {ABS})"
+    if got.numel():
+        over = (got - ref).abs() - (ABS + RTOL * ref.abs())
+        i = int(over.argmax())
+        assert over.reshape(-1)[i] <= 0, (
+            f"{label}: an element is {float((got - ref).abs().reshape(-1)[i]):.4f} off (> "
+            f"{ABS} + {RTOL} x |{float(ref.reshape(-1)[i]):.3f}|)")
     return float(rel.max()) if rel.numel() else 0.0
 
 

@@ -81,6 +81,13 @@ def _drive_insert_plain(device):
     torch.ops.sparse_mla.insert_plain(k, cache, slots)
 
 
+def _drive_quantize_insert_v32_nope(device):
+    _, slots = _tokens(device)
+    kv_c = torch.randn(len(slots), 512, dtype=torch.bfloat16, device=device)
+    cache = formats.alloc_paged_cache("v32", 2, 64, device=device, fill=0xFF)
+    torch.ops.sparse_mla.quantize_insert_v32_nope(kv_c, cache, slots, 64)
+
+
 def _drive_convert_req_index_to_global(device):
     g = torch.Generator().manual_seed(SEED)
     T, K, bs = 4, 24, 16
@@ -130,6 +137,7 @@ DRIVERS = {
     "fused_rope_insert_v41": _drive_fused_rope_insert_v41,
     "compressed_insert_v41": _drive_compressed_insert_v41,
     "insert_plain": _drive_insert_plain,
+    "quantize_insert_v32_nope": _drive_quantize_insert_v32_nope,
     "convert_req_index_to_global": _drive_convert_req_index_to_global,
     "trtllm_decode_v32": _drive_trtllm_decode_v32,
 }

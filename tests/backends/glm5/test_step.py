@@ -104,7 +104,7 @@ def _check(be, cache, sim, step, written):
 
 
 def _backend(device, mode="auto", heads=H):
-    cfg = Glm5Config(num_heads=heads, max_num_tokens=96, max_num_reqs=4,
+    cfg = Glm5Config(num_heads=heads, max_num_tokens=128, max_num_reqs=4,
                      max_model_len=NB // 4 * BS, topk=TOPK, block_size=BS)
     be = Glm5FlashMLABackend(cfg, device=device, fp8_mode=mode)
     cache = torch.full((NB, BS, 656), POISON, dtype=torch.uint8, device=device)
