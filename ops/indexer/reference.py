@@ -104,9 +104,15 @@ def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
 # ---------------------------------------------------------------------------------------------
 # decode (§11.3): the paged cache, s_q = next_n tokens per request
 
-def paged_keys(k_cache, block_table_row, block_size, n):
+def _fp32_scales(raw):
+    return raw.contiguous().view(torch.float32).squeeze(-1).double()
+
+
+def paged_keys(k_cache, block_table_row, block_size, n, scales=_fp32_scales):
     """Entries 0..n-1 of one request as float64 [n, 128], and which of them are readable
-    (block id in [0, num_blocks)); unreadable rows are zeros."""
+    (block id in [0, num_blocks)); unreadable rows are zeros. ``scales``: an fp8 entry's 4
+    scale bytes [m, 4] -> float64 [m] (the fp32 the V3.2 / V4 cache stores; GLM-5.3's pooled
+    cache may store ue8m0)."""
     nb = k_cache.shape[0]
     j = torch.arange(n)
     col = j // block_size
@@ -125,8 +131,8 @@ def paged_keys(k_cache, block_table_row, block_size, n):
     page = checks.block_bytes_view(k_cache, fmt.FP8, block_size)
     vals = page[b.unsqueeze(1), (o * fmt.DIM).unsqueeze(1) + torch.arange(fmt.DIM)]
     tail = (block_size * fmt.DIM + o * 4).unsqueeze(1) + torch.arange(4)
-    scale = page[b.unsqueeze(1), tail].contiguous().view(torch.float32).double()
-    keys[idx] = vals.contiguous().view(torch.float8_e4m3fn).double() * scale
+    scale = scales(page[b.unsqueeze(1), tail])
+    keys[idx] = vals.contiguous().view(torch.float8_e4m3fn).double() * scale.unsqueeze(1)
     return keys, ok
 
 

@@ -207,26 +207,10 @@ def topk_prefill(q, weights, k, k_scale, cu_seqlens_q, cu_seqlens_k, positions, 
 
 
 def paged_pools(k_cache, block_table_row, block_size, n, scale_fmt):
-    """Pools 0..n-1 of one request as float64 [n, 128], and which are readable (block id in
-    [0, num_blocks)); unreadable rows are zeros (never NaN from poisoned pages)."""
-    nb = k_cache.shape[0]
-    j = torch.arange(n)
-    col = j // block_size
-    blk = torch.full((n,), -1, dtype=torch.long)
-    inside = col < block_table_row.shape[0]
-    blk[inside] = block_table_row.long()[col[inside]]
-    ok = (blk >= 0) & (blk < nb)
-    keys = torch.zeros(n, fmt.DIM, dtype=torch.float64)
-    idx = ok.nonzero().flatten()
-    if idx.numel() == 0:
-        return keys, ok
-    page = checks.block_bytes_view(k_cache, fmt.FP8, block_size)
-    b, o = blk[idx], (j % block_size)[idx]
-    vals = page[b.unsqueeze(1), (o * fmt.DIM).unsqueeze(1) + torch.arange(fmt.DIM)]
-    raw = page[b.unsqueeze(1), (block_size * fmt.DIM + o * 4).unsqueeze(1) + torch.arange(4)]
-    scale = decode_scales(raw, scale_fmt)
-    keys[idx] = vals.contiguous().view(torch.float8_e4m3fn).double() * scale.unsqueeze(1)
-    return keys, ok
+    """Pools 0..n-1 of one request as float64 [n, 128], and which are readable: the indexer's
+    paged entries (same 132-byte record), its scales read as ``scale_fmt``."""
+    return indexer_ref.paged_keys(k_cache, block_table_row, block_size, n,
+                                  lambda raw: decode_scales(raw, scale_fmt))
 
 
 def topk_decode(q, weights, k_cache, seq_lens, block_table, kpool, next_n, out, block_size,
