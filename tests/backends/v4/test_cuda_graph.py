@@ -115,3 +115,15 @@ def test_indexer_decode_step_graph_replays(s_q):
         assert torch.equal(out, ref_out), f"replay {i} differs from the eager step"
     graphed.check_untouched()
     h.check_untouched()
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_decode_step_graph_replays_mtp_8(backend, kind):
+    test_decode_step_graph_replays(backend, 8, kind)
+
+
+@requires_cuda
+def test_indexer_decode_step_graph_replays_mtp_8():
+    test_indexer_decode_step_graph_replays(8)

@@ -1,18 +1,17 @@
 """Decode steps with MTP drafts of up to 8 tokens: V4 attention steps and the V4 indexer
 step against their oracles (the V4.1 layers: tests/backends/v41/test_mtp8.py): drafts of 8, 5
 and 1 in one batch, each padded to the step's uniform next_n inside the indexer step, a draft
-reaching back before position ratio, graph padding; on a GPU the uniform s_q 8 step captured
-in a CUDA graph and replayed."""
+reaching back before position ratio, graph padding (the CUDA-graph replays at s_q 8:
+test_cuda_graph.py)."""
 from __future__ import annotations
 
 import pytest
 
 from sparse_mla.tests.backends import cases
-from sparse_mla.tests.backends.v4 import test_cuda_graph as graphs
 from sparse_mla.tests.backends.cases import KINDS, Harness, config
 from sparse_mla.tests.backends.v4.test_indexer_step import IndexerHarness
 from sparse_mla.tests.backends.v4.test_step import stable_seed
-from sparse_mla.tests.helpers import CUDA, requires_cuda
+from sparse_mla.tests.helpers import CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
@@ -43,15 +42,3 @@ def test_indexer_step_mtp_8(device):
         st, got, _ = ih.run(**kw)
         assert (got[st.batch.num_tokens:] == -1).all()
         assert (got[:st.batch.num_tokens] >= 0).any()
-
-
-@requires_cuda
-@pytest.mark.parametrize("backend", ("flashmla", "trtllm_bf16"))
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_decode_step_graph_replays_mtp_8(backend, kind):
-    graphs.test_decode_step_graph_replays(backend, 8, kind)
-
-
-@requires_cuda
-def test_indexer_decode_step_graph_replays_mtp_8():
-    graphs.test_indexer_decode_step_graph_replays(8)
