@@ -90,17 +90,17 @@ class IndexerStep:
 
     OPS = ("indexer_k_insert", "indexer_topk_decode", "indexer_topk_prefill")
 
+    # The batch fields that address the indexer cache by default (vLLM gives it the
+    # addressing of the cache its entries index: the compressed one here).
+    TABLE, SLOTS = "compressed_block_table", "compressed_slot_mapping"
+
     def __init__(self, backend: Backend, impl: Optional[str] = None,
                  topk: Optional[Tensor] = None):
         cfg = backend.config
-        kind = getattr(cfg, "kind", None)
-        if not getattr(kind, "uses_topk", False):
-            raise ValueError(f"IndexerStep needs a C4A backend (or DeepSeek-V4.1's C1A / C2A: "
-                             f"the layer kinds that select by top-k), got kind {kind}")
         self.backend = backend
         self.config = cfg
         self.impl = impl or backend.impl
-        self.block_size = cfg.compressed_block_size
+        self.ratio, self.block_size = self._geometry(cfg)
         # Persistent like the planner's buffers: a graph-captured step reads the same memory.
         if topk is None:
             topk = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32,
@@ -113,8 +113,17 @@ class IndexerStep:
         self.topk = topk
         self._choices = {}
 
+    @staticmethod
+    def _geometry(cfg):
+        """(tokens per indexed entry, entries per indexer cache block) of the layer."""
+        kind = getattr(cfg, "kind", None)
+        if not getattr(kind, "uses_topk", False):
+            raise ValueError(f"IndexerStep needs a C4A backend (or DeepSeek-V4.1's C1A / C2A: "
+                             f"the layer kinds that select by top-k), got kind {kind}")
+        return kind.ratio, cfg.compressed_block_size
+
     def allocate_cache(self, num_blocks: int, fp8: bool = True, fill: Optional[int] = None):
-        """An indexer cache of ``num_blocks`` blocks of the compressed cache's block size."""
+        """An indexer cache of ``num_blocks`` blocks of the indexed cache's block size."""
         return fmt.alloc_cache(num_blocks, self.block_size, fp8=fp8, device=self.backend.device,
                                fill=fill)
 
@@ -172,14 +181,13 @@ class IndexerStep:
                              f"(one row per row of q), got {list(ix.q.shape)}")
         checks.expect_tensor("indexer.weights", ix.weights, (torch.float32, torch.bfloat16),
                              (rows, ix.q.shape[1]))
-        table = batch.compressed_block_table if ix.block_table is None else ix.block_table
+        table = getattr(batch, self.TABLE) if ix.block_table is None else ix.block_table
         slots = None
         if ix.k is not None:
-            slots = batch.compressed_slot_mapping if ix.slot_mapping is None \
-                else ix.slot_mapping
+            slots = getattr(batch, self.SLOTS) if ix.slot_mapping is None else ix.slot_mapping
             if slots is None:
-                raise ValueError("the indexer keys need a slot mapping: indexer.slot_mapping "
-                                 "or batch.compressed_slot_mapping")
+                raise ValueError(f"the indexer keys need a slot mapping: indexer.slot_mapping "
+                                 f"or batch.{self.SLOTS}")
             checks.expect_tensor("indexer.k", ix.k,
                                  (torch.bfloat16, torch.float16, torch.float32), (None, fmt.DIM))
             checks.expect_vector("indexer.slot_mapping", slots, checks.INDEX_DTYPES,
@@ -187,8 +195,8 @@ class IndexerStep:
         elif ix.slot_mapping is not None:
             raise ValueError("indexer.slot_mapping must be None without indexer.k")
         if table is None:
-            raise ValueError("the indexer cache needs a block table: indexer.block_table or "
-                             "batch.compressed_block_table")
+            raise ValueError(f"the indexer cache needs a block table: indexer.block_table or "
+                             f"batch.{self.TABLE}")
         checks.expect_block_table("indexer.block_table", table, min_rows=batch.num_reqs)
         if ix.k_cache.dtype == torch.bfloat16:
             checks.expect_tensor("indexer.k_cache", ix.k_cache, torch.bfloat16,
@@ -217,7 +225,7 @@ class IndexerStep:
         nd, npf = batch.num_decodes, batch.num_prefills
         if not npf:
             return
-        entries = batch.seq_lens[nd:nd + npf].long().cpu() // self.config.kind.ratio
+        entries = batch.seq_lens[nd:nd + npf].long().cpu() // self.ratio
         need = (entries + self.block_size - 1) // self.block_size
         rows = table[nd:nd + npf].long().cpu()
         for i in range(npf):
@@ -241,7 +249,7 @@ class IndexerStep:
         g = self._decode_grid(ix, batch, table)
         grid = out.new_empty((g.q.shape[0], out.shape[1]))
         indexer_topk_decode(g.q, g.weights, ix.k_cache, g.seq_lens, g.block_table, grid,
-                            ratio=self.config.kind.ratio, next_n=g.next_n,
+                            ratio=self.ratio, next_n=g.next_n,
                             block_size=self.block_size, impl=self.impl)
         out.copy_(grid[g.dst])
 
@@ -273,7 +281,7 @@ class IndexerStep:
     # -- prefill: the requests' entries gathered densely, then the chunked op ---------------
     def _prefill(self, ix, batch, table, out):
         a = self._prefill_args(ix, batch, table)
-        indexer_topk_prefill(*a[:7], out, ratio=self.config.kind.ratio,
+        indexer_topk_prefill(*a[:7], out, ratio=self.ratio,
                              max_seqlen_k=a.max_seqlen_k, impl=self.impl)
 
     def _prefill_args(self, ix, batch, table) -> PrefillArgs:
@@ -283,7 +291,7 @@ class IndexerStep:
         if qsl is None or seq is None:        # the planner copies these too (prefill only)
             qsl, seq = batch.query_start_loc.cpu(), batch.seq_lens.cpu()
         qsl = qsl[nd:nd + npf + 1].long()
-        entries = (seq[nd:nd + npf].long() // self.config.kind.ratio).tolist()
+        entries = (seq[nd:nd + npf].long() // self.ratio).tolist()
         dev = ix.q.device
         cu_k = torch.zeros(npf + 1, dtype=torch.int32)
         cu_k[1:] = torch.tensor(entries, dtype=torch.int64).cumsum(0)

@@ -1,6 +1,7 @@
-"""GLM-5.2's indexer cadence through the V3.2 backends: a multi-layer step runs the indexer on
-"full" layers only, and each "shared" layer attends over exactly the previous full layer's
-top-k (no second selection), against a float64 step oracle that reuses it the same way."""
+"""GLM-5.2's indexer cadence through the V3.2 backends: a multi-layer step runs the Lightning
+indexer ops on "full" layers only (their selections checked against a float64 top-k), and each
+"shared" layer attends over exactly the previous full layer's top-k (no second selection),
+against a float64 step oracle that reuses it the same way."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +10,15 @@ import pytest
 import torch
 
 from sparse_mla.backends.v32.cadence import FULL, SHARED, layer_roles, topk_source
+from sparse_mla.backends.v32.indexer_step import IndexerInputs, V32IndexerStep
+from sparse_mla.ops.indexer import reference as indexer_ref
 from sparse_mla.tests.backends.cases import check_rows
 from sparse_mla.tests.backends.v32.cases import Harness, config
 from sparse_mla.tests.backends.v32.sim import attend
 from sparse_mla.tests.helpers import CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+TOPK = 24       # of up to 96 tokens a request holds: the full layers' indexer really selects
 
 # GLM-5.2's layer count and offset are transformers' GlmMoeDsaConfig defaults (78, 2): no
 # published GLM-5.2 config.json is available here; freq 4 is an assumed cadence (the default,
@@ -60,43 +64,103 @@ def test_bad_configs(cfg, match):
         layer_roles(cfg)
 
 
+INDEX_HEADS = 4
+
+
+class FullLayer:
+    """A full layer's own Lightning indexer: the real ops through :class:`V32IndexerStep`
+    (NaN-poisoned fp8 key cache), the keys it inserted kept per request for the oracle."""
+
+    def __init__(self, h, topk_buffer, seed):
+        self.step = V32IndexerStep(h.backend, topk=topk_buffer)
+        self.k_cache = self.step.allocate_cache(h.sim.num_blocks, fill=0xFF)
+        self.g = torch.Generator().manual_seed(seed)
+        self.keys = {}                          # (request id, position) -> bf16 key row
+
+    def inputs(self, st, order, device):
+        T = st.q.shape[0]
+        q = torch.randn(T, INDEX_HEADS, 128, generator=self.g).to(torch.bfloat16)
+        w = torch.rand(T, INDEX_HEADS, generator=self.g)
+        k = torch.randn(T, 128, generator=self.g).to(torch.bfloat16)
+        for t, (rid, p) in enumerate(token_positions(st, order)):
+            self.keys[rid, p] = k[t]
+        return indexer_inputs(q, w, k, self.k_cache, device)
+
+    def expected(self, st, order, ix):
+        """float64 top-k of every token over positions 0..p of its request: keys as the
+        cache quantizes them (the reference quantizer), larger score first, ties by lower
+        position; as sorted position lists."""
+        sel = []
+        for t, (rid, p) in enumerate(token_positions(st, order)):
+            b, scale = indexer_ref.quantize_fp8(torch.stack([self.keys[rid, j]
+                                                             for j in range(p + 1)]))
+            keys = b.view(torch.float8_e4m3fn).double() * scale.double().unsqueeze(1)
+            qt, wt = ix.q[t].cpu().double(), ix.weights[t].cpu().double()
+            score = (wt.unsqueeze(1) * (qt @ keys.T).clamp_min(0)).sum(0)
+            order_ = torch.sort(score, descending=True, stable=True).indices
+            sel.append(sorted(order_[:self.step.config.topk].tolist()))
+        return sel
+
+
+def indexer_inputs(q, w, k, k_cache, device):
+    return IndexerInputs(q.to(device), w.to(device), k.to(device), k_cache)
+
+
+def token_positions(st, order):
+    """(request id, position) of every real token of the step, in batch order."""
+    qsl = st.batch.query_start_loc_cpu.tolist()
+    pos = st.batch.positions.cpu().tolist()
+    return [(rid, pos[t]) for r, (rid, _) in enumerate(order) for t in range(qsl[r], qsl[r + 1])]
+
+
 def run_layers(layout, roles, device, rerun_shared=False):
-    """One engine step after another over len(roles) layers; returns the indexer calls."""
+    """One engine step after another over len(roles) layers: full layers (and every layer
+    with ``rerun_shared``, the mutation) select with the real indexer ops into one top-k
+    buffer the model shares, as vLLM's ``topk_indices_buffer``; shared layers attend over
+    what is in it. Returns the layers that ran an indexer, per step."""
     src = topk_source(roles)
-    hs = [Harness(layout, config(), device, seed=100 + i) for i in range(len(roles))]
+    hs = [Harness(layout, config(topk=TOPK), device, seed=100 + i) for i in range(len(roles))]
+    buffer = torch.full((hs[0].cfg.max_num_tokens, TOPK), -1, dtype=torch.int32,
+                        device=device)
+    selects = [i for i, r in enumerate(roles) if r == FULL or rerun_shared]
+    full = {i: FullLayer(hs[i], buffer, seed=200 + i) for i in selects}
     calls = []
-
-    def indexer(i, st):
-        # the layer's own selection (the simulator models the indexer's output); counted
-        calls.append(i)
-        return st.batch.topk_indices
-
     for n, step in enumerate(SCRIPT):
+        order = step["decodes"] + step["prefills"]
         sts = [h.sim.step(step["decodes"], step["prefills"]) for h in hs]
         selected = {}
         for i, (h, st) in enumerate(zip(hs, sts)):
-            if roles[i] == FULL or rerun_shared:
-                selected[i] = indexer(i, st)
-            topk = selected[i] if roles[i] == FULL or rerun_shared else selected[src[i]]
-            out = h.run(st, batch=dataclasses.replace(st.batch, topk_indices=topk))
-            check_rows(out, oracle(h, st, step, sts[src[i]].batch.topk_indices),
+            T = st.q.shape[0]
+            out = torch.full((T, h.cfg.num_heads, 512), float("nan"), dtype=torch.bfloat16,
+                             device=device)
+            batch = dataclasses.replace(st.batch, topk_indices=None)
+            if i in full:
+                ix = full[i].inputs(st, order, device)
+                full[i].step.forward(st.q, st.kv, h.caches, batch, ix, out=out)
+                h.written.update(st.slots)
+                selected[i] = full[i].expected(st, order, ix)
+                got = [sorted(j for j in row if j >= 0) for row in buffer[:T].cpu().tolist()]
+                assert got == selected[i], f"{layout} step {n} layer {i}: indexer top-k"
+                calls.append(i)
+            else:
+                h.run(st, out=out, batch=dataclasses.replace(batch, topk_indices=buffer[:T]))
+            expect = selected[i] if roles[i] == FULL else selected[src[i]]
+            check_rows(out, oracle(h, st, step, expect),
                        f"{layout} step {n} layer {i} ({roles[i]})")
             h.check_untouched()
     return calls
 
 
 def oracle(h, st, step, topk):
-    """float64 attention of each token over ``topk`` (request-local positions) of this
-    layer's rows as the simulator kept them."""
+    """float64 attention of each token over ``topk`` (per token, request-local positions)
+    of this layer's rows as the simulator kept them."""
     order = step["decodes"] + step["prefills"]
     qsl = st.batch.query_start_loc_cpu.tolist()
-    topk = topk.cpu()
     exp = torch.zeros(st.q.shape[0], h.cfg.num_heads, 512, dtype=torch.float64)
     for r, (rid, _) in enumerate(order):
         rows = h.sim.requests[rid].rows
         for t in range(qsl[r], qsl[r + 1]):
-            sel = [int(j) for j in topk[t] if j >= 0]
-            exp[t] = attend(st.q[t].cpu().double(), torch.stack([rows[j] for j in sel]),
+            exp[t] = attend(st.q[t].cpu().double(), torch.stack([rows[j] for j in topk[t]]),
                             h.cfg.softmax_scale)
     return exp
 
