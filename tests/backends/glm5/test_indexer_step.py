@@ -40,10 +40,11 @@ class LayerSim:
     indexer key and gate are a function of (request, position); with ``ties`` every pool is
     one of two patterns, so pooled keys (and their scores) tie exactly."""
 
-    def __init__(self, device, seed, pbs=3, ties=False, q_fp8=False, scale_fmt="fp32"):
+    def __init__(self, device, seed, pbs=3, ties=False, q_fp8=False, scale_fmt="fp32",
+                 heads=H):
         self.g, self.dev, self.pbs, self.ties, self.q_fp8 = seeded(seed), device, pbs, ties, \
             q_fp8
-        self.scale_fmt = scale_fmt
+        self.scale_fmt, self.heads = scale_fmt, heads
         g = self.g
         self.tables = torch.randperm(NB, generator=g).view(4, NB // 4).int()
         per = PNB // 4
@@ -84,7 +85,7 @@ class LayerSim:
                                for r, p in rows] + [-1] * pad)
         tslots = torch.tensor([int(self.tblocks[r]) * RING + p % RING for r, p in rows]
                               + [-1] * pad)
-        q = (torch.randn(T, H, 512, generator=g) * 0.5).bfloat16()
+        q = (torch.randn(T, self.heads, 512, generator=g) * 0.5).bfloat16()
         kv = torch.randn(T, 512, generator=g).bfloat16()
         iq = torch.randn(T, IH, 128, generator=g).bfloat16()
         if self.q_fp8:
@@ -193,8 +194,8 @@ class LayerSim:
 
 
 def make_step(device, impl="reference", attention_impl=None, mode="auto", pbs=3,
-              scale_fmt="fp32"):
-    cfg = Glm5Config(num_heads=H, max_num_tokens=128, max_num_reqs=4,
+              scale_fmt="fp32", heads=H):
+    cfg = Glm5Config(num_heads=heads, max_num_tokens=128, max_num_reqs=4,
                      max_model_len=NB // 4 * BS, topk=WIDTH, block_size=BS)
     idx = Glm5IndexerConfig(num_heads=IH, index_topk=ITOPK, kpool=KP, scale_fmt=scale_fmt)
     step = Glm5IndexerStep(cfg, device, impl, idx, attention_impl=attention_impl,
@@ -208,7 +209,7 @@ def make_step(device, impl="reference", attention_impl=None, mode="auto", pbs=3,
 def run_check(step, caches, sim, st, written, capturing=False):
     cache, k_cache, tail = caches
     q, kv, b, *_, rows = st
-    out = torch.full((q.shape[0], H, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
+    out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=torch.bfloat16, device=q.device)
     step.forward(q, kv, {"kv": cache}, b, sim.inputs(st, k_cache, tail), out=out)
     want = sim.expected_topk(st, capturing)
     got = step.topk[:q.shape[0]].cpu()
@@ -245,13 +246,26 @@ SHORT = (([], [(0, 6), (1, 11)], 1, False),
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("plan", ["long", "short"])
 def test_mixed_steps_match_oracle(device, ties, plan):
-    step, *caches = make_step(device)
+    step, *caches = make_step(device, "reference" if device == "cpu" else "auto")
     sim, written, ran = LayerSim(device, seed=7 + ties, ties=ties), set(), set()
     for decodes, prefills, pad, host in (LONG if plan == "long" else SHORT):
         run_check(step, caches, sim, sim.step(decodes, prefills, pad, host), written)
         ran |= set(step.explain())
     # the short plan's first steps score nothing: the scoring ops ran only once it grew
     assert ran >= set(Glm5IndexerStep.OPS)
+
+
+def test_no_shortcut_while_capturing(monkeypatch):
+    """A graph must hold the scoring path: short contexts are scored while capturing (the
+    shortcut's rows would be baked into the graph)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    step, *caches = make_step("cpu")
+    sim, written = LayerSim("cpu", seed=5, ties=True), set()
+    for decodes, prefills, pad, host in SHORT:
+        run_check(step, caches, sim, sim.step(decodes, prefills, pad, host), written,
+                  capturing=True)
+    assert "kpool_topk_prefill" in step.explain() or "kpool_topk_decode" in step.explain()
 
 
 @pytest.mark.parametrize("pbs,scale_fmt,q_fp8", [(5, "ue8m0", False), (7, "fp32", True)])
