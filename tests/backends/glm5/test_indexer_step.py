@@ -112,8 +112,12 @@ class LayerSim:
             seq_lens_cpu=seq if host_meta else None)
         return q.to(d), kv.to(d), b, iq.to(d), w.to(d), k.to(d), gate.to(d), tslots.to(d), rows
 
-    def inputs(self, st, k_cache, tail_cache):
+    def inputs(self, st, k_cache, tail_cache, strided=False):
         _, _, _, iq, w, k, gate, tslots, _ = st
+        if strided:       # rows (and q's heads) strided, last dims contiguous, as views give
+            iq = torch.stack([iq, iq], dim=2)[:, :, 0]
+            w, k, gate = (torch.cat([x, x], dim=1)[:, :x.shape[1]] for x in (w, k, gate))
+            assert not (iq.is_contiguous() or w.is_contiguous() or k.is_contiguous())
         return Glm5IndexerInputs(iq, w, k, gate, self.ape.to(self.dev), k_cache, tail_cache,
                                  tslots)
 
@@ -206,11 +210,11 @@ def make_step(device, impl="reference", attention_impl=None, mode="auto", pbs=3,
     return step, cache, k_cache, tail
 
 
-def run_check(step, caches, sim, st, written, capturing=False):
+def run_check(step, caches, sim, st, written, capturing=False, strided=False):
     cache, k_cache, tail = caches
     q, kv, b, *_, rows = st
     out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=torch.bfloat16, device=q.device)
-    step.forward(q, kv, {"kv": cache}, b, sim.inputs(st, k_cache, tail), out=out)
+    step.forward(q, kv, {"kv": cache}, b, sim.inputs(st, k_cache, tail, strided), out=out)
     want = sim.expected_topk(st, capturing)
     got = step.topk[:q.shape[0]].cpu()
     for i in range(q.shape[0]):
@@ -269,12 +273,13 @@ def test_no_shortcut_while_capturing(monkeypatch):
 
 
 @pytest.mark.parametrize("pbs,scale_fmt,q_fp8", [(5, "ue8m0", False), (7, "fp32", True)])
-def test_block_sizes_scale_bytes_fp8_query(pbs, scale_fmt, q_fp8):
+def test_block_sizes_scale_bytes_fp8_query_strided_inputs(pbs, scale_fmt, q_fp8):
     step, *caches = make_step("cpu", pbs=pbs, scale_fmt=scale_fmt)
     sim = LayerSim("cpu", seed=3, pbs=pbs, ties=True, q_fp8=q_fp8, scale_fmt=scale_fmt)
     written = set()
     for decodes, prefills, pad, host in LONG[:3]:
-        run_check(step, caches, sim, sim.step(decodes, prefills, pad, host), written)
+        run_check(step, caches, sim, sim.step(decodes, prefills, pad, host), written,
+                  strided=True)
 
 
 def test_config_and_bad_input():
