@@ -84,12 +84,12 @@ def test_indexer_step_decode_graph_replays(s_q):
         graph.replay()
         torch.cuda.synchronize()
         written[0].update(int(s) for s in b.slot_mapping.cpu() if s >= 0)
+        sim.check_pooled_cache(k_cache)
         want = sim.expected_topk(st, capturing=True)
         assert torch.equal(step.topk[:q.shape[0]].cpu(), want), f"replay {i}: selection"
         ref = sim.attention(st, cache, want, step.config.softmax_scale)
         n = len(st[-1])
         torch.testing.assert_close(out[:n].cpu().double(), ref[:n], atol=2e-2, rtol=2e-2)
-        sim.check_pooled_cache(k_cache)
         s2, *c2 = steps[1]
         eager = layer.run_check(s2, c2, sims[1], sims[1].step(dec, [], 2), written[1])
         assert torch.equal(out, eager), f"replay {i} differs from the eager step"

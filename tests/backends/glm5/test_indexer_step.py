@@ -45,6 +45,12 @@ class LayerSim:
         self.g, self.dev, self.pbs, self.ties, self.q_fp8 = seeded(seed), device, pbs, ties, \
             q_fp8
         self.scale_fmt, self.heads = scale_fmt, heads
+        # The Triton insert's exp is the GPU's: a pooled element may land one bf16 rounding
+        # off the reference's (ops/indexer_kpool/triton_impl.py), so on CUDA the pooled
+        # cache is compared within that and the oracle scores the keys the cache holds.
+        # On CPU (reference, interpreter) the bytes are the reference's exactly.
+        self.exact = torch.device(device).type == "cpu"
+        self.k_cache = None
         g = self.g
         self.tables = torch.randperm(NB, generator=g).view(4, NB // 4).int()
         per = PNB // 4
@@ -151,7 +157,8 @@ class LayerSim:
                 out[i, :p + 1] = torch.arange(p + 1)
                 continue
             n = (p + 1) // KP
-            keys = self.pools(r, n)[2]
+            keys = self.pools(r, n)[2] if self.exact else kref.paged_pools(
+                self.k_cache.cpu(), self.ptables[r], self.pbs, n, self.scale_fmt)[0]
             qd = iq[i].cpu().float().double()
             per_head = (qd[:, None, :] * keys[None]).sum(-1).clamp_min(0)
             s = (w[i].cpu().double()[:, None] * per_head).sum(0).tolist()
@@ -177,20 +184,32 @@ class LayerSim:
         return out
 
     def check_pooled_cache(self, k_cache):
-        """Every complete pool's bytes at its slot; every other entry still poison."""
-        pbs = self.pbs
+        """Every complete pool's bytes at its slot (exactly, or on CUDA within two e4m3 steps
+        with at most 1% of the bytes off); every other entry still poison."""
+        pbs, self.k_cache = self.pbs, k_cache
         page = k_cache.cpu().reshape(PNB, -1)
         seen = torch.zeros(PNB, pbs, dtype=torch.bool)
+        off = total = 0
         for r in range(4):
             n = self.lens[r] // KP
-            vals, scales, _ = self.pools(r, n)
+            vals, scales, want = self.pools(r, n)
             sb = kref.scale_bytes(scales, self.scale_fmt)
+            got = kref.paged_pools(page.view(PNB, pbs, -1), self.ptables[r], pbs, n,
+                                   self.scale_fmt)[0]
             for j in range(n):
                 blk, o = int(self.ptables[r, j // pbs]), j % pbs
-                assert torch.equal(page[blk, o * 128:(o + 1) * 128], vals[j]), (r, j)
                 t0 = pbs * 128 + o * 4
-                assert torch.equal(page[blk, t0:t0 + 4], sb[j]), (r, j, "scale")
                 seen[blk, o] = True
+                if self.exact:
+                    assert torch.equal(page[blk, o * 128:(o + 1) * 128], vals[j]), (r, j)
+                    assert torch.equal(page[blk, t0:t0 + 4], sb[j]), (r, j, "scale")
+                    continue
+                amax = float(want[j].abs().max())
+                assert not got[j].isnan().any(), (r, j)
+                assert float((got[j] - want[j]).abs().max()) <= 2 * 32 * amax / 448, (r, j)
+                off += int((page[blk, o * 128:(o + 1) * 128] != vals[j]).sum())
+                total += 128
+        assert off <= 0.01 * total + 128, f"{off} of {total} pooled bytes differ"
         for blk, o in (~seen).nonzero().tolist():
             assert (page[blk, o * 128:(o + 1) * 128] == POISON).all(), (blk, o)
             t0 = pbs * 128 + o * 4
@@ -215,6 +234,7 @@ def run_check(step, caches, sim, st, written, capturing=False, strided=False):
     q, kv, b, *_, rows = st
     out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=torch.bfloat16, device=q.device)
     step.forward(q, kv, {"kv": cache}, b, sim.inputs(st, k_cache, tail, strided), out=out)
+    sim.check_pooled_cache(k_cache)
     want = sim.expected_topk(st, capturing)
     got = step.topk[:q.shape[0]].cpu()
     for i in range(q.shape[0]):
@@ -228,7 +248,6 @@ def run_check(step, caches, sim, st, written, capturing=False, strided=False):
     keep = torch.ones(NB * BS, dtype=torch.bool)
     keep[torch.tensor(sorted(written), dtype=torch.long)] = False
     assert (cache.cpu().reshape(-1, 656)[keep] == POISON).all(), "unwritten MLA slots touched"
-    sim.check_pooled_cache(k_cache)
     return out
 
 
