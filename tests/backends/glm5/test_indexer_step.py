@@ -6,8 +6,9 @@ the history itself (the ops' reference ``pool`` / ``quantize_rotated``, no tail 
 pools in float64 with plain torch, orders them (larger first, equal by lower id), expands them
 and appends the tail, applies vLLM's short-context rule, and attends over the MLA records.
 Selections must equal the step's exactly (ties included: pools built from two patterns give
-bit-equal pooled keys); the pooled cache must hold the oracle's bytes at each pool's slot and
-0xFF elsewhere. Small shapes: index_topk 16, kpool 4, so contexts past 16 tokens really select.
+bit-equal pooled keys); the pooled cache must hold the oracle's bytes at each pool's slot (on
+CUDA within the Triton insert's rounding, see LayerSim) and 0xFF elsewhere. Small shapes:
+index_topk 16, kpool 4, so contexts past 16 tokens really select.
 """
 from __future__ import annotations
 
