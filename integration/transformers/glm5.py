@@ -144,14 +144,17 @@ def attend_fp32(query, key, value, indices, scale):
     for r0 in range(0, s, rows):
         idx = indices[:, r0:r0 + rows].long()
         safe = idx.clamp(min=0).unsqueeze(1)                          # [B, 1, r, W]
-        logits = torch.einsum("bhrd,bhrwd->bhrw", query[:, :, r0:r0 + rows],
-                              key[bi, hi, safe]) * scale
-        logits = logits.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+        # unused slots read key 0, which need not be finite (0 * NaN): zeroed
+        unused = (idx < 0).unsqueeze(1).unsqueeze(-1)
+        k = key[bi, hi, safe].masked_fill(unused, 0.0)
+        v = value[bi, hi, safe].masked_fill(unused, 0.0)
+        logits = torch.einsum("bhrd,bhrwd->bhrw", query[:, :, r0:r0 + rows], k) * scale
+        logits = logits.masked_fill(unused.squeeze(-1), float("-inf"))
         # a row with no key has no softmax: its output is 0, like the kernels'
         m = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
         p = torch.exp(logits - m)
         p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        out[:, r0:r0 + rows] = torch.einsum("bhrw,bhrwd->brhd", p, value[bi, hi, safe])
+        out[:, r0:r0 + rows] = torch.einsum("bhrw,bhrwd->brhd", p, v)
     return out
 
 
