@@ -150,7 +150,7 @@ def test_function_matches_eager_on_its_visible_keys(device, dtype, dims):
         assert (err <= scale * 3 / 128 + 8e-4).all(), err.max()
     assert (got[empty] == 0).all()
     if device != "cpu" and dtype == torch.bfloat16:
-        assert last_choice("flashmla_sparse_prefill").impl == "triton"
+        assert last_choice("flashmla_sparse_prefill").impl in ("triton", "vendor")
 
 
 def test_function_refuses_what_it_cannot_serve():
@@ -245,7 +245,7 @@ def test_every_call_is_as_close_to_fp32_as_eager_bf16(device):
         assert (err <= scale * 3 / 128 + 8e-4).all(), err.max()
         assert err.max() <= (eager_bf16 - want).abs().max()
     if device != "cpu":
-        assert last_choice("flashmla_sparse_prefill").impl == "triton"
+        assert last_choice("flashmla_sparse_prefill").impl in ("triton", "vendor")
 
 
 @pytest.mark.parametrize("device", DEVICES)
