@@ -158,6 +158,37 @@ def attend_fp32(query, key, value, indices, scale):
     return out
 
 
+def _attend_bf16(q, kv, mask, width, heads, scale, layer="?"):
+    """``out [B*H*S, 1, ROW]`` of the packed rows over ``mask``'s (``[B, S, N]``) visible
+    columns, by the op's plan kept for this kind of call (op_route.py). Rows the lists cannot
+    reproduce are refused (value checks on) or come out NaN (no host sync to find them)."""
+    b, s, n = mask.shape
+    kind = op_route.call_kind(q, kv, width, None)
+    width = op_route.list_width(kind, width)
+    indices, lengths, bad = visible_index_lists(mask, width)
+    checkable = checks.value_checks_enabled(mask)
+    if checkable:
+        _refuse(bad, width, layer)
+    head_indices, head_lengths = _head_lists(indices, lengths, heads, n)
+    out = op_route.attend(kind, q, kv, head_indices, head_lengths, None, scale)
+    if not checkable:
+        out.view(b, heads, s, ROW).masked_fill_(bad.view(b, 1, s, 1), float("nan"))
+    return out
+
+
+@torch.library.custom_op("sparse_mla_hf::glm5_attend", mutates_args=())
+def attend_traced(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, width: int,
+                  heads: int, scale: float) -> torch.Tensor:
+    """``_attend_bf16`` as one opaque node of a torch.compile graph, as attention.py's
+    ``sparse_mla_hf::attend`` and for the same reasons."""
+    return _attend_bf16(q, kv, mask, width, heads, scale)
+
+
+@attend_traced.register_fake
+def _(q, kv, mask, width, heads, scale):
+    return q.new_empty((q.shape[0], 1, ROW))
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
     """HF attention function for a GLM-5.3 DSA layer: ``(out [B, S, H, v], None)``."""
@@ -168,9 +199,12 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     mask = attention_mask.select(1, 0)
     layer = getattr(module, "layer_idx", "?")
     width = list_width(module, n)
-    checkable = checks.value_checks_enabled(attention_mask)
+    tracing = op_route.tracing()
     if query.dtype == torch.float32:
-        indices, lengths, bad = visible_index_lists(mask, width)
+        # attention.py registers the lists' custom op (imported before any call reaches here)
+        lists = torch.ops.sparse_mla_hf.index_lists.default if tracing else visible_index_lists
+        indices, lengths, bad = lists(mask, width)
+        checkable = not tracing and checks.value_checks_enabled(attention_mask)
         if checkable:
             _refuse(bad, width, layer)
         out = attend_fp32(query, key, value, indices, scale)
@@ -178,14 +212,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))
         return out, None
     q, kv = _packed(query, key, value)
-    kind = op_route.call_kind(q, kv, width, None)
-    width = op_route.list_width(kind, width)
-    indices, lengths, bad = visible_index_lists(mask, width)
-    if checkable:
-        _refuse(bad, width, layer)
-    head_indices, head_lengths = _head_lists(indices, lengths, h, n)
-    out = op_route.attend(kind, q, kv, head_indices, head_lengths, None, scale)
-    out = out.view(b, h, s, ROW)[..., :dv].transpose(1, 2)
-    if not checkable:
-        out = out.masked_fill(bad.view(b, s, 1, 1), float("nan"))
-    return out, None
+    out = (attend_traced(q, kv, mask, width, h, scale) if tracing
+           else _attend_bf16(q, kv, mask, width, h, scale, layer))
+    return out.view(b, h, s, ROW)[..., :dv].transpose(1, 2), None

@@ -178,6 +178,49 @@ def test_function_refuses_what_it_cannot_serve():
         sparse_mla_attention_forward(layer, q.half(), k.half(), v.half(), mask.half())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_it_cannot_reproduce_come_out_nan_without_value_checks(dtype, monkeypatch):
+    """On a GPU (value checks off) a row with more visible keys than the width is poisoned,
+    not raised (no host sync); the other rows are unchanged."""
+    q, k, v, mask = _random_call(dtype)
+    layer = _Layer()
+    want, _ = sparse_mla_attention_forward(layer, q, k, v, mask)
+    crowded = mask.clone()
+    crowded[1, 0, 3] = 0.0                               # all 19 keys visible > width 11
+    monkeypatch.setattr(glm5.checks, "value_checks_enabled", lambda *t: False)
+    got, _ = sparse_mla_attention_forward(layer, q, k, v, crowded)
+    assert torch.isnan(got[1, 3]).all()
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1, 3] = False
+    assert torch.equal(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_attention_function_compiles_as_one_graph(device, dtype):
+    """As DeepSeek-V4's (test_compile.py): one graph whose sparse_mla nodes are custom ops
+    (the bf16 call whole, the fp32 path's lists), equal to the uncompiled function."""
+    model = glm5_models.random_model(glm5_models.tiny_config(), dtype, device=device, seed=5)
+    ids, mask = _prompts(5, device=device)
+    calls = _record(model, lambda: _greedy(model, ids, mask, new_tokens=2))
+    torch._dynamo.reset()
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    compiled = torch.compile(sparse_mla_attention_forward, fullgraph=True, backend=backend)
+    for c in calls:
+        with torch.no_grad():
+            want = sparse_mla_attention_forward(c.module, c.query, c.key, c.value, c.mask,
+                                                **c.kwargs)[0]
+            got = compiled(c.module, c.query, c.key, c.value, c.mask, **c.kwargs)[0]
+        assert torch.equal(got, want)
+    ours = {t for t in targets if "sparse_mla_hf" in t}
+    assert ours == ({"sparse_mla_hf.glm5_attend.default"} if dtype == torch.bfloat16
+                    else {"sparse_mla_hf.index_lists.default"}), targets
+
+
 # -- registration --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, reason", [
