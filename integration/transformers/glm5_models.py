@@ -45,6 +45,19 @@ def greedy_config(**text_overrides) -> Glm5NextConfig:
     return tiny_config(**kw)
 
 
+def real_dims_config(**text_overrides) -> Glm5NextConfig:
+    """GLM-5.3's attention dimensions at full width (64 heads of 256, kv_lora 512, the
+    indexer's 32 heads x 128 with top-2048 over pools of 4) on ``tiny_config``'s four layers
+    and a small model (hidden 1024): the GPU test's model."""
+    kw = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
+              num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
+              q_lora_rank=512, index_topk=2048, index_head_dim=128, index_n_heads=32,
+              linear_head_dim=128, linear_num_heads=8, initializer_range=0.02,
+              max_position_embeddings=4096)
+    kw.update(text_overrides)
+    return tiny_config(**kw)
+
+
 def random_model(config, dtype=torch.bfloat16, device="cpu", seed=0,
                  attn_implementation="eager") -> Glm5NextForConditionalGeneration:
     """``config``'s model with random weights (the indexer's pool bias and gate included),

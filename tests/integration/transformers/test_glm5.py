@@ -304,16 +304,20 @@ def test_fp32_forward_logits_match_eager_tightly(device):
     torch.testing.assert_close(ours[real], eager[real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bf16_forward_logits_match_eager_within_its_own_rounding(device):
+@pytest.mark.parametrize("device, config, length", [
+    ("cpu", glm5_models.greedy_config, 40),
+    *([pytest.param("cuda", glm5_models.greedy_config, 40, id="cuda"),
+       pytest.param("cuda", glm5_models.real_dims_config, 256, id="cuda-real-dims")]
+      if CUDA else [])])
+def test_bf16_forward_logits_match_eager_within_its_own_rounding(device, config, length):
     """As test_attention.py's DeepSeek-V4 test: sparse_mla about as close to the fp32 weights
     as eager bf16 is. ``greedy_config``: its indexer keeps every pool (bf16 rounding flips
-    top-2 pool picks in eager itself; the per-call test covers picks)."""
-    model = glm5_models.random_model(glm5_models.greedy_config(), torch.bfloat16,
-                                     device=device, seed=1)
+    top-2 pool picks in eager itself; the per-call test covers picks); on a GPU also the
+    64-head real dimensions (top-2048 keeps every pool of 256 tokens)."""
+    model = glm5_models.random_model(config(), torch.bfloat16, device=device, seed=1)
     twin = glm5_models.random_model(model.config, torch.float32, device=device)
     twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    ids, mask = _prompts(1, length=40, device=device)
+    ids, mask = _prompts(1, length=length, device=device)
     with torch.no_grad():
         truth = twin(ids, attention_mask=mask).logits
         eager = model(ids, attention_mask=mask).logits.float()
