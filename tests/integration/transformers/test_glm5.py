@@ -238,10 +238,18 @@ def test_unsupported_configs_are_refused_with_their_reason(overrides, reason):
     assert model.config.text_config._attn_implementation == "eager"
 
 
-def test_the_vision_tower_is_refused_and_the_text_model_accepted(monkeypatch):
+def test_the_vision_tower_is_refused_and_the_text_model_accepted(monkeypatch, tmp_path):
     model = glm5_models.random_model(glm5_models.tiny_config(), torch.float32)
     with pytest.raises(ValueError, match="Glm5NextVisionModel: GLM-5.3's vision tower"):
         model.set_attn_implementation("sparse_mla")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Glm5NextVisionModel: GLM-5.3's vision tower"):
+        glm.Glm5NextForConditionalGeneration.from_pretrained(tmp_path,
+                                                            attn_implementation="sparse_mla")
+    loaded = glm.Glm5NextForConditionalGeneration.from_pretrained(
+        tmp_path, attn_implementation={"text_config": "sparse_mla", "vision_config": "sdpa"})
+    assert loaded.config.text_config._attn_implementation == "sparse_mla"
+    assert loaded.config.vision_config._attn_implementation == "sdpa"
     model.set_attn_implementation(SPARSE)
     assert model.config.text_config._attn_implementation == "sparse_mla"
     assert model.config.vision_config._attn_implementation == "eager"
