@@ -1,4 +1,6 @@
-"""HF transformers integration: ``attn_implementation="sparse_mla"`` for DeepSeek-V4.
+"""HF transformers integration: ``attn_implementation="sparse_mla"`` for DeepSeek-V4 and for
+GLM-5.3's (``glm5_next``) DSA layers (glm5.py; give it the text model:
+``attn_implementation={"text_config": "sparse_mla", "vision_config": "sdpa"}``).
 
     import sparse_mla.integration.transformers        # registers "sparse_mla"
     model = DeepseekV4ForCausalLM.from_pretrained(path, attn_implementation="sparse_mla")

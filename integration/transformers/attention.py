@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from sparse_mla.integration.transformers import op_route
+from sparse_mla.integration.transformers import glm5, op_route
 from sparse_mla.integration.transformers.index_lists import visible_index_lists
 from sparse_mla.ops.common import checks
 
@@ -199,7 +199,11 @@ def _(mask, width):
 
 def sparse_mla_attention_forward(module, query, key, value, attention_mask, scaling=None,
                                  dropout=0.0, s_aux=None, **kwargs):
-    """HF attention function: returns ``(out [B, S_q, H, 512], None)`` (no weights)."""
+    """HF attention function: returns ``(out [B, S_q, H, 512], None)`` (no weights).
+    GLM-5.3's DSA layers (their own q / k / v and mask) go to ``glm5.attention_forward``."""
+    if getattr(getattr(module, "config", None), "model_type", None) in glm5.MODEL_TYPES:
+        return glm5.attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
     _check_inputs(module, query, key, value, attention_mask, dropout)
     b, h, s, d = query.shape
     n = key.shape[2]

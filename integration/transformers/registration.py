@@ -19,6 +19,7 @@ import re
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from sparse_mla.integration.transformers import glm5
 from sparse_mla.integration.transformers.attention import (HEAD_DIM, MAX_HEADS,
                                                            sparse_mla_attention_forward)
 
@@ -53,8 +54,11 @@ def unsupported_reason(config) -> str | None:
         return (f"transformers {have} is a major release this integration was not written "
                 f"for (needs {REQUIREMENT})")
     model_type = getattr(config, "model_type", None)
+    if model_type in glm5.MODEL_TYPES + ("glm5_next_vision",):
+        return glm5.unsupported_reason(config)
     if model_type != "deepseek_v4":
-        return f"it implements DeepSeek-V4 attention only; this model is {model_type!r}"
+        return (f"it implements DeepSeek-V4 and GLM-5.3 (glm5_next) DSA attention only; this "
+                f"model is {model_type!r}")
     head_dim = getattr(config, "head_dim", None)
     if head_dim != HEAD_DIM:
         return f"its kernels take head_dim {HEAD_DIM}; this config has head_dim {head_dim}"

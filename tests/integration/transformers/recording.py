@@ -22,10 +22,10 @@ class Call:
     kwargs: dict
 
 
-def record(model, run, mask_function=eager_mask):
-    """Run ``run()`` with ``model`` on a recording implementation (eager's attention, with
-    ``mask_function`` registered, or none when None); returns the calls in order and
-    restores the model's implementation."""
+def record(model, run, mask_function=eager_mask, eager=dsv4.eager_attention_forward):
+    """Run ``run()`` with ``model`` on a recording implementation (``eager``: the model's
+    eager attention, with ``mask_function`` registered, or none when None); returns the
+    calls in order and restores the model's implementation."""
     calls = []
 
     def recording(module, query, key, value, attention_mask, **kwargs):
@@ -35,7 +35,7 @@ def record(model, run, mask_function=eager_mask):
             # computed as an sdpa-style mask means (True = attend), so layers before the
             # one inspected see the same window masks as under eager
             mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
-        return dsv4.eager_attention_forward(module, query, key, value, mask, **kwargs)
+        return eager(module, query, key, value, mask, **kwargs)
 
     name = f"_sparse_mla_test_recording_{next(_NAMES)}"
     AttentionInterface.register(name, recording)

@@ -154,7 +154,8 @@ def test_other_models_are_refused():
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, head_dim=512)
     model = LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match="DeepSeek-V4 attention only; this model is 'llama'"):
+    with pytest.raises(ValueError, match="DeepSeek-V4 and GLM-5.3 .glm5_next. DSA attention "
+                                         "only; this model is 'llama'"):
         model.set_attn_implementation("sparse_mla")
 
 
