@@ -35,11 +35,20 @@ from torch import Tensor
 from sparse_mla.backends.common.batch import BatchDescription
 from sparse_mla.backends.glm5.config import INDEX_TOPK, KPOOL, Glm5Config, topk_width
 from sparse_mla.backends.glm5.flashmla import Glm5FlashMLABackend
+from sparse_mla.backends.v4.indexer_step import (check_prefill_blocks, decode_grid,
+                                                 prefill_args, topk_buffer)
 from sparse_mla.ops.common import checks, dispatch
 from sparse_mla.ops.common.dispatch import canonical_device
 from sparse_mla.ops.indexer_kpool import format as kfmt
 from sparse_mla.ops.indexer_kpool import kpool_k_insert, kpool_topk_decode, kpool_topk_prefill
 from sparse_mla.ops.indexer_kpool import ops as kpool_ops
+
+
+
+def _ue8m0_scales(raw: Tensor) -> Tensor:
+    """A pooled entry's ue8m0 scale byte (the first of its four) as the fp32 power of two it
+    encodes."""
+    return (raw[:, 0].to(torch.int32) << 23).view(torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +135,7 @@ class Glm5IndexerStep:
         self.backend = Glm5FlashMLABackend(config, device, impl, attention_impl,
                                            fp8_mode=fp8_mode)
         self.config, self.index, self.impl = config, index, impl
-        if topk is None:
-            topk = torch.full((config.max_num_tokens, config.topk), -1, dtype=torch.int32,
-                              device=self.backend.device)
-        checks.expect_tensor("topk", topk, torch.int32, (None, config.topk))
-        if topk.shape[0] < config.max_num_tokens or \
-                canonical_device(topk.device) != canonical_device(self.backend.device):
-            raise ValueError(f"topk must hold max_num_tokens = {config.max_num_tokens} rows on "
-                             f"{self.backend.device}, got {list(topk.shape)} on {topk.device}")
-        self.topk = topk
+        self.topk = topk_buffer(topk, config, self.backend.device)
         self._choices = {}
 
     def explain(self):
@@ -197,74 +198,21 @@ class Glm5IndexerStep:
         ar = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32)
         rows.copy_(torch.where(ar <= positions[:, None].to(torch.int32), ar, -1))
 
-    # -- decode: the paged op over a uniform [requests + 1, next_n] grid -------------------
+    # -- decode and prefill: V4's grid and dense gather with the pool as the entry ------
     def _decode(self, ix, batch, table, bs, out):
-        """Decode requests may have fewer than ``max_decode_query_len`` tokens (MTP with
-        varying drafts), which is not known without a sync. So each token goes to a grid of
-        ``next_n`` rows per request, where the op puts row i at ``seq_len - next_n + i``: the
-        j-th of a request's n tokens at row ``b * next_n + next_n - n + j``; a token past the
-        decode requests' (graph padding) to an extra group with seq_len 0, which selects
-        nothing. Same layout as V4's ``IndexerStep``."""
-        nd, ndt, next_n = batch.num_decodes, batch.num_decode_tokens, batch.max_decode_query_len
-        qsl = batch.query_start_loc[:nd + 1].long()
-        t = torch.arange(ndt, device=qsl.device)
-        b = torch.searchsorted(qsl, t, right=True) - 1
-        real = b < nd
-        b = b.clamp(max=nd - 1)
-        dst = torch.where(real, b * next_n + next_n - (qsl[b + 1] - qsl[b]) + t - qsl[b],
-                          nd * next_n)
-        n = (nd + 1) * next_n
-        q = ix.q.new_zeros((n,) + tuple(ix.q.shape[1:]))
-        q[dst] = ix.q[:ndt]
-        weights = ix.weights.new_zeros((n, ix.weights.shape[1]))
-        weights[dst] = ix.weights[:ndt]
-        seq_lens = torch.cat([batch.seq_lens[:nd], batch.seq_lens.new_zeros(1)])
-        grid_table = torch.cat([table[:nd], table.new_full((1, table.shape[1]), -1)])
-        grid = out.new_empty((n, out.shape[1]))
-        kpool_topk_decode(q, weights, ix.k_cache, seq_lens, grid_table, grid,
-                          self.index.kpool, next_n, bs, None, self.index.scale_fmt,
+        """The paged op over V4's uniform ``[requests + 1, next_n]`` grid (no host sync for
+        MTP drafts of unequal length or graph padding)."""
+        g = decode_grid(ix.q, ix.weights, batch, table)
+        grid = out.new_empty((g.q.shape[0], out.shape[1]))
+        kpool_topk_decode(g.q, g.weights, ix.k_cache, g.seq_lens, g.block_table, grid,
+                          self.index.kpool, g.next_n, bs, None, self.index.scale_fmt,
                           impl=self.impl)
-        out.copy_(grid[dst])
+        out.copy_(grid[g.dst])
 
-    # -- prefill: the requests' pools gathered densely, then the ragged op ------------------
     def _prefill(self, ix, batch, table, bs, out):
-        nd, npf, kp = batch.num_decodes, batch.num_prefills, self.index.kpool
-        qsl = batch.query_start_loc_cpu
-        seq = batch.seq_lens_cpu
-        if qsl is None or seq is None:        # the planner copies these too (prefill only)
-            qsl, seq = batch.query_start_loc.cpu(), batch.seq_lens.cpu()
-        qsl = qsl[nd:nd + npf + 1].long()
-        pools = (seq[nd:nd + npf].long() // kp).tolist()
-        dev = ix.q.device
-        cu_k = torch.zeros(npf + 1, dtype=torch.int32)
-        cu_k[1:] = torch.tensor(pools, dtype=torch.int64).cumsum(0)
-        k, k_scale = self._gather(ix.k_cache, table[nd:nd + npf], pools, bs)
-        lo, hi = int(qsl[0]), int(qsl[-1])
-        kpool_topk_prefill(ix.q[lo:hi], ix.weights[lo:hi], k, k_scale,
-                           (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
-                           batch.positions[lo:hi], out, kp, 0, max(pools, default=0),
-                           impl=self.impl)
-
-    def _gather(self, k_cache, table, pools, bs):
-        """Pools ``0..pools[r]-1`` of each request, densely: (e4m3 bytes [n, 128], fp32
-        scales [n]); ue8m0 scale bytes become the fp32 power of two they encode."""
-        dev = k_cache.device
-        req = torch.repeat_interleave(torch.arange(len(pools)),
-                                      torch.tensor(pools, dtype=torch.int64)).to(dev)
-        j = torch.cat([torch.arange(n) for n in pools]).to(dev) if pools else \
-            torch.zeros(0, dtype=torch.int64, device=dev)
-        blk = table[req, j // bs].long()
-        off = j % bs
-        page = checks.block_bytes_view(k_cache, kfmt.FP8, bs)
-        d = torch.arange(kfmt.DIM, device=dev)
-        values = page[blk.unsqueeze(1), (off * kfmt.DIM).unsqueeze(1) + d]
-        tail = (bs * kfmt.DIM + off * 4).unsqueeze(1) + torch.arange(4, device=dev)
-        raw = page[blk.unsqueeze(1), tail].contiguous()
-        if self.index.scale_fmt == "ue8m0":
-            scales = (raw[:, 0].to(torch.int32) << 23).view(torch.float32)
-        else:
-            scales = raw.view(torch.float32).reshape(-1)
-        return values, scales
+        a = prefill_args(ix.q, ix.weights, ix.k_cache, batch, table, self.index.kpool, bs,
+                         _ue8m0_scales if self.index.scale_fmt == "ue8m0" else None)
+        kpool_topk_prefill(*a[:7], out, self.index.kpool, 0, a.max_seqlen_k, impl=self.impl)
 
     # -- validation -------------------------------------------------------------------------
     def validate(self, ix: Glm5IndexerInputs, batch: BatchDescription, rows: int):
@@ -299,7 +247,8 @@ class Glm5IndexerStep:
             raise ValueError(f"the indexer inputs must be on the backend's device "
                              f"{self.backend.device}, got {ix.q.device}")
         if checks.value_checks_enabled(table):
-            self._check_prefill_blocks(batch, table, ix.k_cache.shape[0], bs)
+            check_prefill_blocks(batch, table, ix.k_cache.shape[0], bs, self.index.kpool,
+                                 "pools")
         return slots, table, bs
 
     @staticmethod
@@ -308,23 +257,3 @@ class Glm5IndexerStep:
             raise ValueError(f"indexer.k_cache must be the pooled cache's [num_blocks, "
                              f"block_size, {kfmt.DIM + 4}] view, got {list(ix.k_cache.shape)}")
         return checks.paged_cache_block_size("indexer.k_cache", ix.k_cache, kfmt.FP8, None)
-
-    def _check_prefill_blocks(self, batch, table, num_blocks, bs):
-        """The blocks a prefill request's pools are gathered from exist (decode rows need no
-        check: the op skips pools on missing blocks)."""
-        nd, npf = batch.num_decodes, batch.num_prefills
-        if not npf:
-            return
-        pools = batch.seq_lens[nd:nd + npf].long().cpu() // self.index.kpool
-        need = (pools + bs - 1) // bs
-        rows = table[nd:nd + npf].long().cpu()
-        for i in range(npf):
-            n = int(need[i])
-            if n > rows.shape[1]:
-                raise ValueError(f"indexer.block_table row {nd + i} has {rows.shape[1]} "
-                                 f"blocks; the request's {int(pools[i])} pools need {n}")
-            bad = ((rows[i, :n] < 0) | (rows[i, :n] >= num_blocks)).nonzero()
-            if bad.numel():
-                j = int(bad[0])
-                raise ValueError(f"indexer.block_table[{nd + i}, {j}] = {int(rows[i, j])} is "
-                                 f"not a block of indexer.k_cache (0..{num_blocks - 1})")

@@ -52,7 +52,7 @@ class IndexerInputs:
 
 
 class DecodeGrid(NamedTuple):
-    """Decode tokens laid out as the paged ops take them (:meth:`IndexerStep._decode_grid`):
+    """Decode tokens laid out as the paged ops take them (:func:`decode_grid`):
     grid row ``dst[i]`` holds decode token i."""
 
     dst: Tensor
@@ -101,16 +101,7 @@ class IndexerStep:
         self.config = cfg
         self.impl = impl or backend.impl
         self.ratio, self.block_size = self._geometry(cfg)
-        # Persistent like the planner's buffers: a graph-captured step reads the same memory.
-        if topk is None:
-            topk = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32,
-                              device=backend.device)
-        checks.expect_tensor("topk", topk, torch.int32, (None, cfg.topk))
-        if topk.shape[0] < cfg.max_num_tokens or \
-                canonical_device(topk.device) != canonical_device(backend.device):
-            raise ValueError(f"topk must hold max_num_tokens = {cfg.max_num_tokens} rows on "
-                             f"{backend.device}, got {list(topk.shape)} on {topk.device}")
-        self.topk = topk
+        self.topk = topk_buffer(topk, cfg, backend.device)
         self._choices = {}
 
     @staticmethod
@@ -216,28 +207,9 @@ class IndexerStep:
             checks.expect_slots_in_range("indexer.slot_mapping", slots,
                                          ix.k_cache.shape[0] * self.block_size)
         if checks.value_checks_enabled(table):
-            self._check_prefill_blocks(batch, table, ix.k_cache.shape[0])
+            check_prefill_blocks(batch, table, ix.k_cache.shape[0], self.block_size,
+                                 self.ratio)
         return slots, table
-
-    def _check_prefill_blocks(self, batch, table, num_blocks):
-        """The blocks a prefill request's entries are gathered from exist (decode rows need
-        no check: the op skips entries on missing blocks)."""
-        nd, npf = batch.num_decodes, batch.num_prefills
-        if not npf:
-            return
-        entries = batch.seq_lens[nd:nd + npf].long().cpu() // self.ratio
-        need = (entries + self.block_size - 1) // self.block_size
-        rows = table[nd:nd + npf].long().cpu()
-        for i in range(npf):
-            n = int(need[i])
-            if n > rows.shape[1]:
-                raise ValueError(f"indexer.block_table row {nd + i} has {rows.shape[1]} "
-                                 f"blocks; the request's {int(entries[i])} entries need {n}")
-            bad = ((rows[i, :n] < 0) | (rows[i, :n] >= num_blocks)).nonzero()
-            if bad.numel():
-                j = int(bad[0])
-                raise ValueError(f"indexer.block_table[{nd + i}, {j}] = {int(rows[i, j])} is "
-                                 f"not a block of indexer.k_cache (0..{num_blocks - 1})")
 
     # -- decode: the paged op over a uniform [requests + 1, next_n] grid --------------------
     def _decode(self, ix, batch, table, out):
@@ -246,76 +218,127 @@ class IndexerStep:
         sync. So every token is scattered into a grid of ``next_n`` rows per request, where
         the op puts row i at ``seq_len - next_n + i``, plus one group with no candidates
         (seq_len 0) that takes the padding tokens."""
-        g = self._decode_grid(ix, batch, table)
+        g = decode_grid(ix.q, ix.weights, batch, table)
         grid = out.new_empty((g.q.shape[0], out.shape[1]))
         indexer_topk_decode(g.q, g.weights, ix.k_cache, g.seq_lens, g.block_table, grid,
                             ratio=self.ratio, next_n=g.next_n,
                             block_size=self.block_size, impl=self.impl)
         out.copy_(grid[g.dst])
 
-    def _decode_grid(self, ix, batch, table) -> DecodeGrid:
-        nd, ndt, next_n = batch.num_decodes, batch.num_decode_tokens, batch.max_decode_query_len
-        dst = self._decode_rows(batch.query_start_loc, nd, ndt, next_n)
-        rows = (nd + 1) * next_n
-        g = DecodeGrid(dst, ix.q, ix.weights,
-                       torch.cat([batch.seq_lens[:nd], batch.seq_lens.new_zeros(1)]),
-                       torch.cat([table, table.new_full((1, table.shape[1]), -1)]), next_n)
-        q = ix.q.new_zeros((rows,) + tuple(ix.q.shape[1:]))
-        q[dst] = ix.q[:ndt]
-        return g._replace(q=q, weights=g._replace(q=q).scatter(ix.weights, 0))
-
-    @staticmethod
-    def _decode_rows(query_start_loc, nd, ndt, next_n):
-        """Grid row of each decode token: request b's j-th of n tokens goes to
-        ``b * next_n + next_n - n + j``; a padding token (past the decode requests' tokens)
-        to the first row of the extra group ``nd``."""
-        qsl = query_start_loc[:nd + 1].long()
-        t = torch.arange(ndt, device=qsl.device)
-        b = torch.searchsorted(qsl, t, right=True) - 1
-        real = b < nd
-        b = b.clamp(max=nd - 1)
-        n = qsl[b + 1] - qsl[b]
-        row = b * next_n + next_n - n + (t - qsl[b])
-        return torch.where(real, row, nd * next_n)
-
     # -- prefill: the requests' entries gathered densely, then the chunked op ---------------
     def _prefill(self, ix, batch, table, out):
-        a = self._prefill_args(ix, batch, table)
+        a = prefill_args(ix.q, ix.weights, ix.k_cache, batch, table, self.ratio,
+                         self.block_size)
         indexer_topk_prefill(*a[:7], out, ratio=self.ratio,
                              max_seqlen_k=a.max_seqlen_k, impl=self.impl)
 
-    def _prefill_args(self, ix, batch, table) -> PrefillArgs:
-        nd, npf = batch.num_decodes, batch.num_prefills
-        qsl = batch.query_start_loc_cpu
-        seq = batch.seq_lens_cpu
-        if qsl is None or seq is None:        # the planner copies these too (prefill only)
-            qsl, seq = batch.query_start_loc.cpu(), batch.seq_lens.cpu()
-        qsl = qsl[nd:nd + npf + 1].long()
-        entries = (seq[nd:nd + npf].long() // self.ratio).tolist()
-        dev = ix.q.device
-        cu_k = torch.zeros(npf + 1, dtype=torch.int32)
-        cu_k[1:] = torch.tensor(entries, dtype=torch.int64).cumsum(0)
-        k, k_scale = self._gather(ix.k_cache, table[nd:nd + npf], entries)
-        lo, hi = int(qsl[0]), int(qsl[-1])
-        return PrefillArgs(ix.q[lo:hi], ix.weights[lo:hi], k, k_scale,
-                           (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
-                           batch.positions[lo:hi], max(entries, default=0))
 
-    def _gather(self, k_cache, table, entries):
-        """Entries ``0..entries[r]-1`` of each request, densely: (bf16 rows, None) or (e4m3
-        bytes [n, 128], fp32 scales [n]), as the cache holds them."""
-        dev, bs = k_cache.device, self.block_size
-        req = torch.repeat_interleave(torch.arange(len(entries)),
-                                      torch.tensor(entries, dtype=torch.int64)).to(dev)
-        j = torch.cat([torch.arange(n) for n in entries]).to(dev) if entries else \
-            torch.zeros(0, dtype=torch.int64, device=dev)
-        blk = table[req, j // bs].long()
-        off = j % bs
-        if k_cache.dtype == torch.bfloat16:
-            return k_cache[blk, off], None
-        page = checks.block_bytes_view(k_cache, fmt.FP8, bs)
-        d = torch.arange(fmt.DIM, device=dev)
-        values = page[blk.unsqueeze(1), (off * fmt.DIM).unsqueeze(1) + d]
-        tail = (bs * fmt.DIM + off * 4).unsqueeze(1) + torch.arange(4, device=dev)
-        scales = page[blk.unsqueeze(1), tail].contiguous().view(torch.float32).reshape(-1)
-        return values, scales
+# -- shared with the other indexer steps (V4.1, V3.2, GLM-5.3) ------------------------------
+def topk_buffer(topk: Optional[Tensor], cfg, device) -> Tensor:
+    """The persistent ``[max_num_tokens, cfg.topk]`` int32 top-k buffer a step writes (a new
+    one, -1 filled, when ``topk`` is None): persistent like the planner's buffers, so a
+    graph-captured step reads the same memory."""
+    if topk is None:
+        topk = torch.full((cfg.max_num_tokens, cfg.topk), -1, dtype=torch.int32, device=device)
+    checks.expect_tensor("topk", topk, torch.int32, (None, cfg.topk))
+    if topk.shape[0] < cfg.max_num_tokens or \
+            canonical_device(topk.device) != canonical_device(device):
+        raise ValueError(f"topk must hold max_num_tokens = {cfg.max_num_tokens} rows on "
+                         f"{device}, got {list(topk.shape)} on {topk.device}")
+    return topk
+
+
+def check_prefill_blocks(batch: BatchDescription, table: Tensor, num_blocks: int,
+                         block_size: int, ratio: int, unit: str = "entries") -> None:
+    """The indexer-cache blocks a prefill request's ``seq_len // ratio`` entries are gathered
+    from exist (decode rows need no check: the paged ops skip entries on missing blocks)."""
+    nd, npf = batch.num_decodes, batch.num_prefills
+    if not npf:
+        return
+    entries = batch.seq_lens[nd:nd + npf].long().cpu() // ratio
+    need = (entries + block_size - 1) // block_size
+    rows = table[nd:nd + npf].long().cpu()
+    for i in range(npf):
+        n = int(need[i])
+        if n > rows.shape[1]:
+            raise ValueError(f"indexer.block_table row {nd + i} has {rows.shape[1]} blocks; "
+                             f"the request's {int(entries[i])} {unit} need {n}")
+        bad = ((rows[i, :n] < 0) | (rows[i, :n] >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0])
+            raise ValueError(f"indexer.block_table[{nd + i}, {j}] = {int(rows[i, j])} is not a "
+                             f"block of indexer.k_cache (0..{num_blocks - 1})")
+
+
+def decode_rows(query_start_loc: Tensor, nd: int, ndt: int, next_n: int) -> Tensor:
+    """Grid row of each decode token in the paged ops' uniform ``[nd + 1, next_n]`` grid:
+    request b's j-th of n tokens goes to ``b * next_n + next_n - n + j`` (the op puts row i
+    at ``seq_len - next_n + i``); a padding token (past the decode requests' tokens) to the
+    first row of the extra group ``nd``, whose seq_len 0 selects nothing. No host sync."""
+    qsl = query_start_loc[:nd + 1].long()
+    t = torch.arange(ndt, device=qsl.device)
+    b = torch.searchsorted(qsl, t, right=True) - 1
+    real = b < nd
+    b = b.clamp(max=nd - 1)
+    n = qsl[b + 1] - qsl[b]
+    row = b * next_n + next_n - n + (t - qsl[b])
+    return torch.where(real, row, nd * next_n)
+
+
+def decode_grid(q: Tensor, weights: Tensor, batch: BatchDescription, table: Tensor) -> DecodeGrid:
+    """The decode tokens' q / weights scattered into the paged ops' ``[nd + 1, next_n]`` grid
+    (:func:`decode_rows`), with the grid's seq_lens and block table."""
+    nd, ndt, next_n = batch.num_decodes, batch.num_decode_tokens, batch.max_decode_query_len
+    dst = decode_rows(batch.query_start_loc, nd, ndt, next_n)
+    g = DecodeGrid(dst, q, weights, torch.cat([batch.seq_lens[:nd], batch.seq_lens.new_zeros(1)]),
+                   torch.cat([table[:nd], table.new_full((1, table.shape[1]), -1)]), next_n)
+    gq = q.new_zeros(((nd + 1) * next_n,) + tuple(q.shape[1:]))
+    gq[dst] = q[:ndt]
+    g = g._replace(q=gq)
+    return g._replace(weights=g.scatter(weights, 0))
+
+
+def prefill_args(q: Tensor, weights: Tensor, k_cache: Tensor, batch: BatchDescription,
+                 table: Tensor, ratio: int, block_size: int, scales=None) -> PrefillArgs:
+    """The prefill tokens and their requests' ``seq_len // ratio`` entries gathered densely
+    (:func:`gather_entries`) as the dense prefill ops take them."""
+    nd, npf = batch.num_decodes, batch.num_prefills
+    qsl, seq = batch.query_start_loc_cpu, batch.seq_lens_cpu
+    if qsl is None or seq is None:        # the planner copies these too (prefill only)
+        qsl, seq = batch.query_start_loc.cpu(), batch.seq_lens.cpu()
+    qsl = qsl[nd:nd + npf + 1].long()
+    entries = (seq[nd:nd + npf].long() // ratio).tolist()
+    dev = q.device
+    cu_k = torch.zeros(npf + 1, dtype=torch.int32)
+    cu_k[1:] = torch.tensor(entries, dtype=torch.int64).cumsum(0)
+    k, k_scale = gather_entries(k_cache, table[nd:nd + npf], entries, block_size,
+                                scales or _fp32_scales)
+    lo, hi = int(qsl[0]), int(qsl[-1])
+    return PrefillArgs(q[lo:hi], weights[lo:hi], k, k_scale,
+                       (qsl - qsl[0]).to(torch.int32).to(dev), cu_k.to(dev),
+                       batch.positions[lo:hi], max(entries, default=0))
+
+
+def _fp32_scales(raw: Tensor) -> Tensor:
+    return raw.contiguous().view(torch.float32).reshape(-1)
+
+
+def gather_entries(k_cache: Tensor, table: Tensor, entries, block_size: int,
+                   scales=_fp32_scales):
+    """Entries ``0..entries[r]-1`` of each request, densely: (bf16 rows, None) or (e4m3 bytes
+    [n, 128], fp32 scales [n]), as the cache holds them; ``scales`` decodes an fp8 entry's
+    four scale bytes ``[n, 4]`` (default: one fp32)."""
+    dev, bs = k_cache.device, block_size
+    req = torch.repeat_interleave(torch.arange(len(entries)),
+                                  torch.tensor(entries, dtype=torch.int64)).to(dev)
+    j = torch.cat([torch.arange(n) for n in entries]).to(dev) if entries else \
+        torch.zeros(0, dtype=torch.int64, device=dev)
+    blk = table[req, j // bs].long()
+    off = j % bs
+    if k_cache.dtype == torch.bfloat16:
+        return k_cache[blk, off], None
+    page = checks.block_bytes_view(k_cache, fmt.FP8, bs)
+    d = torch.arange(fmt.DIM, device=dev)
+    values = page[blk.unsqueeze(1), (off * fmt.DIM).unsqueeze(1) + d]
+    tail = (bs * fmt.DIM + off * 4).unsqueeze(1) + torch.arange(4, device=dev)
+    return values, scales(page[blk.unsqueeze(1), tail])

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from sparse_mla.backends.common.batch import BatchDescription
-from sparse_mla.backends.v4.indexer_step import IndexerInputs, IndexerStep
+from sparse_mla.backends.v4.indexer_step import (IndexerInputs, IndexerStep, decode_grid,
+                                                 prefill_args)
 from sparse_mla.backends.v41.flashmla import V41FlashMLABackend
 from sparse_mla.backends.v41.indexer_config import V41IndexerConfig
 from sparse_mla.ops.common.dispatch import canonical_device
@@ -189,9 +190,9 @@ class V41IndexerStep(IndexerStep):
             self._prefill_v41(ix, batch, table, out[ndt:nt], cands[ndt:nt])
 
     def _decode_v41(self, ix, batch, table, out, cands):
-        idx, g = self.index, self._decode_grid(ix, batch, table)
+        idx, g = self.index, decode_grid(ix.q, ix.weights, batch, table)
         grid = out.new_empty((g.q.shape[0], out.shape[1]))
-        common = dict(ratio=self.config.kind.ratio, next_n=g.next_n, block_size=self.block_size,
+        common = dict(ratio=self.ratio, next_n=g.next_n, block_size=self.block_size,
                       candidate_block=idx.candidate_block_size, impl=self.impl)
         if idx.index_role == "candidate_source":
             cgrid = cands.new_empty((g.q.shape[0], cands.shape[1]))
@@ -205,8 +206,9 @@ class V41IndexerStep(IndexerStep):
         out.copy_(grid[g.dst])
 
     def _prefill_v41(self, ix, batch, table, out, cands):
-        idx, a = self.index, self._prefill_args(ix, batch, table)
-        common = dict(ratio=self.config.kind.ratio, candidate_block=idx.candidate_block_size,
+        idx, a = self.index, prefill_args(ix.q, ix.weights, ix.k_cache, batch, table,
+                                          self.ratio, self.block_size)
+        common = dict(ratio=self.ratio, candidate_block=idx.candidate_block_size,
                       impl=self.impl)
         if idx.index_role == "candidate_source":
             indexer_v41_candidates_prefill(*a[:7], out, cands, max_seqlen_k=a.max_seqlen_k,
