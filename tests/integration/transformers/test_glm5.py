@@ -295,7 +295,7 @@ def test_every_call_is_as_close_to_fp32_as_eager_bf16(device):
         err = (got - want).abs()
         scale = want.abs().amax(-1, keepdim=True)
         assert (err <= scale * 3 / 128 + 8e-4).all(), err.max()
-        # plus half a bf16 step of the row's largest element: our output is rounded to bf16
+        # plus half a bf16 step of the largest element: our output is rounded to bf16
         # once more than eager's is compared here (FlashMLA on an H200: 0.0045 vs eager 0.0040)
         assert err.max() <= (eager_bf16 - want).abs().max() + scale.max() * 2 ** -9
     if device != "cpu":
