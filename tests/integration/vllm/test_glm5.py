@@ -492,3 +492,14 @@ def test_kpool_indexer_stays_vllms_unless_selected(glm5_attention, vllm_config, 
         glm5_attention.SparseAttnIndexerKpool(
             SimpleNamespace(prefix="k", kv_cache=None), 128, "ue8m0", TOPK, DIM, 1, 1,
             torch.zeros(1, WIDTH, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name", ["SPARSE_MLA", "SPARSE_MLA_TRTLLM"])
+def test_v4_names_refuse_a_glm5next_layer(vllm_config, name):
+    """V4's MLA head is 512 wide too: without the refusal a GLM-5.3 layer would validate on
+    V4's backend class; the reason names ours."""
+    plugin.register()
+    cls = AttentionBackendEnum[name].get_class()
+    with set_current_vllm_config(vllm_config):
+        got = cls.validate_configuration(device_capability=SM90, **_selector()._asdict())
+    assert any("--attention-backend SPARSE_MLA_GLM5" in r for r in got), got
