@@ -119,21 +119,31 @@ def forward(layer, hidden_states, q_quant, k, weights, gate_score, compress_ape,
         if v is None:
             raise ValueError(f"sparse_mla's GLM-5.3 indexer needs {name} (index_kpool="
                              f"{kpool})")
-    metadata = attn_metadata[layer.k_cache.prefix]
-    tail_metadata = attn_metadata.get(layer.tail_cache.prefix)
-    if tail_metadata is None:
-        raise ValueError(f"no attention metadata for the tail cache {layer.tail_cache.prefix!r}")
+    tail_prefix = layer.tail_cache.prefix
+    if tail_prefix not in attn_metadata:
+        raise ValueError(f"no attention metadata for the tail cache {tail_prefix!r}")
+    step(attn_metadata[layer.k_cache.prefix], attn_metadata[tail_prefix],
+         layer.k_cache.kv_cache, layer.tail_cache.kv_cache, k, gate_score, compress_ape,
+         positions, q_quant, weights, buffer, layer.topk_tokens, kpool,
+         insert=not layer.skip_k_cache_insert)
+    return buffer
+
+
+def step(metadata, tail_metadata, kv_cache, tail_cache, k, gate_score, compress_ape, positions,
+         q_quant, weights, buffer, topk, kpool, insert=True, impl=None):
+    """One layer's indexer step on vLLM's two metadata objects (the pooled cache's, the tail
+    ring's), without vLLM: insert this step's keys (``insert``), then -1 the step's rows of
+    ``buffer`` and fill their first ``topk + kpool - 1`` columns. ``impl``: the ops' route
+    (default: the plugin's for the device, ``shared.kernel_impl``)."""
     T = metadata.slot_mapping.shape[0]
-    kv_cache, tail_cache = layer.k_cache.kv_cache, layer.tail_cache.kv_cache
-    impl = shared.kernel_impl(kv_cache.device)
-    if not layer.skip_k_cache_insert:
+    impl = impl or shared.kernel_impl(kv_cache.device)
+    if insert:
         kpool_k_insert(k[:T], gate_score[:T], compress_ape, positions[:T], metadata.slot_mapping,
                        tail_metadata.slot_mapping[:T], kv_cache, tail_cache, kpool,
                        scale_fmt=SCALE_FMT, impl=impl)
-    buffer[:hidden_states.shape[0]] = -1
+    buffer[:q_quant.shape[0]] = -1
     topk_rows(q_quant, weights, kv_cache, metadata, positions[:T],
-              buffer[:, :layer.topk_tokens + kpool - 1], kpool, impl)
-    return buffer
+              buffer[:, :topk + kpool - 1], kpool, impl)
 
 
 def topk_rows(q_quant, weights, kv_cache, metadata, positions, out, kpool, impl="auto"):

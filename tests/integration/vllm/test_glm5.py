@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from sparse_mla.backends.glm5.config import topk_width
 from sparse_mla.integration.vllm import glm5, plugin
 from sparse_mla.tests.backends.cases import check_rows
+from sparse_mla.tests.integration import glm5_kpool as kp
 
 HEADS, TOPK, KPOOL, MAX_TOKENS, MAX_SEQS, MAX_LEN, BS = 8, 64, 4, 512, 8, 1024, 64
 WIDTH = topk_width(TOPK, KPOOL)          # vLLM's buffer: round_up(64 + 3, 128) = 128
@@ -311,10 +312,6 @@ def test_impl_refuses_other_caches_and_layers(vllm_config):
 
 # -- the kpool indexer -------------------------------------------------------------------------
 
-IDX_HEADS, DIM, RING = 32, 128, 4        # vLLM pads 16 indexer heads to 32 (zero weights)
-POOL_BS = BS // KPOOL                    # pools per block of the pooled cache
-
-
 @pytest.fixture(scope="module")
 def glm5_attention():
     """vLLM's glm5next attention module, imported without its package ``__init__`` (which
@@ -336,100 +333,15 @@ def glm5_attention():
     return attention
 
 
-def _indexer(attention, vc, num_blocks=48, tail_blocks=MAX_SEQS):
-    k_cache = SimpleNamespace(prefix="model.layers.0.self_attn.indexer.k_cache",
-                              kv_cache=torch.full((num_blocks, POOL_BS, DIM + 4), POISON,
-                                                  dtype=torch.uint8))
-    tail = SimpleNamespace(prefix="model.layers.0.self_attn.indexer.tail_cache",
-                           kv_cache=torch.full((tail_blocks, 2, RING, DIM), float("nan"),
-                                               dtype=torch.bfloat16))
+def _indexer(attention, vc):
+    k_cache, tail = kp.caches()
     buffer = torch.full((MAX_TOKENS, WIDTH), 7, dtype=torch.int32)
     with set_current_vllm_config(vc):
         return attention.SparseAttnIndexerKpool(
-            k_cache, 128, "ue8m0", TOPK, DIM, MAX_LEN // KPOOL, MAX_TOKENS // KPOOL, buffer,
-            tail_cache=tail)
-
-
-class IndexerSteps:
-    """Requests' raw keys and gates over steps, and the pool-granular indexer metadata vLLM's
-    kpool cache spec gives (``tokens_per_state = kpool``), plus the tail ring's slots."""
-
-    def __init__(self, seed, num_blocks=48):
-        self.g = torch.Generator().manual_seed(seed)
-        self.tables = torch.randperm(num_blocks, generator=self.g).int().view(MAX_SEQS, -1)
-        self.tail_block = torch.randperm(MAX_SEQS, generator=self.g)
-        self.lens = [0] * MAX_SEQS
-        self.k = [[] for _ in range(MAX_SEQS)]
-        self.gate = [[] for _ in range(MAX_SEQS)]
-
-    def step(self, decodes, prefills, pad=0):
-        g, rows, order = self.g, [], decodes + prefills
-        for r, n in order:
-            rows += [(r, self.lens[r] + j) for j in range(n)]
-            self.lens[r] += n
-        n, T = len(rows), len(rows) + pad
-        k = torch.randn(T, DIM, generator=g).bfloat16()
-        gate = (torch.randn(T, DIM, generator=g) * 2).bfloat16()
-        for i, (r, _) in enumerate(rows):
-            self.k[r].append(k[i])
-            self.gate[r].append(gate[i])
-        slot = [int(self.tables[r, p // KPOOL // POOL_BS]) * POOL_BS + p // KPOOL % POOL_BS
-                if p % KPOOL == KPOOL - 1 else -1 for r, p in rows]
-        tslot = [int(self.tail_block[r]) * RING + p % RING for r, p in rows]
-        pos = torch.tensor([p for _, p in rows] + [0] * pad)
-        td = sum(m for _, m in decodes)
-        pre = [r for r, _ in prefills]
-        pools = torch.tensor([0] + [self.lens[r] // KPOOL for r in pre]).cumsum(0)
-        req_of_row = torch.tensor([i for i, (_, m) in enumerate(prefills) for _ in range(m)],
-                                  dtype=torch.long)
-        chunk = SimpleNamespace(token_start=td, token_end=n, cu_seq_lens=pools.int(),
-                                local_cu_seq_lens=pools.int(),
-                                cu_seqlen_ks=pools[req_of_row].int(),
-                                cu_seqlen_ke=pools[req_of_row].int(),   # not read
-                                block_table=self.tables[pre])
-        dec = [r for r, _ in decodes]
-        decode = SimpleNamespace(decode_lens=torch.tensor([m for _, m in decodes]).int(),
-                                 seq_lens=torch.zeros(len(dec), dtype=torch.int32),  # not read
-                                 block_table=self.tables[dec])
-        md = SimpleNamespace(slot_mapping=torch.tensor(slot), num_prefills=len(prefills),
-                             prefill=SimpleNamespace(chunks=[chunk]) if prefills else None,
-                             num_decodes=len(decodes), decode=decode if decodes else None,
-                             num_decode_tokens=td)
-        tail = SimpleNamespace(slot_mapping=torch.tensor(tslot))
-        q = (torch.randn(T, IDX_HEADS, DIM, generator=g) * 3).to(torch.float8_e4m3fn)
-        w = torch.randn(T, IDX_HEADS, generator=g)
-        w[:, 16:] = 0                                    # vLLM's zero-weight padded heads
-        return SimpleNamespace(md=md, tail=tail, k=k, gate=gate, pos=pos, q=q, w=w, rows=rows,
-                               n=n, T=T, order=order)
-
-
-def _indexer_oracle(steps, st, ape):
-    """The rows from the ops' reference over each request's pooled keys made from its raw
-    keys and gates (no cache, no ring): ``kpool_topk_prefill`` on the dense ragged keys."""
-    from sparse_mla.ops.indexer_kpool import kpool_topk_prefill
-    from sparse_mla.ops.indexer_kpool import reference as ref
-
-    keys, scales, cu_k = [], [], [0]
-    for r, _ in st.order:
-        P = steps.lens[r] // KPOOL
-        kk = torch.stack(steps.k[r][:P * KPOOL]).view(P, KPOOL, DIM)
-        gg = torch.stack(steps.gate[r][:P * KPOOL]).view(P, KPOOL, DIM)
-        e4, sc = ref.quantize_rotated(ref.pool(kk, gg, ape))
-        keys.append(e4)
-        scales.append(sc)
-        cu_k.append(cu_k[-1] + P)
-    qsl = torch.tensor([0] + [m for _, m in st.order]).cumsum(0).int()
-    out = torch.full((st.n, TOPK + KPOOL - 1), -1, dtype=torch.int32)
-    kpool_topk_prefill(st.q[:st.n], st.w[:st.n], torch.cat(keys), torch.cat(scales).float(),
-                       qsl, torch.tensor(cu_k).int(), st.pos[:st.n], out, KPOOL,
-                       impl="reference")
-    return out
-
-
-def _same_sets(got, want, label):
-    for i in range(want.shape[0]):
-        g, w = got[i][got[i] >= 0].sort().values, want[i][want[i] >= 0].sort().values
-        assert torch.equal(g, w), f"{label}: row {i}: {g.tolist()} != {w.tolist()}"
+            SimpleNamespace(prefix="model.layers.0.self_attn.indexer.k_cache", kv_cache=k_cache),
+            128, "ue8m0", TOPK, kp.DIM, MAX_LEN // KPOOL, MAX_TOKENS // KPOOL, buffer,
+            tail_cache=SimpleNamespace(prefix="model.layers.0.self_attn.indexer.tail_cache",
+                                       kv_cache=tail))
 
 
 def test_kpool_indexer_matches_reference_over_steps(glm5_attention, vllm_config, monkeypatch):
@@ -444,26 +356,22 @@ def test_kpool_indexer_matches_reference_over_steps(glm5_attention, vllm_config,
     monkeypatch.delenv("SPARSE_MLA_VLLM_INDEXER", raising=False)
     layer = _indexer(glm5_attention, vllm_config)
     assert layer.sparse_mla
-    ape = torch.randn(KPOOL, DIM, generator=torch.Generator().manual_seed(1))
-    steps, high = IndexerSteps(seed=11), 0
-    for i, (decodes, prefills, pad) in enumerate((
-            ([], [(0, 37), (1, 70)], 0),
-            ([(0, 1), (1, 1)], [(2, 45)], 2),
-            ([(0, 2), (1, 1), (2, 1)], [], 3),
-            ([(0, 1)], [(2, 30), (3, 130)], 0))):
+    steps, high = kp.Steps(seed=11), 0
+    for i, (decodes, prefills, pad) in enumerate(kp.SCRIPT):
         st = steps.step(decodes, prefills, pad)
         ctx = SimpleNamespace(attn_metadata={layer.k_cache.prefix: st.md,
                                              layer.tail_cache.prefix: st.tail})
         monkeypatch.setattr(fc, "get_forward_context", lambda ctx=ctx: ctx)
         out = layer.forward_native(st.k, st.q, st.k, st.w, gate_score=st.gate,
-                                   compress_ape=ape, index_kpool=KPOOL, positions=st.pos)
+                                   compress_ape=steps.ape, index_kpool=KPOOL,
+                                   positions=st.pos)
         assert out is layer.topk_indices_buffer
-        _same_sets(out[:st.n], _indexer_oracle(steps, st, ape), f"step {i}")
+        kp.check_sets(out[:st.n], kp.oracle(steps, st), f"step {i}")
         assert (out[:st.T, TOPK + KPOOL - 1:] == -1).all() and (out[st.n:st.T] == -1).all()
         high = max(high, st.T)
         assert (out[high:] == 7).all()                 # rows no step reached: untouched
     # the q side: vLLM's name now gives the exact reference rotation + e4m3, scale [N, 1]
-    q = torch.randn(5, DIM).bfloat16()
+    q = torch.randn(5, kp.DIM).bfloat16()
     vals, scale = glm5_attention.fwht128_quant_fp8(q)
     assert scale.shape == (5, 1) and vals.dtype == torch.float8_e4m3fn
     from sparse_mla.ops.indexer_kpool import reference as ref
@@ -490,7 +398,7 @@ def test_kpool_indexer_stays_vllms_unless_selected(glm5_attention, vllm_config, 
     with set_current_vllm_config(vllm_config), pytest.raises(NotImplementedError,
                                                              match="tail cache"):
         glm5_attention.SparseAttnIndexerKpool(
-            SimpleNamespace(prefix="k", kv_cache=None), 128, "ue8m0", TOPK, DIM, 1, 1,
+            SimpleNamespace(prefix="k", kv_cache=None), 128, "ue8m0", TOPK, kp.DIM, 1, 1,
             torch.zeros(1, WIDTH, dtype=torch.int32))
 
 
