@@ -118,13 +118,9 @@ class SparseMLAGlm5Backend(v32.SparseMLAV32Backend):
 
 class SparseMLAGlm5MetadataBuilder(v32.SparseMLAV32MetadataBuilder):
     """V3.2's builder (request split, positions, one plan per step) on the GLM-5.3 layer's
-    configuration and planner."""
+    configuration, so on the planner its layers' backends share."""
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-        self.config = layer_config(vllm_config, heads)
-        self.planner = v32.shared_planner(self.config, self.device)
+    LAYER_CONFIG = staticmethod(layer_config)
 
 
 class SparseMLAGlm5Impl(v32.SparseMLAV32Impl):

@@ -239,7 +239,7 @@ def _oracle(reqs, cache, st, scale):
 def test_forward_mqa_matches_oracle_over_mixed_steps(vllm_config):
     vc = vllm_config
     builder, layer = _builder(vc), _impl(vc)
-    assert layer.backend.planner is builder.planner
+    assert layer.backend.planner is builder.planner and builder.config.topk == WIDTH
     assert layer.config.topk == WIDTH and layer.config.softmax_scale == SCALE
     reqs = Requests(seed=3)
     cache = torch.full((reqs.num_blocks, BS, 656), POISON, dtype=torch.uint8)
