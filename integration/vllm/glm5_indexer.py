@@ -52,9 +52,13 @@ def replaces(vllm_config, sai_module) -> bool:
 
 def indexer_class(base):
     """A subclass of vLLM's ``SparseAttnIndexerKpool`` (``base``) that decides per layer."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
     from vllm.config import get_current_vllm_config
 
     sai_module = importlib.import_module(base.__module__)
+    # as vLLM's own op: under a breakable CUDA-graph capture the step runs eagerly between
+    # graph segments (the prefill rows' candidate bound is a host read)
+    step_eagerly = eager_break_during_capture(forward)
 
     class SparseMLAKpoolIndexer(base):
         sparse_mla_replacement = True
@@ -76,8 +80,8 @@ def indexer_class(base):
                 return super().forward_cuda(hidden_states, q_quant, k, weights,
                                             gate_score=gate_score, compress_ape=compress_ape,
                                             index_kpool=index_kpool, positions=positions)
-            return forward(self, hidden_states, q_quant, k, weights, gate_score,
-                           compress_ape, index_kpool, positions)
+            return step_eagerly(self, hidden_states, q_quant, k, weights, gate_score,
+                                compress_ape, index_kpool, positions)
 
     SparseMLAKpoolIndexer.__qualname__ = SparseMLAKpoolIndexer.__name__ = \
         f"SparseMLA{base.__name__}"
