@@ -245,10 +245,12 @@ def test_forward_mqa_matches_oracle_over_mixed_steps(vllm_config):
     cache = torch.full((reqs.num_blocks, BS, 656), POISON, dtype=torch.uint8)
     written = set()
     # prefills from 0; a decode beside a prefill chunk with context and a new prefill,
-    # padding; decodes only, padding
+    # padding; decodes only, padding; a 2-token (MTP) row, which vLLM's split at threshold 1
+    # makes a prefill, beside a decode and a new prefill
     for i, (decodes, prefills, pad) in enumerate((([], [(0, 150), (1, 90)], 0),
                                                   ([(0, 1)], [(1, 60), (2, 100)], 3),
-                                                  ([(0, 1), (1, 1), (2, 1)], [], 2))):
+                                                  ([(0, 1), (1, 1), (2, 1)], [], 2),
+                                                  ([(1, 1)], [(0, 2), (3, 70)], 1))):
         st = reqs.step(decodes, prefills, pad)
         sm = st.common.slot_mapping
         empty_pe = st.kv.new_empty(st.T, 1, 0)
