@@ -39,6 +39,10 @@ REPLACED = {
         "positions", "index_q", "index_q_cos_sin_cache", "index_weights",
         "index_weights_softmax_scale", "index_weights_head_scale", "use_fp4",
         "weights_out_dtype"),
+    # glm5_indexer.install: GLM-5.3's kpool indexer op and its q rotation + quantizer, both
+    # looked up in glm5next's attention module (Indexer.__init__ / Indexer.forward).
+    "vllm.models.glm5next.common.attention:SparseAttnIndexerKpool": None,
+    "vllm.models.glm5next.common.attention:fwht128_quant_fp8": ("q",),
 }
 
 # Module globals the plugin swaps for the length of one call of vLLM's: (module attribute,
@@ -47,6 +51,8 @@ REPLACED = {
 SWAPPED = {
     ("vllm.model_executor.layers.sparse_attn_indexer:has_deep_gemm",
      "SparseAttnIndexer.__init__"): (),
+    ("vllm.models.glm5next.nvidia.sparse_indexer:has_deep_gemm",
+     "SparseAttnIndexerKpool.__init__"): (),
 }
 
 # vLLM classes the plugin subclasses and the methods it overrides: the parameters vLLM's
@@ -70,6 +76,10 @@ OVERRIDDEN = {
         "forward_cuda": ("self", "hidden_states", "q_quant", "k", "weights"),
         "forward_cpu": ("self", "hidden_states", "q_quant", "k", "weights"),
     },
+    "vllm.models.glm5next.nvidia.sparse_indexer:SparseAttnIndexerKpool": {
+        "__init__": None,                 # ours forwards *args / **kwargs
+        "forward_cuda": ("self", "hidden_states", "q_quant", "k", "weights"),
+    },
     "vllm.model_executor.layers.attention.mla_attention:MLACommonBaseImpl": {
         "forward_mqa": ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
     },
@@ -86,6 +96,11 @@ CALLS_INTO_US = {
      "self.impl.reserve_workspace"): ("v32", "SparseMLAV32Impl.reserve_workspace"),
     ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",
      "self.impl.forward_mqa"): ("v32", "SparseMLAV32Impl.forward_mqa"),
+}
+# GLM-5.3's impl takes the same calls where it overrides V3.2's (reserve_workspace it inherits).
+GLM5_CALLS_INTO_US = {
+    key: ("glm5", method.replace("SparseMLAV32Impl", "SparseMLAGlm5Impl"))
+    for key, (_, method) in CALLS_INTO_US.items() if not method.endswith("reserve_workspace")
 }
 
 # Attributes the plugin reads on vLLM's objects (layers it subclasses, metadata it maps): set
@@ -114,6 +129,9 @@ READ = {
     "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer": (
         "k_cache", "topk_tokens", "topk_indices_buffer", "use_fp4_cache", "dcp_world_size",
         "use_pcp", "skip_k_cache_insert"),
+    "vllm.models.glm5next.nvidia.sparse_indexer:SparseAttnIndexerKpool": (
+        "k_cache", "tail_cache", "topk_tokens", "topk_indices_buffer", "use_fp4_cache",
+        "dcp_world_size", "skip_k_cache_insert"),
     "vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerMetadata": (
         "slot_mapping", "num_prefills", "prefill", "num_decodes", "decode",
         "num_decode_tokens"),

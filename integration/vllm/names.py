@@ -16,6 +16,8 @@ ALL = {b.name: b for b in (SPARSE_MLA, SPARSE_MLA_TRTLLM)}
 # DeepSeek-V3.2's name (integration/vllm/v32.py). Not in ALL: ALL names the V4 layer classes
 # the plugin patches in; V3.2 needs no patch (its layer asks vLLM's registry).
 V32 = "SPARSE_MLA_V32"
+# GLM-5.3's (glm5next; integration/vllm/glm5.py), through the registry as V3.2's.
+GLM5 = "SPARSE_MLA_GLM5"
 
 
 def lookup(selected):

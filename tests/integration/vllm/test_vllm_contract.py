@@ -550,6 +550,11 @@ def test_calls_into_us(release):
     assert problems == []
 
 
+def test_glm5_impl_takes_the_same_calls(release):
+    problems, _ = check_calls_into_us(release[1], contract.GLM5_CALLS_INTO_US)
+    assert problems == []
+
+
 def test_attributes_read(release):
     assert check_read(release[1], contract.READ) == []
 
