@@ -136,7 +136,8 @@ def test_opcheck():
 def test_dispatch_names_the_routes():
     a = _prefill_args()
     choice = dispatch.explain("indexer_topk_prefill", *a.values())
-    assert choice.impl == "reference"
+    # on a CPU tensor: the reference, or Triton where its interpreter runs kernels
+    assert choice.impl == ("triton" if dispatch.triton_interpreting() else "reference")
     assert "no vendor route" in choice.rejected["vendor"]
     for op in dispatch.OPS_BY_FAMILY["indexer"]:
         assert dispatch.dispatcher(op).op == op

@@ -100,5 +100,6 @@ def test_opcheck_and_routes(op, make, level1):
     name = str(op._name).removeprefix("sparse_mla::")
     assert name in dispatch.OPS_BY_FAMILY["indexer_v41"]
     choice = dispatch.explain(name, *make(level1).values())
-    assert choice.impl == "reference"
+    # on a CPU tensor: the reference, or Triton where its interpreter runs kernels
+    assert choice.impl == ("triton" if dispatch.triton_interpreting() else "reference")
     assert "no vendor kernel" in choice.rejected["vendor"]
