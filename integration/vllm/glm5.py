@@ -19,11 +19,10 @@ The indexer that fills the shared top-k buffer is vLLM's, or ours where DeepGEMM
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
+from vllm.config import VllmConfig
 
 from sparse_mla.backends.glm5 import Glm5Config, Glm5FlashMLABackend
 from sparse_mla.backends.glm5.config import D_Q, topk_width
@@ -126,42 +125,24 @@ class SparseMLAGlm5MetadataBuilder(v32.SparseMLAV32MetadataBuilder):
 class SparseMLAGlm5Impl(v32.SparseMLAV32Impl):
     supports_quant_query_input = False    # q arrives bf16 (ql_nope, an empty q_pe)
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap,
-                 attn_type: str, kv_sharing_target_layer_name, q_lora_rank,
-                 kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 qk_head_dim: int, v_head_dim: int, kv_b_proj, indexer=None,
-                 topk_indices_buffer: Optional[torch.Tensor] = None,
-                 index_group_builder=None, q_pad_num_heads=None) -> None:
-        # V3.2's constructor checks its 576-wide head; this layer's checks are below
-        MLACommonBaseImpl.__init__(self, num_heads, head_size, scale, num_kv_heads,
-                                   kv_cache_dtype, kv_lora_rank, qk_nope_head_dim,
-                                   qk_rope_head_dim, qk_head_dim, v_head_dim, kv_b_proj)
+    NAME = NAME
+    LAYER_CONFIG = staticmethod(layer_config)
+    SHARED_BACKEND = staticmethod(shared_backend)
+
+    def _check_layer(self, head_size, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype):
         if head_size != D_Q or kv_lora_rank != D_Q or qk_rope_head_dim != 0:
             raise ValueError(f"{NAME} is for GLM-5.3's no-RoPE 512 latent: head_size "
                              f"{head_size}, kv_lora_rank {kv_lora_rank}, qk_rope_head_dim "
                              f"{qk_rope_head_dim}")
         if kv_cache_dtype != CACHE_DTYPE:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: {_CACHE_HINT}")
-        for name, v in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
-                        ("logits_soft_cap", logits_soft_cap)):
-            if v is not None:
-                raise ValueError(f"{NAME} does not support {name} (got {v!r})")
-        vcfg = get_current_vllm_config()
-        if vcfg.attention_config.hisparse_config is not None:
-            raise ValueError(f"{NAME} does not support HiSparse (host-backed KV)")
-        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
-        if self.topk_indices_buffer is None:
-            raise ValueError(f"{NAME} needs the model's topk_indices_buffer (the kpool "
-                             f"indexer's expanded top-k)")
-        self.config = layer_config(vcfg, num_heads, scale)
+
+    def _check_config(self):
         width = self.topk_indices_buffer.shape[1]
         if width != self.config.topk:
             raise ValueError(f"topk_indices_buffer has {width} columns, the model's "
                              f"round_up(index_topk + index_kpool - 1, 128) is "
                              f"{self.config.topk}")
-        self.backend = shared_backend(self.config, self.topk_indices_buffer.device,
-                                      kv_cache_dtype)
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping,
                            kv_cache_dtype: str, k_scale, skip_scale: bool = False) -> None:

@@ -231,9 +231,34 @@ class SparseMLAV32Impl(MLACommonBaseImpl[SparseMLAV32Metadata], SharedTopkIndice
                  qk_head_dim: int, v_head_dim: int, kv_b_proj, indexer=None,
                  topk_indices_buffer: Optional[torch.Tensor] = None,
                  index_group_builder=None, q_pad_num_heads=None) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, kv_cache_dtype,
-                         kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, qk_head_dim,
-                         v_head_dim, kv_b_proj)
+        MLACommonBaseImpl.__init__(self, num_heads, head_size, scale, num_kv_heads,
+                                   kv_cache_dtype, kv_lora_rank, qk_nope_head_dim,
+                                   qk_rope_head_dim, qk_head_dim, v_head_dim, kv_b_proj)
+        self._check_layer(head_size, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype)
+        name = self.NAME
+        for arg, v in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                       ("logits_soft_cap", logits_soft_cap)):
+            if v is not None:
+                raise ValueError(f"{name} does not support {arg} (got {v!r})")
+        vcfg = get_current_vllm_config()
+        if vcfg.attention_config.hisparse_config is not None:
+            raise ValueError(f"{name} does not support HiSparse (host-backed KV)")
+        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
+        if self.topk_indices_buffer is None:
+            raise ValueError(f"{name} needs the model's topk_indices_buffer (the indexer's "
+                             f"top-k)")
+        self.config = self.LAYER_CONFIG(vcfg, num_heads, scale)
+        self._check_config()
+        # Built here, not on the first step, which may run under CUDA-graph capture.
+        self.backend = self.SHARED_BACKEND(self.config, self.topk_indices_buffer.device,
+                                           kv_cache_dtype)
+
+    # What a subclass for another model's layer (GLM-5.3: glm5.py) replaces.
+    NAME = NAME
+    LAYER_CONFIG = staticmethod(layer_config)
+    SHARED_BACKEND = staticmethod(shared_backend)
+
+    def _check_layer(self, head_size, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype):
         if head_size != D_QK or kv_lora_rank != D_V or qk_rope_head_dim != D_QK - D_V:
             raise ValueError(f"{NAME} is for DeepSeek-V3.2's 512 + 64 latent: head_size "
                              f"{head_size}, kv_lora_rank {kv_lora_rank}, qk_rope_head_dim "
@@ -241,21 +266,9 @@ class SparseMLAV32Impl(MLACommonBaseImpl[SparseMLAV32Metadata], SharedTopkIndice
         if kv_cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {CACHE_DTYPES} for {NAME}, got "
                              f"{kv_cache_dtype!r}")
-        for name, v in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
-                        ("logits_soft_cap", logits_soft_cap)):
-            if v is not None:
-                raise ValueError(f"{NAME} does not support {name} (got {v!r})")
-        vcfg = get_current_vllm_config()
-        if vcfg.attention_config.hisparse_config is not None:
-            raise ValueError(f"{NAME} does not support HiSparse (host-backed KV)")
-        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
-        if self.topk_indices_buffer is None:
-            raise ValueError(f"{NAME} needs the model's topk_indices_buffer (the indexer's "
-                             f"top-k)")
-        self.config = layer_config(vcfg, num_heads, scale)
-        # Built here, not on the first step, which may run under CUDA-graph capture.
-        self.backend = shared_backend(self.config, self.topk_indices_buffer.device,
-                                      kv_cache_dtype)
+
+    def _check_config(self):
+        """Checks of ``self.config`` against the model's buffers (none for V3.2)."""
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping,
                            kv_cache_dtype: str, k_scale, skip_scale: bool = False) -> None:
