@@ -190,6 +190,17 @@ _DECODE = implementations("indexer_topk_decode", vendor=vendor.ROUTE,
 def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, ratio, next_n,
                      block_size, max_candidates):
     bs = _cache_block_size(k_cache, block_size)
+    checks.expect_int("ratio", ratio, 1)
+    check_decode_inputs(q, weights, k_cache, seq_lens, block_table, out, next_n,
+                        max_candidates, lambda: _check_out(out, q.shape[0]))
+    return bs
+
+
+def check_decode_inputs(q, weights, k_cache, seq_lens, block_table, out, next_n,
+                        max_candidates, check_out) -> None:
+    """The paged decode ops' shared checks (this family's and the kpool indexer's): q /
+    weights, the ``[B * next_n]`` request grid, seq_lens, block table, devices and, where
+    value checks run, the lengths; ``check_out()`` checks ``out`` for the family."""
     _check_q_weights(q, weights)
     checks.expect_int("next_n", next_n, 1)
     if q.shape[0] % next_n:
@@ -199,15 +210,13 @@ def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, ratio, nex
     checks.expect_vector("seq_lens", seq_lens, checks.INDEX_DTYPES, at_least=batch,
                          note=" (one per request)")
     checks.expect_block_table("block_table", block_table, min_rows=batch)
-    _check_out(out, q.shape[0])
-    checks.expect_int("ratio", ratio, 1)
+    check_out()
     if max_candidates is not None:
         checks.expect_int("max_candidates", max_candidates, 0)
     checks.expect_same_device(q=q, weights=weights, k_cache=k_cache, seq_lens=seq_lens,
                               block_table=block_table, out=out)
     if checks.value_checks_enabled(q, seq_lens):
         checks.expect_values_in("seq_lens", seq_lens[:batch], 0, entry="request")
-    return bs
 
 
 @custom_op("sparse_mla::indexer_topk_decode", mutates_args=("out",), caches=("k_cache",))

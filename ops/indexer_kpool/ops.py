@@ -180,22 +180,8 @@ def _validate_decode(q, weights, k_cache, seq_lens, block_table, out, kpool, nex
     checks.expect_int("kpool", kpool, 2)
     _check_scale_fmt(scale_fmt)
     bs = _pool_cache_block_size(k_cache, block_size)
-    indexer_ops._check_q_weights(q, weights)
-    checks.expect_int("next_n", next_n, 1)
-    if q.shape[0] % next_n:
-        raise ValueError(f"q has {q.shape[0]} tokens, not a multiple of next_n={next_n} "
-                         f"(each request decodes next_n tokens)")
-    batch = q.shape[0] // next_n
-    checks.expect_vector("seq_lens", seq_lens, checks.INDEX_DTYPES, at_least=batch,
-                         note=" (one per request)")
-    checks.expect_block_table("block_table", block_table, min_rows=batch)
-    _check_out(out, q.shape[0], kpool)
-    if max_candidates is not None:
-        checks.expect_int("max_candidates", max_candidates, 0)
-    checks.expect_same_device(q=q, weights=weights, k_cache=k_cache, seq_lens=seq_lens,
-                              block_table=block_table, out=out)
-    if checks.value_checks_enabled(q, seq_lens):
-        checks.expect_values_in("seq_lens", seq_lens[:batch], 0, entry="request")
+    indexer_ops.check_decode_inputs(q, weights, k_cache, seq_lens, block_table, out, next_n,
+                                    max_candidates, lambda: _check_out(out, q.shape[0], kpool))
     return bs
 
 
