@@ -120,7 +120,8 @@ def attend_fp32(query, key, indices, sink, scale):
     batch = torch.arange(b, device=query.device)[:, None, None]
     for r0 in range(0, s, rows):
         idx = indices[:, r0:r0 + rows].long()
-        k = key[batch, idx.clamp(min=0)]                              # [B, r, W, D]
+        # unused slots read key 0, which need not be finite (0 * NaN): zeroed
+        k = key[batch, idx.clamp(min=0)].masked_fill((idx < 0).unsqueeze(-1), 0.0)
         logits = torch.einsum("bhrd,brwd->bhrw", query[:, :, r0:r0 + rows], k) * scale
         logits = logits.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
         if sink is not None:

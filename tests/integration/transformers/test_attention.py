@@ -13,7 +13,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
 import sparse_mla.integration.transformers  # noqa: F401  (registers "sparse_mla")
 from sparse_mla.integration.transformers import models
-from sparse_mla.integration.transformers.attention import sparse_mla_attention_forward
+from sparse_mla.integration.transformers.attention import (attend_fp32,
+                                                           sparse_mla_attention_forward)
 from sparse_mla.ops.common.dispatch import last_choice
 from sparse_mla.tests.helpers import CUDA
 from sparse_mla.tests.integration.transformers.recording import eager_fp32, record
@@ -147,3 +148,20 @@ def test_bf16_greedy_tokens_equal_eager_up_to_near_ties(device):
     print(f"bf16 greedy: {identical} of {2 * len(cases)} sequences identical; first "
           f"differences, all at near-ties (config, seed, row, step, margin): {near_ties}")
     assert identical > len(cases)
+
+
+def test_fp32_path_ignores_what_unused_slots_would_read():
+    """-1 slots gather key 0; a non-finite key there must not reach the output (0 * NaN)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 3, 8, generator=g)
+    key = torch.randn(1, 5, 8, generator=g)
+    key[0, 0] = float("nan")
+    idx = torch.tensor([[[1, 2, -1, -1], [3, -1, -1, -1], [-1, -1, -1, -1]]], dtype=torch.int32)
+    sink = torch.tensor([0.5, -1.0])
+    out = attend_fp32(q, key, idx, sink, 0.3)
+    for r, cols in enumerate(([1, 2], [3], [])):
+        k = key[0, cols].double()
+        for h in range(2):
+            logits = torch.cat([(q[0, h, r].double() @ k.T) * 0.3, sink[h:h + 1].double()])
+            want = torch.softmax(logits, 0)[:len(cols)] @ k
+            torch.testing.assert_close(out[0, r, h].double(), want, rtol=1e-5, atol=1e-6)
