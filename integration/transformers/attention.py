@@ -29,8 +29,13 @@ from typing import Optional
 import torch
 
 from sparse_mla.integration.transformers import glm5, op_route
-from sparse_mla.integration.transformers.index_lists import visible_index_lists
+from sparse_mla.integration.transformers.index_lists import (refuse_rows,
+                                                             visible_index_lists)
 from sparse_mla.ops.common import checks
+
+# the masks this route takes (refusals name them)
+_TAKES = ("masks of 0 / -inf entries with DeepSeek-V4's sliding-window + compressed "
+          "structure")
 
 HEAD_DIM = 512
 MAX_HEADS = 128
@@ -135,16 +140,6 @@ def attend_fp32(query, key, indices, sink, scale):
     return out
 
 
-def _refuse(bad, width, layer):
-    if bool(bad.any()):
-        row = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer {layer} has more "
-            f"than {width} visible keys or a finite nonzero bias; sparse_mla attention takes "
-            "masks of 0 / -inf entries with DeepSeek-V4's sliding-window + compressed "
-            "structure only")
-
-
 def _attend_bf16(q, kv, mask, width, sink, scale, layer="?", reuse=True):
     """``out [B * S_q, H, 512]`` bf16 over ``mask``'s (``[B, S_q, N]``) visible columns:
     the op's plan kept for this kind of call (op_route.py), the lists at its width. Rows
@@ -158,7 +153,7 @@ def _attend_bf16(q, kv, mask, width, sink, scale, layer="?", reuse=True):
     indices, lengths, bad = visible_index_lists(mask, width, flat=True, reuse=reuse)
     checkable = checks.value_checks_enabled(mask)
     if checkable:
-        _refuse(bad, width, layer)
+        refuse_rows(bad, width, layer, _TAKES)
     out = op_route.attend(kind, q, kv, indices.view(b * s, 1, width), lengths.view(b * s),
                           sink, scale)
     if not checkable:
@@ -227,7 +222,7 @@ def sparse_mla_attention_forward(module, query, key, value, attention_mask, scal
     indices, lengths, bad = (index_lists_traced if tracing else visible_index_lists)(mask, width)
     checkable = not tracing and checks.value_checks_enabled(attention_mask)
     if checkable:
-        _refuse(bad, width, getattr(module, "layer_idx", "?"))
+        refuse_rows(bad, width, getattr(module, "layer_idx", "?"), _TAKES)
     out = attend_fp32(query, keys, indices, sink, scale)
     if not checkable:
         out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))

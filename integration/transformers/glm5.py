@@ -23,8 +23,12 @@ from __future__ import annotations
 import torch
 
 from sparse_mla.integration.transformers import op_route
-from sparse_mla.integration.transformers.index_lists import visible_index_lists
+from sparse_mla.integration.transformers.index_lists import (refuse_rows,
+                                                             visible_index_lists)
 from sparse_mla.ops.common import checks
+
+# the masks this route takes (refusals name them)
+_TAKES = ("GLM-5.3's top-k masks of 0 / finfo.min entries")
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")
 ROW = 512                 # the kernels' key row (DeepSeek-V4's d_qk = d_v = 512)
@@ -100,15 +104,6 @@ def _check_inputs(query, key, value, attention_mask, dropout):
                          "key ids")
 
 
-def _refuse(bad, width, layer):
-    if bool(bad.any()):
-        row = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer {layer} has more "
-            f"than {width} visible keys or a finite nonzero bias; sparse_mla attention takes "
-            "GLM-5.3's top-k masks of 0 / finfo.min entries only")
-
-
 def _packed(query, key, value):
     """``q [B*H*S, 1, ROW]`` = [0 | query | 0], ``kv [B*H*N, 1, ROW]`` = [value | key | 0]."""
     b, h, s, dqk = query.shape
@@ -168,7 +163,7 @@ def _attend_bf16(q, kv, mask, width, heads, scale, layer="?"):
     indices, lengths, bad = visible_index_lists(mask, width)
     checkable = checks.value_checks_enabled(mask)
     if checkable:
-        _refuse(bad, width, layer)
+        refuse_rows(bad, width, layer, _TAKES)
     head_indices, head_lengths = _head_lists(indices, lengths, heads, n)
     out = op_route.attend(kind, q, kv, head_indices, head_lengths, None, scale)
     if not checkable:
@@ -206,7 +201,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         indices, lengths, bad = lists(mask, width)
         checkable = not tracing and checks.value_checks_enabled(attention_mask)
         if checkable:
-            _refuse(bad, width, layer)
+            refuse_rows(bad, width, layer, _TAKES)
         out = attend_fp32(query, key, value, indices, scale)
         if not checkable:
             out.masked_fill_(bad.view(b, s, 1, 1), float("nan"))

@@ -176,3 +176,15 @@ def _launch_steady(mask, args, grid):
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         _STEADY[key] = kernel
     launch_compiled(kernel, _lists_kernel_steady, grid, args, {"BLOCK": 1024})
+
+
+def refuse_rows(bad, width: int, layer, takes: str) -> None:
+    """Raises, naming the first query row in ``bad`` ``[B, S_q]`` whose mask the lists cannot
+    reproduce: more than ``width`` visible keys or a finite nonzero bias. ``takes``: the
+    masks the caller's route takes."""
+    if bool(bad.any()):
+        row = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"attention_mask row (batch {row[0]}, query {row[1]}) of layer {layer} has more "
+            f"than {width} visible keys or a finite nonzero bias; sparse_mla attention takes "
+            f"{takes} only")
